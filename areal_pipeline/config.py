@@ -1,0 +1,220 @@
+"""Experiment configuration: dataclasses loaded from YAML, with dotted command-line overrides.
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["rollout.n_samples=4", "seed=3"])
+
+An unknown key anywhere (file or override) is an error that names the closest valid keys, so a
+typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    # A Hugging Face hub id or local directory. Empty means the embedded tiny model, built once
+    # from `tiny` below into `<output_dir>/_models/`.
+    path: str = ""
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    tiny: "TinyModelConfig" = field(default_factory=lambda: TinyModelConfig())
+
+
+@dataclass
+class TinyModelConfig:
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 1024
+
+
+@dataclass
+class DatasetConfig:
+    # arithmetic (generated), gsm8k, search_qa
+    name: str = "arithmetic"
+    # A local jsonl file / directory, or a hub id ("openai/gsm8k"). Empty: the built-in source.
+    path: str = ""
+    train_split: str = "train"
+    test_split: str = "test"
+    max_train_size: Optional[int] = None
+    max_test_size: Optional[int] = None
+    system_prompt: str = ""
+    # arithmetic generator
+    arithmetic_train_size: int = 2000
+    arithmetic_test_size: int = 200
+    arithmetic_max_operand: int = 9
+    arithmetic_operators: list[str] = field(default_factory=lambda: ["+"])
+
+
+@dataclass
+class SGLangConfig:
+    """Flags for `python -m sglang.launch_server`, used when inference.backend == "sglang"."""
+
+    tp_size: int = 1
+    dp_size: int = 1
+    mem_fraction_static: float = 0.8
+    context_length: Optional[int] = None
+    dtype: str = "bfloat16"
+    disable_radix_cache: bool = False
+    enable_metrics: bool = False
+    log_level: str = "warning"
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class InferenceConfig:
+    backend: str = "cpu"  # cpu | sglang
+    num_servers: int = 1
+    host: str = "127.0.0.1"
+    base_port: int = 0  # 0: pick free ports
+    setup_timeout: float = 300.0
+    request_timeout: float = 3600.0
+    request_retries: int = 3
+    # CPU server
+    max_batch_size: int = 128
+    context_length: int = 1024
+    num_threads: int = 0  # 0: torch default
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+
+@dataclass
+class GenerationConfig:
+    n_samples: int = 4
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    greedy: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    workflow: str = "rlvr"
+    batch_size: int = 16  # prompts per iteration
+    max_concurrent_rollouts: int = 128
+    reward_timeout: float = 5.0
+    reward_workers: int = 1
+    shard_rows: int = 256
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+
+
+@dataclass
+class ExperimentConfig:
+    run_id: str = "tiny-cpu"
+    output_dir: str = "runs"
+    seed: int = 1
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.run_id
+
+
+def _valid_keys(schema: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(schema):
+        name = prefix + f.name
+        keys.append(name)
+        sub = _dataclass_type(schema, f)
+        if sub is not None:
+            keys.extend(_valid_keys(sub, name + "."))
+    return keys
+
+
+def _dataclass_type(schema: type, f: dataclasses.Field) -> Optional[type]:
+    hints = _type_hints(schema)
+    t = hints.get(f.name)
+    return t if dataclasses.is_dataclass(t) else None
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _type_hints(schema: type) -> dict[str, Any]:
+    if schema not in _HINTS:
+        import typing
+
+        _HINTS[schema] = typing.get_type_hints(schema)
+    return _HINTS[schema]
+
+
+def _check_keys(data: Any, schema: type, where: str, prefix: str = "") -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
+    names = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in data.items():
+        dotted = prefix + str(key)
+        if key not in names:
+            valid = _valid_keys(schema, prefix)
+            close = difflib.get_close_matches(dotted, valid, n=3, cutoff=0.5)
+            hint = f"did you mean {', '.join(close)}?" if close else ""
+            siblings = ", ".join(prefix + f for f in names)
+            raise ConfigError(
+                f"{where}: unknown config key '{dotted}'. {hint} Valid keys here: {siblings}".replace("  ", " ")
+            )
+        sub = _dataclass_type(schema, names[key])
+        if sub is not None and value is not None:
+            _check_keys(value, sub, where, dotted + ".")
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: list[str] | None = None,
+    schema: type = ExperimentConfig,
+) -> Any:
+    """Build a `schema` instance from defaults <- YAML file <- `key=value` overrides."""
+    merged = OmegaConf.structured(schema)
+    layers = []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        file_cfg = OmegaConf.load(path)
+        data = OmegaConf.to_container(file_cfg, resolve=False) or {}
+        _check_keys(data, schema, str(path))
+        layers.append(file_cfg)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        override = OmegaConf.from_dotlist([item])
+        _check_keys(OmegaConf.to_container(override), schema, f"override '{item}'")
+        layers.append(override)
+    try:
+        merged = OmegaConf.merge(merged, *layers)
+        return OmegaConf.to_object(merged)
+    except Exception as e:  # omegaconf's type errors: keep its message, name our context
+        raise ConfigError(f"invalid config value: {e}") from e
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Any, path: str | os.PathLike) -> Path:
+    """Write the resolved config (atomically) so a run can always be reproduced from its directory."""
+    from areal_pipeline.utils import atomic_write_text
+
+    return atomic_write_text(Path(path), to_yaml(cfg))

@@ -1,0 +1,239 @@
+"""Datasets -> chat records, the unit a rollout starts from.
+
+    records = load_records(cfg.dataset, split="train", seed=cfg.seed)
+
+Each record is a plain dict:
+    prompt_id  stable id ("gsm8k-train-00042"), the same on every call and in every process
+    messages   [{"role": "system", ...} when cfg.system_prompt is set, {"role": "user", "content": ...}]
+    answer     reference answer: str for math, list[str] (accepted answers) for search QA
+    question   the bare question, for workflows that build their own prompt
+
+Sources, by `cfg.name`:
+    arithmetic  generated from `seed`; the train and test splits never share a question
+    gsm8k       a jsonl file, a directory of `<split>.jsonl`, or a hub id (default "openai/gsm8k")
+    search_qa   a jsonl file or a directory of `<split>.jsonl`; rows {"question", "answer", "id"?}
+
+A jsonl file given directly is used whatever the split; a directory is looked up per split.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from areal_pipeline.config import DatasetConfig
+
+
+class DatasetError(ValueError):
+    pass
+
+
+GSM8K_HUB_ID = "openai/gsm8k"
+GSM8K_INSTRUCTION = 'Solve the problem step by step, then give the final answer as "The answer is <number>."'
+ARITHMETIC_OPERATORS: dict[str, Callable[[int, int], int]] = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+}
+# With few distinct questions (small operands) the test split keeps this share of them.
+_ARITHMETIC_MIN_TEST_SHARE = 5
+
+
+def load_records(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
+    loader = _LOADERS.get(cfg.name)
+    if loader is None:
+        raise DatasetError(f"unknown dataset '{cfg.name}'; valid names: {', '.join(_LOADERS)}")
+    limit = {cfg.train_split: cfg.max_train_size, cfg.test_split: cfg.max_test_size}.get(split)
+    if limit is not None and limit < 0:
+        raise DatasetError(f"dataset size limit for split '{split}' must be >= 0, got {limit}")
+    records = loader(cfg, split, seed)
+    return records if limit is None else records[:limit]
+
+
+def _record(cfg: DatasetConfig, prompt_id: str, question: str, prompt: str, answer: Any) -> dict[str, Any]:
+    messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    messages.append({"role": "user", "content": prompt})
+    return {"prompt_id": prompt_id, "messages": messages, "answer": answer, "question": question}
+
+
+# ---------------------------------------------------------------------------------------------- arithmetic
+
+
+def _arithmetic(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
+    if split not in (cfg.train_split, cfg.test_split):
+        raise DatasetError(f"arithmetic has splits '{cfg.train_split}' and '{cfg.test_split}', not '{split}'")
+    bad = [op for op in cfg.arithmetic_operators if op not in ARITHMETIC_OPERATORS]
+    if bad or not cfg.arithmetic_operators:
+        raise DatasetError(
+            f"arithmetic_operators must be a non-empty subset of {list(ARITHMETIC_OPERATORS)}, "
+            f"got {cfg.arithmetic_operators}"
+        )
+    if cfg.arithmetic_max_operand < 0:
+        raise DatasetError(f"arithmetic_max_operand must be >= 0, got {cfg.arithmetic_max_operand}")
+
+    train, test = _arithmetic_splits(cfg, random.Random(seed))
+    is_train = split == cfg.train_split
+    records = []
+    for i, (a, op, b) in enumerate(train if is_train else test):
+        question = f"What is {a}{op}{b}?"
+        answer = str(ARITHMETIC_OPERATORS[op](a, b))
+        records.append(
+            _record(cfg, f"arithmetic-{split}-{i:05d}", question, f"{question} Answer with the number.", answer)
+        )
+    return records
+
+
+def _arithmetic_splits(cfg: DatasetConfig, rng: random.Random) -> tuple[list[tuple], list[tuple]]:
+    """Both splits, from one seeded draw, so separate calls agree and never share a question."""
+    n = cfg.arithmetic_max_operand + 1
+    ops = sorted(set(cfg.arithmetic_operators))
+    n_train, n_test = cfg.arithmetic_train_size, cfg.arithmetic_test_size
+    pool_size = _arithmetic_pool_size(ops, n)
+    wanted = n_train + n_test
+    if wanted <= pool_size // 2:
+        # Large space: rejection sampling needs few redraws and never materialises the space.
+        seen: dict[tuple, None] = {}
+        while len(seen) < wanted:
+            seen.setdefault(_arithmetic_canonical(rng.randrange(n), rng.choice(ops), rng.randrange(n)))
+        questions = list(seen)
+    else:
+        questions = sorted({_arithmetic_canonical(a, op, b) for op in ops for a in range(n) for b in range(n)})
+        rng.shuffle(questions)
+    if len(questions) < wanted:
+        n_test = min(n_test, max(1, len(questions) // _ARITHMETIC_MIN_TEST_SHARE))
+    test, held_in = questions[:n_test], questions[n_test:]
+    if n_train and not held_in:
+        raise DatasetError(
+            f"arithmetic: only {len(questions)} distinct question(s) with operands 0..{n - 1} and {ops}; "
+            "raise arithmetic_max_operand or add operators"
+        )
+    # Too few distinct questions for the training size: repeat them, reshuffled each pass.
+    train: list[tuple] = []
+    while held_in and len(train) < n_train:
+        train.extend(rng.sample(held_in, len(held_in)))
+    return train[:n_train], test
+
+
+def _arithmetic_canonical(a: int, op: str, b: int) -> tuple[int, str, int]:
+    # Subtraction keeps the larger operand first: non-negative answers are easier for a tiny model.
+    return (max(a, b), op, min(a, b)) if op == "-" else (a, op, b)
+
+
+def _arithmetic_pool_size(ops: list[str], n: int) -> int:
+    return sum(n * (n + 1) // 2 if op == "-" else n * n for op in ops)
+
+
+# ---------------------------------------------------------------------------------------------- jsonl sources
+
+
+def _jsonl_file(path_str: str, split: str, dataset: str) -> Path:
+    path = Path(path_str).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        candidate = path / f"{split}.jsonl"
+        if not candidate.is_file():
+            found = ", ".join(sorted(p.name for p in path.glob("*.jsonl"))) or "none"
+            raise DatasetError(f"{dataset}: {path} has no {split}.jsonl for split '{split}' (jsonl files: {found})")
+        return candidate
+    raise DatasetError(f"{dataset}: dataset path not found: {path}")
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield (location, row) with location "file, line N" for error messages."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            yield where, row
+
+
+def _text_field(row: dict[str, Any], key: str, where: str) -> str:
+    if key not in row:
+        raise DatasetError(f"{where}: missing field '{key}' (fields: {', '.join(row) or 'none'})")
+    value = row[key]
+    if not isinstance(value, str):
+        raise DatasetError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise DatasetError(f"{where}: field '{key}' is empty")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- gsm8k
+
+
+def _gsm8k(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
+    path = cfg.path or GSM8K_HUB_ID
+    if Path(path).expanduser().exists() or not _looks_like_hub_id(path):
+        rows: Iterator[tuple[str, dict]] = _read_jsonl(_jsonl_file(path, split, "gsm8k"))
+    else:
+        rows = _hub_rows(path, split)
+    records = []
+    for i, (where, row) in enumerate(rows):
+        question = _text_field(row, "question", where)
+        solution = _text_field(row, "answer", where)
+        # The full solution is the reference: the reward function extracts the "#### x" answer itself.
+        records.append(_record(cfg, f"gsm8k-{split}-{i:05d}", question, f"{question}\n{GSM8K_INSTRUCTION}", solution))
+    return records
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None and not path.endswith((".json", ".jsonl"))
+
+
+def _hub_rows(hub_id: str, split: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(hub_id, "main", split=split)
+    except Exception as e:  # no network, unknown repo or split: keep the cause, name what was asked
+        raise DatasetError(f"gsm8k: cannot load '{hub_id}' (config 'main', split '{split}') from the hub: {e}") from e
+    for i, row in enumerate(ds, start=1):
+        yield f"{hub_id} [{split}], row {i}", row
+
+
+# ---------------------------------------------------------------------------------------------- search QA
+
+
+def _search_qa(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
+    if not cfg.path:
+        raise DatasetError("search_qa has no built-in source: set dataset.path to a jsonl file or directory")
+    records = []
+    seen: dict[str, str] = {}
+    for i, (where, row) in enumerate(_read_jsonl(_jsonl_file(cfg.path, split, "search_qa"))):
+        question = _text_field(row, "question", where)
+        answers = _answer_list(row, where)
+        prompt_id = f"search_qa-{split}-{i:05d}"
+        if row.get("id") is not None:
+            prompt_id = str(row["id"])
+            if prompt_id in seen:
+                raise DatasetError(f"{where}: duplicate id '{prompt_id}' (first at {seen[prompt_id]})")
+            seen[prompt_id] = where
+        records.append(_record(cfg, prompt_id, question, question, answers))
+    return records
+
+
+def _answer_list(row: dict[str, Any], where: str) -> list[str]:
+    if isinstance(row.get("answer"), list):
+        answers = row["answer"]
+        if not answers or not all(isinstance(a, str) and a.strip() for a in answers):
+            raise DatasetError(f"{where}: field 'answer' must be a non-empty list of non-empty strings")
+        return answers
+    return [_text_field(row, "answer", where)]
+
+
+_LOADERS: dict[str, Callable[[DatasetConfig, str, int], list[dict[str, Any]]]] = {
+    "arithmetic": _arithmetic,
+    "gsm8k": _gsm8k,
+    "search_qa": _search_qa,
+}

@@ -1,0 +1,228 @@
+"""Trajectories <-> Parquet shards: one directory per pipeline stage output, one row per trajectory.
+
+    out/part-00000.parquet, part-00001.parquet, ...   each written atomically (hidden temp name, then rename)
+    out/manifest.json                                 written last: row counts, sizes, sha256s
+
+A directory without a manifest is an unfinished write, never a result: `is_complete` says False and the
+readers raise `ShardError`. `messages` and `metadata` are JSON strings, so any Parquet reader can open
+the shards without this package.
+
+Reading with other tools. `manifest.json` sits next to the parts and pyarrow's directory discovery
+tries to read it as Parquet, so pass the part files, not the directory, to pandas:
+    pd.read_parquet(part_files(out_dir))
+    duckdb.sql(f"select * from '{out_dir}/part-*.parquet'")
+    datasets.load_dataset("parquet", data_files=part_files(out_dir), split="train")
+(Hidden temporary files of an interrupted write never match `part-*.parquet`.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from areal_pipeline.data.trajectory import Trajectory
+from areal_pipeline.utils import atomic_write_bytes, atomic_write_text
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+_MANIFEST_KEYS = {"schema_version", "run_id", "iteration", "num_rows", "shards", "created_at"}
+
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("iteration", pa.int32()),
+        ("prompt_id", pa.string()),
+        ("group_id", pa.string()),
+        ("sample_idx", pa.int32()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("logprobs", pa.list_(pa.float32())),
+        ("versions", pa.list_(pa.int32())),
+        ("reward", pa.float32()),
+        ("num_turns", pa.int16()),
+        ("stop_reason", pa.string()),
+        ("messages", pa.string()),
+        ("text", pa.string()),
+        ("metadata", pa.string()),
+    ]
+)
+
+# Columns that map one-to-one onto `Trajectory` fields (messages/metadata go through JSON).
+_TRAJECTORY_COLUMNS = (
+    "prompt_id", "group_id", "sample_idx", "input_ids", "loss_mask", "logprobs", "versions",
+    "reward", "num_turns", "stop_reason", "text",
+)  # fmt: skip
+
+
+class ShardError(RuntimeError):
+    pass
+
+
+def write_shards(
+    trajectories: list[Trajectory],
+    out_dir: str | os.PathLike,
+    *,
+    run_id: str,
+    iteration: int,
+    rows_per_shard: int = 256,
+    extra_manifest: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Write `part-*.parquet` then `manifest.json`; return the manifest.
+
+    A complete earlier output is kept (ShardError) unless `overwrite`; leftovers of an unfinished write
+    are always cleared, so a retried task simply writes again.
+    """
+    if rows_per_shard < 1:
+        raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
+    out = Path(out_dir)
+    if is_complete(out) and not overwrite:
+        raise ShardError(f"{out} already holds complete shards (manifest.json); pass overwrite=True to replace them")
+    clashes = sorted(set(extra_manifest or {}) & _MANIFEST_KEYS)
+    if clashes:
+        raise ValueError(f"extra_manifest may not set the manifest's own keys: {', '.join(clashes)}")
+    _clear(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # An empty output still gets one (empty) shard so every reader sees the schema.
+    chunks = [trajectories[i : i + rows_per_shard] for i in range(0, len(trajectories), rows_per_shard)] or [[]]
+    shards = []
+    for k, chunk in enumerate(chunks):
+        name = f"part-{k:05d}.parquet"
+        table = _to_table(chunk, run_id, iteration)
+        # Serialised in memory, so the checksum is of exactly the bytes that are renamed into place.
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        data = sink.getvalue().to_pybytes()
+        atomic_write_bytes(out / name, data)
+        digest = hashlib.sha256(data).hexdigest()
+        shards.append({"file": name, "rows": table.num_rows, "bytes": len(data), "sha256": digest})
+
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": run_id,
+        "iteration": iteration,
+        "num_rows": len(trajectories),
+        "shards": shards,
+        "created_at": datetime.now(timezone.utc).isoformat(),
+        **(extra_manifest or {}),
+    }
+    atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _clear(out: Path) -> None:
+    # The manifest goes first: a crash while clearing must not leave a manifest over missing parts.
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    # Hidden temp files are what a killed writer leaves behind (see utils.atomic_write_bytes).
+    for pattern in ("part-*.parquet", ".part-*.parquet.tmp-*", f".{MANIFEST_NAME}.tmp-*"):
+        for stale in out.glob(pattern):
+            stale.unlink(missing_ok=True)
+
+
+def _to_table(trajectories: list[Trajectory], run_id: str, iteration: int) -> pa.Table:
+    columns: dict[str, list] = {name: [getattr(t, name) for t in trajectories] for name in _TRAJECTORY_COLUMNS}
+    columns["run_id"] = [run_id] * len(trajectories)
+    columns["iteration"] = [iteration] * len(trajectories)
+    columns["messages"] = [json.dumps(t.messages, ensure_ascii=False) for t in trajectories]
+    columns["metadata"] = [json.dumps(t.metadata, ensure_ascii=False, sort_keys=True) for t in trajectories]
+    return pa.Table.from_pydict(columns, schema=TRAJECTORY_SCHEMA)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(out_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(out_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise ShardError(
+            f"{out_dir}: no {MANIFEST_NAME}, so the shards are incomplete (the write did not finish) "
+            "or this is not a shard directory"
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ShardError(f"{path}: invalid JSON ({e})") from None
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ShardError(
+            f"{path}: schema_version {manifest.get('schema_version')!r}, this code reads {SCHEMA_VERSION}"
+        )
+    return manifest
+
+
+def is_complete(out_dir: str | os.PathLike) -> bool:
+    """Manifest present and every listed shard on disk at its listed size (no hashing: cheap)."""
+    try:
+        manifest = read_manifest(out_dir)
+    except ShardError:
+        return False
+    for shard in manifest["shards"]:
+        path = Path(out_dir) / shard["file"]
+        if not path.is_file() or path.stat().st_size != shard["bytes"]:
+            return False
+    return True
+
+
+def part_files(out_dir: str | os.PathLike) -> list[str]:
+    """The shard paths in order, for readers that take a file list (pandas, `datasets`)."""
+    return [str(Path(out_dir) / shard["file"]) for shard in read_manifest(out_dir)["shards"]]
+
+
+def verify_shards(out_dir: str | os.PathLike) -> None:
+    """Recompute every shard's size, sha256 and row count against the manifest."""
+    manifest = read_manifest(out_dir)
+    total = 0
+    for shard in manifest["shards"]:
+        path = Path(out_dir) / shard["file"]
+        if not path.is_file():
+            raise ShardError(f"{path}: listed in the manifest but missing")
+        if path.stat().st_size != shard["bytes"]:
+            raise ShardError(f"{path}: {path.stat().st_size} bytes, the manifest says {shard['bytes']}")
+        if _sha256(path) != shard["sha256"]:
+            raise ShardError(f"{path}: sha256 does not match the manifest (corrupted or replaced)")
+        rows = pq.ParquetFile(path).metadata.num_rows
+        if rows != shard["rows"]:
+            raise ShardError(f"{path}: {rows} rows, the manifest says {shard['rows']}")
+        total += rows
+    if total != manifest["num_rows"]:
+        raise ShardError(f"{out_dir}: shards hold {total} rows, the manifest says {manifest['num_rows']}")
+
+
+def read_table(out_dir: str | os.PathLike) -> pa.Table:
+    """All shards, in order, as one table with `TRAJECTORY_SCHEMA`."""
+    tables = []
+    for path in part_files(out_dir):
+        try:
+            tables.append(pq.read_table(path, schema=TRAJECTORY_SCHEMA))
+        except FileNotFoundError:
+            raise ShardError(f"{path}: listed in the manifest but missing") from None
+        except pa.ArrowException as e:
+            raise ShardError(f"{path}: unreadable shard ({e})") from e
+    return pa.concat_tables(tables)
+
+
+def read_trajectories(out_dir: str | os.PathLike, verify: bool = False) -> list[Trajectory]:
+    if verify:
+        verify_shards(out_dir)
+    columns = read_table(out_dir).to_pydict()
+    n = len(columns["prompt_id"])
+    return [
+        Trajectory(
+            **{name: columns[name][i] for name in _TRAJECTORY_COLUMNS},
+            messages=json.loads(columns["messages"][i]),
+            metadata=json.loads(columns["metadata"][i]),
+        )
+        for i in range(n)
+    ]

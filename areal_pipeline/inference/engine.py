@@ -1,0 +1,534 @@
+"""The batched decode engine behind the CPU inference server.
+
+One thread owns the model. Requests that arrive while a batch is decoding join it at the next step
+boundary (step-level continuous batching): their prompts are prefilled together, and their KV cache is
+left-padded to the running batch's length and concatenated to it, so every decode step runs all live
+requests through the model at once. Finished requests leave the batch at once, and common left padding is
+trimmed away.
+
+Logprobs are those of the full distribution at the request's temperature (`log_softmax(logits / T)`),
+computed before top-k / top-p / min-p filtering: exactly what a trainer's teacher-forced forward pass at the
+same temperature computes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from areal_pipeline.model import eos_token_ids, load_model, load_tokenizer
+from areal_pipeline.utils import get_logger
+
+logger = get_logger(__name__)
+
+GREEDY_TEMPERATURE = 1e-6
+
+
+class RequestError(ValueError):
+    """A request the server rejects with HTTP 400."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    sampling_seed: Optional[int] = None
+
+    # Accepted for compatibility only at their neutral value: RL rollouts never change them, and
+    # silently ignoring another value would make logprobs disagree with the trainer.
+    _NEUTRAL = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                "min_new_tokens": 0}
+
+    @classmethod
+    def from_json(cls, data: Optional[dict]) -> "SamplingParams":
+        data = dict(data or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in names:
+                raise RequestError(f"unknown field '{key}' in sampling_params; valid: {', '.join(sorted(names))}")
+        if isinstance(data.get("stop"), str):
+            data["stop"] = [data["stop"]]
+        data = {k: v for k, v in data.items() if v is not None or k == "sampling_seed"}
+        params = cls(**data)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        def fail(msg: str):
+            raise RequestError(msg)
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            fail(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            fail(f"temperature must be non-negative, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            fail(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+            fail(f"top_k must be -1 (whole vocabulary) or at least 1, got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            fail("stop must be a non-empty string or a list of them")
+        if not all(isinstance(t, int) for t in self.stop_token_ids):
+            fail("stop_token_ids must be a list of integers")
+        for name, neutral in self._NEUTRAL.items():
+            if getattr(self, name) != neutral:
+                fail(f"{name}={getattr(self, name)!r} is not supported by the CPU server (only {neutral!r})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+@dataclass
+class GenRequest:
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    on_finish: Optional[Callable[["GenRequest"], None]] = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[Optional[float]] = field(default_factory=list)
+    finish_reason: Optional[dict] = None
+    weight_version: str = ""
+    created: float = field(default_factory=time.perf_counter)
+    finished: float = 0.0
+    abort_message: Optional[str] = None  # set from another thread to abort at the next step
+    generator: Optional[torch.Generator] = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class _Batch:
+    """The live requests and their KV cache; row i of every tensor belongs to requests[i]."""
+
+    def __init__(self) -> None:
+        self.requests: list[GenRequest] = []
+        self.cache = None  # transformers DynamicCache, [B, heads, T, dim] per layer
+        self.mask: Optional[torch.Tensor] = None  # [B, T], 1 where the cache holds a real token
+        self.next_pos: Optional[torch.Tensor] = None  # [B], position id of the token fed next
+        self.next_tokens: Optional[torch.Tensor] = None  # [B], sampled but not yet in the cache
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+class BatchEngine:
+    def __init__(self, model_path: str, *, max_batch_size: int = 128, context_length: int = 0,
+                 seed: int = 0, dtype: str = "float32", device: str = "cpu",
+                 trust_remote_code: bool = False, weight_version: str = "0"):
+        self.model_path = model_path
+        self.max_batch_size = max_batch_size
+        self.seed = seed
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.trust_remote_code = trust_remote_code
+        self.weight_version = weight_version
+        self._requested_context_length = context_length
+        self.context_length = context_length
+        self.model = None
+        self.tokenizer = None
+        self.eos_ids: list[int] = []
+        self.ready = threading.Event()
+        self.load_error: Optional[BaseException] = None
+        self.paused = False
+        self._pending: deque[GenRequest] = deque()
+        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._batch = _Batch()
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed)
+        self._thread: Optional[threading.Thread] = None
+        self.stats = {"decode_steps": 0, "prefill_batches": 0, "generated_tokens": 0,
+                      "finished_requests": 0, "peak_running_requests": 0, "aborted_requests": 0}
+
+    # ----- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="batch-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _load(self) -> None:
+        self.tokenizer = load_tokenizer(self.model_path, self.trust_remote_code)
+        self.model = load_model(self.model_path, self.dtype, self.device, self.trust_remote_code)
+        self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
+        max_pos = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
+        self.context_length = min(self._requested_context_length or max_pos, max_pos)
+        self.vocab_size = self.model.config.vocab_size
+
+    # ----- thread-safe API -------------------------------------------------------------------------
+    def submit(self, request: GenRequest) -> None:
+        self.validate(request)
+        if request.params.sampling_seed is not None:
+            request.generator = torch.Generator(device=self.device)
+            request.generator.manual_seed(int(request.params.sampling_seed))
+        with self._cv:
+            self._pending.append(request)
+            self._cv.notify_all()
+
+    def validate(self, request: GenRequest) -> None:
+        ids = request.input_ids
+        if not ids:
+            raise RequestError("the prompt is empty: input_ids must hold at least one token")
+        if not all(isinstance(i, int) and 0 <= i < self.vocab_size for i in ids):
+            raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
+        total = len(ids) + request.params.max_new_tokens
+        if total > self.context_length:
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of {self.context_length} "
+                f"tokens. You requested a total of {total} tokens: {len(ids)} tokens from the input and "
+                f"{request.params.max_new_tokens} tokens for the completion."
+            )
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread between two decode steps."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._commands.append((fn, fut))
+            self._cv.notify_all()
+        return fut
+
+    def num_running(self) -> int:
+        return len(self._batch) + len(self._pending)
+
+    def pause(self) -> concurrent.futures.Future:
+        def _pause():
+            self.paused = True
+            self._abort_where(lambda r: True, "paused for a weight update")
+        return self.call(_pause)
+
+    def resume(self) -> concurrent.futures.Future:
+        def _resume():
+            self.paused = False
+        return self.call(_resume)
+
+    def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> concurrent.futures.Future:
+        return self.call(lambda: self._abort_where(lambda r: abort_all or r.rid == rid, "aborted by request"))
+
+    def update_weights_from_disk(self, model_path: str, weight_version: Optional[str]) -> concurrent.futures.Future:
+        def _update():
+            num_tensors = self._load_safetensors(Path(model_path))
+            self.weight_version = weight_version if weight_version is not None else _next_version(self.weight_version)
+            return num_tensors
+        return self.call(_update)
+
+    # ----- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._load()
+            self._warm_up()
+        except BaseException as e:  # reported through /health and the log
+            logger.exception("failed to load model %s", self.model_path)
+            self.load_error = e
+            return
+        self.ready.set()
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not (self._stop or self._commands or len(self._batch)
+                           or (self._pending and not self.paused)):
+                    self._cv.wait()
+                if self._stop:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, fut in commands:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
+            try:
+                self._step()
+            except Exception as e:
+                logger.exception("engine step failed")
+                self._abort_where(lambda r: True, f"internal error: {e}")
+        self._abort_where(lambda r: True, "server shutting down")
+
+    def _warm_up(self) -> None:
+        request = GenRequest(input_ids=[self.eos_ids[0] if self.eos_ids else 0],
+                             params=SamplingParams(max_new_tokens=1))
+        with torch.inference_mode():
+            self._admit([request])
+
+    def _step(self) -> None:
+        if not self.paused and self._pending and len(self._batch) < self.max_batch_size:
+            self._collect_burst()
+            with self._cv:
+                room = self.max_batch_size - len(self._batch)
+                new = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            if new:
+                with torch.inference_mode():
+                    self._admit(new)
+        self._finish_aborted()
+        if len(self._batch):
+            with torch.inference_mode():
+                self._decode()
+
+    def _collect_burst(self) -> None:
+        # Concurrent clients' requests arrive a few ms apart; when the engine is idle, waiting a moment
+        # lets them share one prefill instead of joining one by one.
+        if len(self._batch):
+            return
+        deadline = time.perf_counter() + 0.02
+        seen = -1
+        while len(self._pending) != seen and time.perf_counter() < deadline:
+            seen = len(self._pending)
+            time.sleep(0.002)
+
+    def _abort_where(self, pred: Callable[[GenRequest], bool], message: str) -> None:
+        with self._cv:
+            queued = [r for r in self._pending if pred(r)]
+            for r in queued:
+                self._pending.remove(r)
+        for r in queued:
+            self._finish(r, {"type": "abort", "message": message})
+        for r in self._batch.requests:
+            if pred(r):
+                r.abort_message = message
+        self._finish_aborted()
+
+    def _finish_aborted(self) -> None:
+        aborted = [i for i, r in enumerate(self._batch.requests) if r.abort_message is not None]
+        for i in aborted:
+            r = self._batch.requests[i]
+            self._finish(r, {"type": "abort", "message": r.abort_message})
+        if aborted:
+            self._drop_rows(set(aborted))
+
+    def _finish(self, r: GenRequest, reason: dict) -> None:
+        r.finish_reason = reason
+        r.weight_version = self.weight_version
+        r.finished = time.perf_counter()
+        self.stats["finished_requests"] += 1
+        if reason["type"] == "abort":
+            self.stats["aborted_requests"] += 1
+        if r.on_finish is not None:
+            r.on_finish(r)
+
+    def _admit(self, new: list[GenRequest]) -> None:
+        """Prefill the new prompts together, sample their first token, and merge them into the batch."""
+        self.stats["prefill_batches"] += 1
+        lengths = [len(r.input_ids) for r in new]
+        width = max(lengths)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.tensor([[pad] * (width - n) + r.input_ids for r, n in zip(new, lengths)], device=self.device)
+        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        want_input_logprobs = any(r.return_logprob and r.logprob_start_len >= 0 for r in new)
+        from transformers import DynamicCache
+
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=DynamicCache(), use_cache=True,
+                         logits_to_keep=0 if want_input_logprobs else 1)
+        logits = out.logits.float()
+        if want_input_logprobs:
+            self._record_input_logprobs(new, logits, ids, lengths, width)
+        tokens, logprobs = self._sample(new, logits[:, -1])
+        self._merge(new, out.past_key_values, mask, positions[:, -1] + 1, tokens)
+        self._append_tokens(tokens, logprobs, first_row=len(self._batch) - len(new))
+
+    def _record_input_logprobs(self, new, logits, ids, lengths, width) -> None:
+        for row, (r, n) in enumerate(zip(new, lengths)):
+            if not (r.return_logprob and r.logprob_start_len >= 0):
+                continue
+            temp = 1.0 if r.params.greedy else float(r.params.temperature)
+            lp = torch.log_softmax(logits[row, width - n:-1] / temp, dim=-1)
+            target = ids[row, width - n + 1:]
+            values = lp.gather(-1, target[:, None]).squeeze(-1).tolist()
+            r.input_logprobs = ([None] + values)[r.logprob_start_len:]
+
+    def _merge(self, new, cache, mask, next_pos, tokens) -> None:
+        from transformers import DynamicCache
+
+        b = self._batch
+        if not len(b):
+            b.requests, b.cache, b.mask, b.next_pos, b.next_tokens = list(new), cache, mask, next_pos, tokens
+        else:
+            width = max(b.mask.shape[1], mask.shape[1])
+            layers = []
+            for old_layer, new_layer in zip(b.cache.layers, cache.layers):
+                layers.append(tuple(
+                    torch.cat([_left_pad(a, width, 2), _left_pad(c, width, 2)], dim=0)
+                    for a, c in ((old_layer.keys, new_layer.keys), (old_layer.values, new_layer.values))
+                ))
+            b.cache = DynamicCache(ddp_cache_data=layers)
+            b.mask = torch.cat([_left_pad(b.mask, width, 1), _left_pad(mask, width, 1)], dim=0)
+            b.next_pos = torch.cat([b.next_pos, next_pos])
+            b.next_tokens = torch.cat([b.next_tokens, tokens])
+            b.requests.extend(new)
+        self.stats["peak_running_requests"] = max(self.stats["peak_running_requests"], len(b))
+
+    def _decode(self) -> None:
+        b = self._batch
+        ones = b.mask.new_ones((len(b), 1))
+        mask = torch.cat([b.mask, ones], dim=1)
+        out = self.model(input_ids=b.next_tokens[:, None], attention_mask=mask, position_ids=b.next_pos[:, None],
+                         past_key_values=b.cache, use_cache=True, logits_to_keep=1)
+        self.stats["decode_steps"] += 1
+        b.cache, b.mask = out.past_key_values, mask
+        b.next_pos = b.next_pos + 1
+        tokens, logprobs = self._sample(b.requests, out.logits[:, -1].float())
+        b.next_tokens = tokens
+        self._append_tokens(tokens, logprobs, first_row=0)
+
+    def _append_tokens(self, tokens: torch.Tensor, logprobs: torch.Tensor, first_row: int) -> None:
+        """Record each row's new token and retire the rows that are finished."""
+        b = self._batch
+        done = set()
+        for row, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist()), start=first_row):
+            r = b.requests[row]
+            if r.params.max_new_tokens == 0:
+                self._finish(r, {"type": "length", "length": 0})
+                done.add(row)
+                continue
+            r.output_ids.append(tok)
+            r.output_logprobs.append(lp)
+            self.stats["generated_tokens"] += 1
+            reason = self._stop_reason(r, tok)
+            if reason is not None:
+                self._finish(r, reason)
+                done.add(row)
+        if done:
+            self._drop_rows(done)
+
+    def _stop_reason(self, r: GenRequest, tok: int) -> Optional[dict]:
+        p = r.params
+        if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+            return {"type": "stop", "matched": tok}
+        if p.stop:
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=p.skip_special_tokens)
+            for s in p.stop:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        if len(r.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": len(r.output_ids)}
+        return None
+
+    def _drop_rows(self, rows: set[int]) -> None:
+        b = self._batch
+        keep = [i for i in range(len(b)) if i not in rows]
+        b.requests = [b.requests[i] for i in keep]
+        if not keep:
+            self._batch = _Batch()
+            return
+        index = torch.tensor(keep, device=self.device)
+        b.mask, b.next_pos, b.next_tokens = b.mask[index], b.next_pos[index], b.next_tokens[index]
+        b.cache.batch_select_indices(index)
+        # Drop columns that are padding in every remaining row: they cost attention compute each step.
+        first_real = int(b.mask.any(0).nonzero()[0])
+        if first_real > 0:
+            b.mask = b.mask[:, first_real:]
+            for layer in b.cache.layers:
+                layer.keys = layer.keys[:, :, first_real:]
+                layer.values = layer.values[:, :, first_real:]
+
+    def _sample(self, requests: list[GenRequest], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one token per row; return it with its logprob under the row's temperature."""
+        temps = torch.tensor([1.0 if r.params.greedy else float(r.params.temperature) for r in requests],
+                             device=logits.device)
+        logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
+        probs = logprobs.exp()
+        probs = self._filter(requests, probs)
+        cdf = probs.cumsum(-1)
+        u = torch.rand(len(requests), generator=self._generator, device=logits.device)
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                u[i] = torch.rand(1, generator=r.generator, device=logits.device)[0]
+        u = u * cdf[:, -1]
+        tokens = torch.searchsorted(cdf, u[:, None]).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+        greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
+        if greedy.any():
+            tokens = torch.where(greedy, logits.argmax(-1), tokens)
+        chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, chosen
+
+    @staticmethod
+    def _filter(requests: list[GenRequest], probs: torch.Tensor) -> torch.Tensor:
+        needs = [r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in requests]
+        if not any(needs):
+            return probs
+        vocab = probs.shape[-1]
+        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in requests])
+        top_p = torch.tensor([float(r.params.top_p) for r in requests])
+        min_p = torch.tensor([float(r.params.min_p) for r in requests])
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab)[None, :]
+        cumulative = sorted_probs.cumsum(-1)
+        # keep a token while the mass before it is below top_p (so the first token always stays)
+        keep = (rank < top_k[:, None]) & (cumulative - sorted_probs < top_p[:, None])
+        keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+        filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+        return filtered
+
+    def _load_safetensors(self, path: Path) -> int:
+        from safetensors.torch import load_file
+
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() and f.suffix == ".safetensors" for f in files):
+            raise RequestError(f"no safetensors weights found at {path}")
+        state = {}
+        for f in files:
+            state.update(load_file(str(f), device=str(self.device)))
+        own = self.model.state_dict()
+        unknown = sorted(set(state) - set(own))
+        if unknown:
+            raise RequestError(f"weights at {path} hold tensors this model does not have: {unknown[:5]}")
+        for name, tensor in state.items():
+            if own[name].shape != tensor.shape:
+                raise RequestError(f"tensor {name}: shape {tuple(tensor.shape)} != model's {tuple(own[name].shape)}")
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        missing = sorted(set(own) - set(state) - tied)
+        if missing:
+            raise RequestError(f"weights at {path} lack tensors: {missing[:5]}")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                own[name].copy_(tensor.to(own[name].dtype))
+        return len(state)
+
+
+def _next_version(version: str) -> str:
+    try:
+        return str(int(version) + 1)
+    except ValueError:
+        return version

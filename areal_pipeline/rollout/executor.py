@@ -1,0 +1,90 @@
+"""Run a batch of agent episodes concurrently against the inference servers and write them as shards."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from tqdm.auto import tqdm
+
+from areal_pipeline.data.shards import write_shards
+from areal_pipeline.data.trajectory import Trajectory
+from areal_pipeline.utils import get_logger
+
+logger = get_logger(__name__)
+
+
+def select_batch(records: list[dict[str, Any]], iteration: int, batch_size: int, seed: int) -> list[dict[str, Any]]:
+    """The prompts of one iteration: epochs of seeded shuffles, consumed `batch_size` at a time.
+
+    A pure function of (iteration, seed), so the data-loader position is the iteration number and a
+    rerun of an iteration sees the same prompts.
+    """
+    if not records:
+        raise ValueError("the dataset is empty")
+    batch = []
+    start = iteration * batch_size
+    for position in range(start, start + batch_size):
+        epoch, index = divmod(position, len(records))
+        order = list(range(len(records)))
+        random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
+        batch.append(records[order[index]])
+    return batch
+
+
+async def run_episodes(workflow, engine, records: list[dict[str, Any]], *, max_concurrent_rollouts: int,
+                       samples_per_episode: int = 1, progress: bool = True) -> list[Trajectory]:
+    """Run `workflow.arun_episode` for every record, with at most `max_concurrent_rollouts` trajectories
+    in flight; return the trajectories in record order."""
+    episodes_at_once = max(1, max_concurrent_rollouts // max(1, samples_per_episode))
+    gate = asyncio.Semaphore(episodes_at_once)
+    bar = tqdm(total=len(records), desc="rollout", unit="episode", disable=not progress, leave=False)
+
+    async def one(data):
+        async with gate:
+            trajectories = await workflow.arun_episode(engine, data)
+        bar.update(1)
+        return trajectories
+
+    try:
+        groups = await asyncio.gather(*(one(d) for d in records))
+    finally:
+        bar.close()
+    return [t for group in groups for t in group]
+
+
+def rollout_stats(trajectories: list[Trajectory], seconds: float) -> dict[str, float]:
+    n = max(1, len(trajectories))
+    rewards = [t.reward for t in trajectories]
+    mean = sum(rewards) / n
+    generated = sum(t.num_generated for t in trajectories)
+    return {
+        "num_trajectories": len(trajectories),
+        "reward_mean": mean,
+        "reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+        "accuracy": sum(r > 0 for r in rewards) / n,
+        "response_length": generated / n,
+        "truncated_fraction": sum(t.stop_reason == "length" for t in trajectories) / n,
+        "generated_tokens": generated,
+        "rollout_seconds": seconds,
+        "rollout_tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+    }
+
+
+async def rollout_to_shards(workflow, engine, records, out_dir: Path, *, run_id: str, iteration: int,
+                            max_concurrent_rollouts: int, samples_per_episode: int, rows_per_shard: int,
+                            progress: bool = True, extra_manifest: Optional[dict] = None) -> dict[str, Any]:
+    """One iteration's rollout: episodes -> Parquet shards (manifest last). Returns the manifest."""
+    started = time.perf_counter()
+    trajectories = await run_episodes(workflow, engine, records, max_concurrent_rollouts=max_concurrent_rollouts,
+                                      samples_per_episode=samples_per_episode, progress=progress)
+    stats = rollout_stats(trajectories, time.perf_counter() - started)
+    manifest = write_shards(trajectories, out_dir, run_id=run_id, iteration=iteration,
+                            rows_per_shard=rows_per_shard, extra_manifest={"stats": stats, **(extra_manifest or {})},
+                            overwrite=True)
+    logger.info("rollout %s iter %d: %d trajectories, reward %.3f, %.0f tok/s", run_id, iteration,
+                len(trajectories), stats["reward_mean"], stats["rollout_tokens_per_s"])
+    return manifest

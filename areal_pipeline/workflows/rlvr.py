@@ -1,0 +1,64 @@
+"""Single-turn RL with verifiable rewards (AReaL's RLVRWorkflow): a group of n samples per prompt.
+
+The n samples of one prompt are generated as concurrent requests (GRPO's group), each scored by the
+reward function in the reward pool, and returned as one trajectory each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from typing import Any, Callable
+
+from areal_pipeline.config import GenerationConfig
+from areal_pipeline.data.trajectory import NO_VERSION, Trajectory
+from areal_pipeline.inference.types import ModelRequest, ModelResponse
+from areal_pipeline.rewards.pool import RewardPool
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat prompt, ending with the assistant's turn header."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))
+
+
+def single_turn_trajectory(data: dict[str, Any], sample_idx: int, resp: ModelResponse, reward: float,
+                           completion: str) -> Trajectory:
+    prompt_len = resp.input_len
+    return Trajectory(
+        prompt_id=data["prompt_id"],
+        group_id=data["prompt_id"],
+        sample_idx=sample_idx,
+        input_ids=resp.input_tokens + resp.output_tokens,
+        loss_mask=[0] * prompt_len + [1] * resp.output_len,
+        logprobs=[0.0] * prompt_len + resp.output_logprobs,
+        versions=[NO_VERSION] * prompt_len + resp.output_versions,
+        reward=reward,
+        num_turns=1,
+        stop_reason=resp.stop_reason,
+        messages=data["messages"] + [{"role": "assistant", "content": completion}],
+        text=completion,
+        metadata={"answer": data.get("answer"), "latency": resp.latency, "server": resp.server},
+    )
+
+
+class RLVRWorkflow:
+    def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: GenerationConfig, tokenizer,
+                 reward_pool: RewardPool):
+        self.reward_fn = reward_fn
+        self.gconfig = gconfig
+        self.tokenizer = tokenizer
+        self.reward_pool = reward_pool
+
+    async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
+        input_ids = chat_prompt_ids(self.tokenizer, data["messages"])
+        single = dataclasses.replace(self.gconfig, n_samples=1)
+        requests = [ModelRequest(rid=uuid.uuid4().hex, input_ids=input_ids, gconfig=single)
+                    for _ in range(self.gconfig.n_samples)]
+        responses = await asyncio.gather(*(engine.agenerate(r) for r in requests))
+        completions = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in responses]
+        rewards = await asyncio.gather(*(self.reward_pool.ascore(self.reward_fn, c, data["answer"])
+                                         for c in completions))
+        return [single_turn_trajectory(data, i, resp, reward, completion)
+                for i, (resp, reward, completion) in enumerate(zip(responses, rewards, completions))]
