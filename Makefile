@@ -1,0 +1,31 @@
+# Set-up and the two main commands. Each target installs what it needs into .venv first, so on a
+# fresh machine `make run` and `make test` are all there is to do.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+CONFIG ?= configs/tiny_cpu.yaml
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+# torch first and pinned: on a CPU machine `torch==2.13.0` is the local CPU wheel, while an unpinned
+# torch (asked for by another package) would pull gigabytes of CUDA packages.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,search]"
+	touch $@
+
+run: $(STAMP)
+	$(BIN)/areal-pipeline rollout --config $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -q $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/rollout_throughput.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,290 @@
+"""Async client for inference servers speaking SGLang's HTTP API (a real SGLang server or the CPU server).
+
+    engine = RemoteSGLangEngine(["127.0.0.1:30000", "127.0.0.1:30001"])
+    await engine.wait_healthy(300)
+    resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=gconfig))
+    await engine.update_weights(checkpoint_dir, version=1)  # pause -> load -> set version -> resume
+    await engine.close()
+
+Generation is interruptible, as in AReaL's RemoteSGLangEngine: a weight update pauses the servers, which
+return running requests early with `finish_reason.type == "abort"`; `agenerate` then re-sends the prompt
+plus the tokens so far with the remaining budget, so one trajectory can mix policy versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Optional
+
+import aiohttp
+
+from areal_pipeline.inference.types import ModelRequest, ModelResponse
+from areal_pipeline.utils import get_logger
+
+logger = get_logger(__name__)
+
+RID_CACHE_SIZE = 128
+# While this client has paused the servers, interrupted requests wait locally rather than queue on them.
+_PAUSE_POLL_S = 0.05
+
+
+class InferenceServerError(RuntimeError):
+    def __init__(self, address: str, endpoint: str, message: str, status: Optional[int] = None):
+        super().__init__(f"inference server {address}{endpoint}: {message}")
+        self.address, self.endpoint, self.status = address, endpoint, status
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _error_message(text: str) -> str:
+    """The server's own words: SGLang answers `{"error": {"message": ...}}`, FastAPI `{"detail": ...}`."""
+    body = _json_or_text(text)
+    if isinstance(body, dict):
+        for key in ("error", "detail", "message"):
+            value = body.get(key)
+            if isinstance(value, dict) and "message" in value:
+                return str(value["message"])
+            if value:
+                return str(value)
+    return text.strip()[:2000] or "<empty body>"
+
+
+class RemoteSGLangEngine:
+    def __init__(
+        self,
+        addresses: list[str],
+        *,
+        request_timeout: float = 3600.0,
+        request_retries: int = 3,
+        retry_delay: float = 1.0,
+        setup_timeout: float = 300.0,
+    ):
+        if not addresses:
+            raise ValueError("RemoteSGLangEngine needs at least one server address")
+        self.addresses = list(addresses)
+        self.request_timeout = request_timeout
+        self.request_retries = request_retries
+        self.retry_delay = retry_delay
+        self.setup_timeout = setup_timeout
+        self._version = 0
+        self._paused = False
+        # Rollouts may run on several event loops (threads); an aiohttp session belongs to one loop.
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self._lock = threading.Lock()
+        self._next_server = random.randrange(len(self.addresses))
+        self._rid_to_server: OrderedDict[str, str] = OrderedDict()
+
+    async def __aenter__(self) -> "RemoteSGLangEngine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # -- versions and server choice ---------------------------------------------------------------
+
+    def set_version(self, version: int) -> None:
+        self._version = int(version)
+
+    def get_version(self) -> int:
+        return self._version
+
+    def choose_server(self, rid: Optional[str] = None) -> str:
+        """Round robin; a known `rid` keeps its server so later turns reuse the KV prefix cache."""
+        with self._lock:
+            if rid is not None and rid in self._rid_to_server:
+                self._rid_to_server.move_to_end(rid)
+                return self._rid_to_server[rid]
+            address = self.addresses[self._next_server]
+            self._next_server = (self._next_server + 1) % len(self.addresses)
+            if rid is not None:
+                self._rid_to_server[rid] = address
+                if len(self._rid_to_server) > RID_CACHE_SIZE:
+                    self._rid_to_server.popitem(last=False)
+            return address
+
+    # -- HTTP -------------------------------------------------------------------------------------
+
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        session = self._sessions.get(loop)
+        if session is None or session.closed:
+            for other in [l for l in self._sessions if l.is_closed()]:
+                del self._sessions[other]
+            # No connection limit: dozens of concurrent episodes must not queue inside the client.
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+            session = aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=self.request_timeout)
+            )
+            self._sessions[loop] = session
+        return session
+
+    async def close(self) -> None:
+        """Close this loop's session (sessions of other, still running loops close with their loop)."""
+        session = self._sessions.pop(asyncio.get_running_loop(), None)
+        if session is not None:
+            await session.close()
+
+    async def request(
+        self,
+        address: str,
+        endpoint: str,
+        payload: Optional[dict] = None,
+        method: str = "POST",
+        timeout: Optional[float] = None,
+        retries: Optional[int] = None,
+    ) -> Any:
+        """One JSON call. Connection errors, timeouts and 5xx are retried with exponential backoff; 4xx are not."""
+        retries = self.request_retries if retries is None else retries
+        client_timeout = aiohttp.ClientTimeout(total=timeout or self.request_timeout)
+        url = f"http://{address}{endpoint}"
+        last_error = ""
+        for attempt in range(retries + 1):
+            if attempt:
+                delay = self.retry_delay * 2 ** (attempt - 1)
+                logger.warning("%s%s failed (%s); retry %d/%d in %.1fs", address, endpoint, last_error, attempt,
+                               retries, delay)
+                await asyncio.sleep(delay)
+            try:
+                async with self._session().request(method, url, json=payload, timeout=client_timeout) as resp:
+                    text = await resp.text()
+                    if resp.status < 400:
+                        return _json_or_text(text)
+                    last_error = f"HTTP {resp.status}: {_error_message(text)}"
+                    if resp.status < 500:
+                        raise InferenceServerError(address, endpoint, last_error, resp.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                last_error = f"{type(e).__name__}: {e}"
+        raise InferenceServerError(address, endpoint, f"failed after {retries + 1} attempts; last error: {last_error}")
+
+    async def _all(self, endpoint: str, payload: Optional[dict] = None, method: str = "POST") -> list[Any]:
+        return list(await asyncio.gather(*(self.request(a, endpoint, payload, method) for a in self.addresses)))
+
+    # -- generation -------------------------------------------------------------------------------
+
+    def _generate_payload(self, req: ModelRequest, generated: list[int]) -> dict:
+        g = req.gconfig
+        sampling_params = {
+            "max_new_tokens": g.max_new_tokens - len(generated),
+            "temperature": 0.0 if g.greedy else g.temperature,
+            "top_p": g.top_p,
+            "top_k": g.top_k,
+            "stop": list(g.stop),
+            "stop_token_ids": list(g.stop_token_ids),
+            **req.extra_sampling_params,
+        }
+        return {
+            "input_ids": list(req.input_ids) + generated,
+            "sampling_params": sampling_params,
+            "return_logprob": True,
+            "stream": False,
+            "rid": req.rid,
+        }
+
+    def _segment_version(self, meta: dict) -> int:
+        try:
+            return int(meta.get("weight_version"))
+        except (TypeError, ValueError):
+            return self.get_version()
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate one sample, resuming across interruptions until it stops or uses its whole budget."""
+        if req.gconfig.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {req.gconfig.max_new_tokens}")
+        address = self.choose_server(req.rid)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        stop_reason = "abort"
+        start = time.perf_counter()
+        while stop_reason == "abort" and len(tokens) < req.gconfig.max_new_tokens:
+            while self._paused:
+                await asyncio.sleep(_PAUSE_POLL_S)
+            reply = await self.request(address, "/generate", self._generate_payload(req, tokens))
+            meta = reply["meta_info"]
+            segment = meta.get("output_token_logprobs") or []
+            stop_reason = (meta.get("finish_reason") or {}).get("type") or "stop"
+            tokens.extend(int(t) for _, t, *_ in segment)
+            logprobs.extend(float(lp) for lp, *_ in segment)
+            versions.extend([self._segment_version(meta)] * len(segment))
+            if stop_reason == "abort" and not segment:
+                # Aborted before prefill (a pause raced with the send): don't spin on the server.
+                await asyncio.sleep(_PAUSE_POLL_S)
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=tokens,
+            output_logprobs=logprobs,
+            output_versions=versions,
+            stop_reason="length" if stop_reason == "abort" else stop_reason,
+            latency=time.perf_counter() - start,
+            server=address,
+        )
+
+    # -- control and weight updates ---------------------------------------------------------------
+
+    async def pause(self) -> None:
+        """Stop generation on every server; running requests come back early and wait for `resume`."""
+        self._paused = True
+        await self._all("/pause_generation", {"mode": "abort"})
+
+    async def resume(self) -> None:
+        await self._all("/continue_generation", {})
+        self._paused = False
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        """Load a Hugging Face checkpoint directory on every server, then tag new tokens with `version`."""
+        payload = {
+            "model_path": str(path),
+            "weight_version": str(version),
+            "abort_all_requests": False,
+            "flush_cache": True,
+        }
+        replies = await self._all("/update_weights_from_disk", payload)
+        for address, reply in zip(self.addresses, replies):
+            if not (isinstance(reply, dict) and reply.get("success")):
+                message = reply.get("message") if isinstance(reply, dict) else reply
+                raise InferenceServerError(address, "/update_weights_from_disk", f"weight update failed: {message}")
+        self.set_version(version)
+
+    async def update_weights(self, path: str, version: int) -> None:
+        """AReaL's order: pause -> update -> set version -> resume. Servers are resumed even if loading fails."""
+        await self.pause()
+        try:
+            await self.update_weights_from_disk(path, version)
+        finally:
+            await self.resume()
+
+    # -- health and info --------------------------------------------------------------------------
+
+    async def wait_healthy(self, timeout: Optional[float] = None) -> None:
+        """Poll `GET /health` on every server until all answer 200."""
+        timeout = self.setup_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        pending = set(self.addresses)
+        while True:
+            for address in sorted(pending):
+                try:
+                    await self.request(address, "/health", method="GET", timeout=10, retries=0)
+                    pending.discard(address)
+                except InferenceServerError:
+                    pass
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"inference servers not healthy after {timeout:.0f}s: {', '.join(sorted(pending))}")
+            await asyncio.sleep(0.5)
+
+    async def get_model_info(self, address: Optional[str] = None) -> dict:
+        return await self.request(address or self.addresses[0], "/get_model_info", method="GET")
+
+    async def get_server_info(self, address: Optional[str] = None) -> dict:
+        return await self.request(address or self.addresses[0], "/get_server_info", method="GET")

@@ -1,0 +1,223 @@
+"""Launch local inference servers (SGLang on GPUs, the project's CPU server otherwise) and stop them cleanly.
+
+    servers = launch_servers(model_path, cfg.inference, seed=cfg.seed, log_dir=run_dir / "logs")
+    try:
+        engine = RemoteSGLangEngine([s.address for s in servers])
+        ...
+    finally:
+        for s in servers:
+            s.stop()
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+import psutil
+
+from areal_pipeline.config import InferenceConfig, SGLangConfig
+from areal_pipeline.utils import find_free_port, get_logger
+
+logger = get_logger(__name__)
+
+LOG_TAIL_LINES = 40
+# Health checks go straight to the server, never through an http_proxy from the environment.
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class ServerLaunchError(RuntimeError):
+    pass
+
+
+def build_sglang_command(model_path: str, host: str, port: int, cfg: SGLangConfig, seed: int) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--host", host,
+        "--port", str(port),
+        "--tp-size", str(cfg.tp_size),
+        "--dp-size", str(cfg.dp_size),
+        "--mem-fraction-static", str(cfg.mem_fraction_static),
+        "--dtype", cfg.dtype,
+        "--random-seed", str(seed),
+        "--log-level", cfg.log_level,
+    ]  # fmt: skip
+    if cfg.context_length is not None:
+        cmd += ["--context-length", str(cfg.context_length)]
+    if cfg.disable_radix_cache:
+        cmd.append("--disable-radix-cache")
+    if cfg.enable_metrics:
+        cmd.append("--enable-metrics")
+    return cmd + list(cfg.extra_args)
+
+
+def build_cpu_server_command(model_path: str, host: str, port: int, cfg: InferenceConfig, seed: int) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "areal_pipeline.inference.server",
+        "--model", str(model_path),
+        "--host", host,
+        "--port", str(port),
+        "--max-batch-size", str(cfg.max_batch_size),
+        "--context-length", str(cfg.context_length),
+        "--seed", str(seed),
+    ]  # fmt: skip
+    if cfg.num_threads > 0:
+        cmd += ["--num-threads", str(cfg.num_threads)]
+    return cmd
+
+
+def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+    except OSError as e:
+        return f"<log {path} unreadable: {e}>"
+
+
+class ServerProcess:
+    """One server process, in its own session so that `stop` can take down everything it started."""
+
+    def __init__(self, command: list[str], address: str, log_path: Optional[Path] = None,
+                 env: Optional[dict[str, str]] = None):
+        self.command = list(command)
+        self.address = address
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.env = env
+        self.popen: Optional[subprocess.Popen] = None
+
+    def __enter__(self) -> "ServerProcess":
+        if self.popen is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> "ServerProcess":
+        if self.popen is not None:
+            raise RuntimeError(f"server {self.address} was already started")
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="areal-server-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logger.info("starting inference server %s (log: %s): %s", self.address, self.log_path, " ".join(self.command))
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, env=self.env,
+            )
+        return self
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        return _log_tail(self.log_path, lines) if self.log_path is not None else ""
+
+    def is_healthy(self) -> bool:
+        try:
+            with _opener.open(f"http://{self.address}/health", timeout=5) as resp:
+                return resp.status == 200
+        except OSError:  # refused, reset, timed out, or an HTTP error status (503 while loading)
+            return False
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Block until `GET /health` answers 200; on death or timeout, stop it and raise with its log tail."""
+        if self.popen is None:
+            raise RuntimeError(f"server {self.address} was never started")
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.popen.poll()
+            if code is not None:
+                self.stop()
+                raise ServerLaunchError(
+                    f"inference server {self.address} exited with code {code} before becoming healthy. "
+                    f"Last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.is_healthy():
+                return
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise ServerLaunchError(
+                    f"inference server {self.address} not healthy after {timeout:.0f}s. "
+                    f"Last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL whatever is left after `timeout`; also children that left the group."""
+        if self.popen is None:
+            return
+        children = []
+        # Once the server is reaped its pid may belong to someone else; its orphans are then found by group.
+        if self.popen.poll() is None:
+            try:
+                children = psutil.Process(self.popen.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        deadline = time.monotonic() + timeout
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        _, alive = psutil.wait_procs(children, timeout=max(0.0, deadline - time.monotonic()))
+        self._signal_group(signal.SIGKILL)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.popen.wait()
+        psutil.wait_procs(alive, timeout=5)
+
+    def _signal_group(self, sig: int) -> None:
+        # start_new_session made the server its own process-group leader: pgid == pid.
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def launch_servers(model_path: str, cfg: InferenceConfig, seed: int, log_dir: Path) -> list[ServerProcess]:
+    """Start `cfg.num_servers` servers together and wait until all are healthy; on any failure stop them all.
+
+    Server i gets seed `seed + i`, so that samples from different servers are not correlated.
+    """
+    builders = {
+        "cpu": lambda port, s: build_cpu_server_command(model_path, cfg.host, port, cfg, s),
+        "sglang": lambda port, s: build_sglang_command(model_path, cfg.host, port, cfg.sglang, s),
+    }
+    if cfg.backend not in builders:
+        raise ValueError(f"unknown inference backend '{cfg.backend}'; valid: {', '.join(builders)}")
+    ports: list[int] = []
+    for i in range(cfg.num_servers):
+        port = cfg.base_port + i if cfg.base_port else find_free_port(cfg.host)
+        while port in ports:
+            port = find_free_port(cfg.host)
+        ports.append(port)
+    log_dir = Path(log_dir)
+    servers = [
+        ServerProcess(builders[cfg.backend](port, seed + i), f"{cfg.host}:{port}",
+                      log_dir / f"inference-server-{i}.log")
+        for i, port in enumerate(ports)
+    ]
+    deadline = time.monotonic() + cfg.setup_timeout
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_healthy(max(0.0, deadline - time.monotonic()))
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    logger.info("inference servers ready: %s", ", ".join(s.address for s in servers))
+    return servers

@@ -1,0 +1,74 @@
+"""Run reward functions in worker processes, with a per-call timeout.
+
+A reward function parses untrusted model output (sympy on adversarial LaTeX can hang), so it
+runs out of process: pebble kills a worker whose call runs past the timeout and starts a new
+one. A call that times out or raises scores 0.0 and the rollout goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import pebble
+
+logger = logging.getLogger("areal_pipeline.rewards")
+
+_MAX_ARGS_CHARS = 200
+
+
+class RewardPool:
+    """`fn` passed to `score`/`ascore` must be a picklable module-level function."""
+
+    def __init__(self, max_workers: int = 1, timeout: float = 5.0):
+        self.timeout = timeout
+        # Not fork: the parent holds torch threads and an asyncio loop, which a forked child
+        # would inherit in a broken state. forkserver buys nothing over spawn on Python 3.11: its
+        # server never preloads __main__, so each worker re-imports the parent's script anyway.
+        self._pool = pebble.ProcessPool(
+            max_workers=max_workers, context=multiprocessing.get_context("spawn")
+        )
+
+    def _submit(self, fn: Callable[..., Any], args: tuple) -> Future:
+        return self._pool.schedule(fn, args=args, timeout=self.timeout)
+
+    def _warn(self, fn: Callable[..., Any], args: tuple, error: Exception) -> None:
+        shown = repr(args)
+        if len(shown) > _MAX_ARGS_CHARS:
+            shown = shown[:_MAX_ARGS_CHARS] + "..."
+        if isinstance(error, TimeoutError):
+            reason = f"timed out after {self.timeout}s"
+        else:
+            reason = repr(error)
+        name = f"{fn.__module__}.{getattr(fn, '__qualname__', fn)}"
+        logger.warning("reward %s%s scored 0.0: %s", name, shown, reason)
+
+    def score(self, fn: Callable[..., Any], *args: Any) -> float:
+        """Blocking: `fn(*args)` as a float, or 0.0 if it times out or raises."""
+        try:
+            return float(self._submit(fn, args).result())
+        except Exception as error:
+            self._warn(fn, args, error)
+            return 0.0
+
+    async def ascore(self, fn: Callable[..., Any], *args: Any) -> float:
+        """`score` for asyncio; many calls may be awaited at once, they queue for the workers."""
+        try:
+            return float(await asyncio.wrap_future(self._submit(fn, args)))
+        except Exception as error:
+            self._warn(fn, args, error)
+            return 0.0
+
+    def close(self) -> None:
+        """Waits for the calls already submitted (each bounded by the timeout), then stops."""
+        self._pool.close()
+        self._pool.join()
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,117 @@
+"""Rollout throughput: output tokens/s of 64 concurrent episodes through the CPU inference server, against
+in-process `model.generate` on the same padded batch and against one request at a time through the server.
+
+    python bench/rollout_throughput.py [--episodes 64] [--prompt-len 20] [--new-tokens 64] [--repeats 3]
+
+Targets (issue 2): server within 10% of batched generate (ratio >= 0.9) and >= 4x one-at-a-time.
+The last line is one JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from areal_pipeline.config import GenerationConfig
+from areal_pipeline.inference.client import RemoteSGLangEngine
+from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.inference.types import ModelRequest
+from areal_pipeline.model import build_tiny_model, load_model
+from areal_pipeline.utils import find_free_port
+
+
+async def through_server(engine: RemoteSGLangEngine, prompts, new_tokens: int, concurrent: bool) -> float:
+    gconfig = GenerationConfig(max_new_tokens=new_tokens, temperature=1.0)
+
+    async def one(p):
+        resp = await engine.agenerate(ModelRequest(input_ids=p, gconfig=gconfig,
+                                                   extra_sampling_params={"ignore_eos": True}))
+        return resp.output_len
+
+    start = time.perf_counter()
+    if concurrent:
+        tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
+    else:
+        tokens = 0
+        for p in prompts:
+            tokens += await one(p)
+    return tokens / (time.perf_counter() - start)
+
+
+def batched_generate(model, prompts, new_tokens: int, pad_id: int) -> float:
+    ids = torch.tensor(prompts)  # equal lengths: the padded batch needs no padding
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--episodes", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=20)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--sequential-requests", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", default="", help="HF model dir (default: the embedded tiny model)")
+    args = p.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
+    model_dir = args.model or str(build_tiny_model(work / "tiny"))
+    model = load_model(model_dir)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(0, 256) for _ in range(args.prompt_len)] for _ in range(args.episodes)]
+
+    port = find_free_port()
+    server = ServerProcess([sys.executable, "-m", "areal_pipeline.inference.server", "--model", model_dir,
+                            "--port", str(port), "--log-level", "warning"], f"127.0.0.1:{port}",
+                           work / "server.log").start()
+    figures = {"server": [], "generate": [], "one_at_a_time": []}
+    try:
+        server.wait_healthy(120)
+
+        async def server_runs():
+            async with RemoteSGLangEngine([server.address]) as engine:
+                await through_server(engine, prompts[:8], 8, True)  # warm-up
+                conc = await through_server(engine, prompts, args.new_tokens, True)
+                seq = await through_server(engine, prompts[: args.sequential_requests], args.new_tokens, False)
+                return conc, seq
+
+        batched_generate(model, prompts[:8], 8, model.config.pad_token_id)  # warm-up
+        # Interleave the measurements so that drifts in machine load hit all three alike.
+        for r in range(args.repeats):
+            conc, seq = asyncio.run(server_runs())
+            gen = batched_generate(model, prompts, args.new_tokens, model.config.pad_token_id)
+            figures["server"].append(conc)
+            figures["one_at_a_time"].append(seq)
+            figures["generate"].append(gen)
+            print(f"repeat {r}: server {conc:,.0f} tok/s | batched generate {gen:,.0f} tok/s | "
+                  f"one at a time {seq:,.0f} tok/s", flush=True)
+    finally:
+        server.stop()
+
+    med = {k: statistics.median(v) for k, v in figures.items()}
+    result = {
+        "episodes": args.episodes,
+        "new_tokens": args.new_tokens,
+        "tokens_per_s": round(med["server"], 1),
+        "batched_generate_tokens_per_s": round(med["generate"], 1),
+        "one_at_a_time_tokens_per_s": round(med["one_at_a_time"], 1),
+        "server_vs_batched_generate": round(med["server"] / med["generate"], 3),
+        "server_vs_one_at_a_time": round(med["server"] / med["one_at_a_time"], 2),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

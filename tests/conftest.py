@@ -1,0 +1,56 @@
+"""Shared fixtures: the embedded tiny model and real CPU inference servers on loopback."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.utils import find_free_port
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from areal_pipeline.model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=1)
+
+
+def start_cpu_server(model_dir: Path, log_dir: Path, *extra: str) -> ServerProcess:
+    port = find_free_port()
+    command = [sys.executable, "-m", "areal_pipeline.inference.server", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *extra]
+    server = ServerProcess(command, f"127.0.0.1:{port}", log_dir / f"server-{port}.log").start()
+    server.wait_healthy(120)
+    return server
+
+
+@pytest.fixture(scope="session")
+def cpu_server(tiny_model_dir, tmp_path_factory):
+    """One CPU server for the whole session (per xdist worker); tests must leave it unpaused."""
+    server = start_cpu_server(tiny_model_dir, tmp_path_factory.mktemp("server-logs"))
+    yield server.address
+    server.stop()
+
+
+def http(address: str, path: str, body=None, method: str | None = None, timeout: float = 60):
+    """(status, parsed JSON or text) of one HTTP call; errors are returned, not raised."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{address}{path}", data=data, method=method or ("POST" if data else "GET"),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return status, raw.decode()

@@ -1,0 +1,175 @@
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from areal_pipeline.config import InferenceConfig, SGLangConfig
+from areal_pipeline.inference.launcher import (
+    ServerLaunchError,
+    ServerProcess,
+    build_cpu_server_command,
+    build_sglang_command,
+    launch_servers,
+)
+from areal_pipeline.utils import find_free_port
+
+PY = sys.executable
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _process_tree(pid: int) -> list[int]:
+    root = psutil.Process(pid)
+    return [root.pid] + [p.pid for p in root.children(recursive=True)]
+
+
+def test_sglang_command_defaults():
+    cmd = build_sglang_command("/models/qwen", "127.0.0.1", 30000, SGLangConfig(), seed=7)
+    assert cmd == [
+        PY, "-m", "sglang.launch_server",
+        "--model-path", "/models/qwen",
+        "--host", "127.0.0.1",
+        "--port", "30000",
+        "--tp-size", "1",
+        "--dp-size", "1",
+        "--mem-fraction-static", "0.8",
+        "--dtype", "bfloat16",
+        "--random-seed", "7",
+        "--log-level", "warning",
+    ]  # fmt: skip
+
+
+def test_sglang_command_all_options():
+    cfg = SGLangConfig(
+        tp_size=2, dp_size=4, mem_fraction_static=0.65, context_length=8192, dtype="float16",
+        disable_radix_cache=True, enable_metrics=True, log_level="info",
+        extra_args=["--chunked-prefill-size", "4096"],
+    )  # fmt: skip
+    cmd = build_sglang_command("Qwen/Qwen2.5-1.5B-Instruct", "0.0.0.0", 31001, cfg, seed=1)
+    assert cmd == [
+        PY, "-m", "sglang.launch_server",
+        "--model-path", "Qwen/Qwen2.5-1.5B-Instruct",
+        "--host", "0.0.0.0",
+        "--port", "31001",
+        "--tp-size", "2",
+        "--dp-size", "4",
+        "--mem-fraction-static", "0.65",
+        "--dtype", "float16",
+        "--random-seed", "1",
+        "--log-level", "info",
+        "--context-length", "8192",
+        "--disable-radix-cache",
+        "--enable-metrics",
+        "--chunked-prefill-size", "4096",
+    ]  # fmt: skip
+
+
+def test_sglang_command_context_length_only():
+    cmd = build_sglang_command("m", "h", 1, SGLangConfig(context_length=2048), seed=0)
+    assert cmd[-2:] == ["--context-length", "2048"]
+    assert "--disable-radix-cache" not in cmd and "--enable-metrics" not in cmd
+
+
+def test_cpu_server_command():
+    cfg = InferenceConfig(max_batch_size=64, context_length=512)
+    assert build_cpu_server_command("/m", "127.0.0.1", 4000, cfg, seed=3) == [
+        PY, "-m", "areal_pipeline.inference.server",
+        "--model", "/m", "--host", "127.0.0.1", "--port", "4000",
+        "--max-batch-size", "64", "--context-length", "512", "--seed", "3",
+    ]  # fmt: skip
+    cfg.num_threads = 2
+    assert build_cpu_server_command("/m", "127.0.0.1", 4000, cfg, seed=3)[-2:] == ["--num-threads", "2"]
+
+
+def test_unknown_backend_names_valid_ones(tmp_path):
+    with pytest.raises(ValueError, match="valid: cpu, sglang"):
+        launch_servers("/m", InferenceConfig(backend="vllm"), seed=1, log_dir=tmp_path)
+
+
+def test_process_that_exits_at_once_reports_log_tail(tmp_path):
+    script = "import sys; print('line', *range(50), sep='\\n'); sys.exit('boom: no such model')"
+    server = ServerProcess([PY, "-c", script], f"127.0.0.1:{find_free_port()}", tmp_path / "s.log")
+    server.start()
+    with pytest.raises(ServerLaunchError) as info:
+        server.wait_healthy(timeout=30)
+    message = str(info.value)
+    assert "exited with code 1" in message and "boom: no such model" in message
+    assert "\n49\n" in message and "\n5\n" not in message  # only the tail
+
+
+def test_cpu_server_with_missing_model_fails_with_log(tmp_path):
+    # The error must carry the server's own explanation, whether it exits or stays unhealthy.
+    cfg = InferenceConfig(setup_timeout=30)
+    with pytest.raises(ServerLaunchError) as info:
+        launch_servers(str(tmp_path / "no-such-model"), cfg, seed=1, log_dir=tmp_path / "logs")
+    assert "no-such-model" in str(info.value).split("Last lines of")[1]
+    assert (tmp_path / "logs" / "inference-server-0.log").is_file()
+
+
+def test_health_timeout_stops_the_process(tmp_path):
+    server = ServerProcess(["sleep", "300"], f"127.0.0.1:{find_free_port()}", tmp_path / "s.log").start()
+    pid = server.popen.pid
+    start = time.monotonic()
+    with pytest.raises(ServerLaunchError, match="not healthy after 1s"):
+        server.wait_healthy(timeout=1)
+    assert time.monotonic() - start < 15
+    assert server.popen.returncode is not None and not _alive([pid])
+
+
+def test_stop_kills_the_whole_tree(tmp_path):
+    with ServerProcess(["bash", "-c", "sleep 300 & sleep 300 & wait"], "127.0.0.1:1") as server:
+        deadline = time.monotonic() + 10
+        while len(_process_tree(server.popen.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = _process_tree(server.popen.pid)
+        assert len(tree) == 3
+    assert _alive(tree) == []
+    server.stop()  # idempotent
+
+
+def test_stop_kills_children_that_left_the_group_and_ignore_sigterm(tmp_path):
+    # A child in its own session ignoring SIGTERM: only the psutil sweep + SIGKILL can get it.
+    script = "trap '' TERM; setsid bash -c \"trap '' TERM; sleep 300\" & sleep 300"
+    server = ServerProcess(["bash", "-c", script], "127.0.0.1:1").start()
+    deadline = time.monotonic() + 10
+    while len({os.getsid(pid) for pid in _process_tree(server.popen.pid)}) < 2:
+        assert time.monotonic() < deadline, "the setsid child never started"
+        time.sleep(0.05)
+    tree = _process_tree(server.popen.pid)
+    start = time.monotonic()
+    server.stop(timeout=1)
+    assert time.monotonic() - start < 10
+    assert _alive(tree) == []
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from areal_pipeline.model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+def test_real_cpu_server_launch_and_stop(tiny_model, tmp_path):
+    pytest.importorskip("areal_pipeline.inference.server")
+    cfg = InferenceConfig(num_servers=1, setup_timeout=180, max_batch_size=8, context_length=256)
+    [server] = launch_servers(str(tiny_model), cfg, seed=1, log_dir=tmp_path)
+    try:
+        assert server.is_healthy()
+        assert server.address.startswith("127.0.0.1:")
+        tree = _process_tree(server.popen.pid)
+    finally:
+        server.stop()
+    assert not server.is_healthy()
+    assert _alive(tree) == []

@@ -1,0 +1,151 @@
+import asyncio
+import itertools
+import json
+import logging
+import time
+from pathlib import Path
+
+import pytest
+from _reward_helpers import fail, hang
+
+from areal_pipeline.rewards import RewardPool, extract_answer, extract_reference, math_reward
+
+GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared/data/gsm8k/test.jsonl"
+TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def gsm8k_rows():
+    if not GSM8K_TEST.exists():
+        pytest.skip(f"{GSM8K_TEST} is absent")
+    with GSM8K_TEST.open() as f:
+        return [json.loads(line) for line in itertools.islice(f, 200)]
+
+
+def test_gsm8k_reference_solution_scores_itself(gsm8k_rows):
+    for row in gsm8k_rows:
+        assert math_reward(row["answer"], row["answer"]) == 1.0, row["answer"]
+
+
+def test_gsm8k_answer_is(gsm8k_rows):
+    for row in gsm8k_rows:
+        n = int(extract_reference(row["answer"]).replace(",", ""))
+        assert math_reward(f"Step by step... The answer is {n}.", row["answer"]) == 1.0
+        assert math_reward(f"Step by step... The answer is {n + 1}.", row["answer"]) == 0.0
+
+
+@pytest.mark.parametrize(
+    "completion, reference, expected",
+    [
+        ("So the total is \\boxed{72}.", "72", 1.0),
+        ("So the total is \\boxed{71}.", "72", 0.0),
+        ("\\boxed{\\boxed{5}}", "5", 1.0),
+        ("\\boxed{\\frac{3}{4}}", "\\frac{3}{4}", 1.0),
+        ("First \\boxed{3}, on second thought \\boxed{4}", "4", 1.0),
+        ("First \\boxed{3}, on second thought \\boxed{4}", "3", 0.0),
+        ("\\boxed{4} and then the output got cut \\boxed{3", "4", 1.0),
+        ("Boxed beats the rest: the answer is 5, \\boxed{6}", "6", 1.0),
+        ("16 - 3 - 4 = 9 eggs.\n#### 18", "#### 18", 1.0),
+        ("#### 18\nwith 20 eggs left", "18", 1.0),
+        ("The answer is 18.", "Janet makes 9 * 2 = $18.\n#### 18", 1.0),
+        ("THE ANSWER IS: 18", "18", 1.0),
+        ("The final answer is 18 dollars.", "18", 1.0),
+        ("She has 3 cats and 5 dogs, so 8 pets.", "8", 1.0),
+        ("She has 3 cats and 5 dogs, so 8 pets.", "5", 0.0),
+        ("The answer is 1,000.", "1000", 1.0),
+        ("The answer is 1000", "1,000", 1.0),
+        ("The answer is $1,000.", "1000", 1.0),
+        ("The answer is \\$18", "18", 1.0),
+        ("The answer is 5 apples.", "5", 1.0),
+        ("The answer is \\text{5 apples}", "5", 1.0),
+        ("The answer is 3/4", "0.75", 1.0),
+        ("The answer is 0.75", "3/4", 1.0),
+        ("The answer is 3/5", "0.75", 0.0),
+        ("The answer is \\frac{1}{2}", "0.5", 1.0),
+        ("The answer is \\dfrac{1}{2}.", "0.5", 1.0),
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", 1.0),
+        ("The answer is 50%", "50", 1.0),
+        ("The answer is 50\\%", "0.5", 1.0),
+        ("The answer is 50%", "5", 0.0),
+        ("The temperature dropped to -7 degrees.", "-7", 1.0),
+        ("The answer is -7", "7", 0.0),
+        ("10-5 = 5", "5", 1.0),
+        ("The answer is 2.50", "2.5", 1.0),
+        ("It costs 2.5 dollars", "2.50", 1.0),
+        ("I do not know.", "5", 0.0),
+        ("", "5", 0.0),
+    ],
+)
+def test_math_reward(completion, reference, expected):
+    assert math_reward(completion, reference) == expected
+
+
+@pytest.mark.parametrize(
+    "text, answer",
+    [
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{\\boxed{5}}", "5"),
+        ("#### 1,000", "1,000"),
+        ("The final answer is 18 dollars. Check: 9 * 2 = 18", "18 dollars"),
+        ("The answer is 2.5.", "2.5"),
+        ("x = 10-5 = 5 and y = -3", "-3"),
+        ("no digits here", None),
+    ],
+)
+def test_extract_answer(text, answer):
+    assert extract_answer(text) == answer
+
+
+@pytest.mark.parametrize(
+    "reference, answer",
+    [
+        ("Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs.\n#### 18", "18"),
+        ("so $\\boxed{\\frac{3}{4}}$", "\\frac{3}{4}"),
+        (" 72 ", "72"),
+    ],
+)
+def test_extract_reference(reference, answer):
+    assert extract_reference(reference) == answer
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(max_workers=2, timeout=TIMEOUT) as pool:
+        yield pool
+
+
+def test_pool_scores(pool):
+    assert pool.score(math_reward, "\\boxed{\\frac{3}{4}}", "0.75") == 1.0
+    assert pool.score(math_reward, "The answer is 4", "#### 5") == 0.0
+
+
+def test_pool_hanging_call_times_out_and_pool_recovers(pool, caplog):
+    pool.score(math_reward, "1", "1")  # worker start-up is not part of the timeout
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="areal_pipeline.rewards"):
+        assert pool.score(hang, "some completion", "#### 18") == 0.0
+    assert time.monotonic() - start < TIMEOUT + 2.0
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "_reward_helpers.hang" in record.message and "some completion" in record.message
+    assert "timed out" in record.message
+    assert pool.score(math_reward, "\\boxed{18}", "#### 18") == 1.0
+
+
+def test_pool_raising_call_scores_zero_with_truncated_args(pool, caplog):
+    with caplog.at_level(logging.WARNING, logger="areal_pipeline.rewards"):
+        assert pool.score(fail, "x" * 10_000) == 0.0
+    [record] = caplog.records
+    assert "_reward_helpers.fail" in record.message and "bad reward" in record.message
+    assert len(record.message) < 500
+
+
+def test_pool_ascore_many_concurrent_calls(pool):
+    async def main():
+        good = [pool.ascore(math_reward, f"The answer is {i}.", f"#### {i % 3}") for i in range(60)]
+        return await asyncio.gather(pool.ascore(hang, "stuck"), *good)
+
+    stuck, *scores = asyncio.run(main())
+    assert stuck == 0.0
+    assert scores == [1.0 if i == i % 3 else 0.0 for i in range(60)]
