@@ -115,6 +115,72 @@ class RolloutConfig:
 
 
 @dataclass
+class NormConfig:
+    """Normalisation of rewards or advantages; a level of "none" switches that part off."""
+
+    mean_level: str = "group"  # group | batch | none
+    std_level: str = "group"  # group | batch | none
+    mean_leave_one_out: bool = False  # RLOO: each sample's baseline excludes itself
+    eps: float = 1e-5
+
+
+@dataclass
+class PPOConfig:
+    """The algorithm: reward shaping, advantages and the policy loss (AReaL's PPOActorConfig names)."""
+
+    loss: str = "ppo"  # ppo | reinforce
+    ppo_n_minibatches: int = 1
+    eps_clip: float = 0.2
+    eps_clip_higher: Optional[float] = None
+    c_clip: Optional[float] = None  # dual clip (> 1)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    use_decoupled_loss: bool = False
+    behav_imp_weight_cap: Optional[float] = None
+    recompute_logprob: bool = False
+    reward_bias: float = 0.0
+    reward_scaling: float = 1.0
+    reward_clip: float = 20.0
+    reward_norm: NormConfig = field(default_factory=NormConfig)
+    adv_norm: NormConfig = field(default_factory=lambda: NormConfig(mean_level="batch", std_level="batch"))
+    kl_ctl: float = 0.0
+    kl_estimator: str = "k1"  # k1 | k2 | k3
+    discount: float = 1.0
+    gae_lambda: float = 1.0
+    mask_no_eos_with_zero: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    gradient_clipping: float = 1.0
+    lr_scheduler_type: str = "constant"  # constant | linear | cosine
+    warmup_steps_proportion: float = 0.0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class TrainerConfig:
+    nproc: int = 1  # ranks per node (torchrun --nproc-per-node)
+    nnodes: int = 1
+    torchrun_args: list[str] = field(default_factory=list)  # e.g. rendezvous options for multi-node
+    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+    device: str = "auto"  # auto | cpu | cuda
+    param_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (mixed precision, fp32 master weights)
+    mb_max_tokens: int = 8192  # micro-batch token budget for packed sequences
+    gradient_checkpointing: bool = False
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    weight_sync: str = "disk"  # disk | distributed
+    save_freq: int = 1
+    keep_checkpoints: int = 2
+    setup_timeout: float = 300.0
+    command_timeout: float = 3600.0
+
+
+@dataclass
 class ExperimentConfig:
     run_id: str = "tiny-cpu"
     output_dir: str = "runs"
@@ -123,6 +189,9 @@ class ExperimentConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    total_iterations: int = 10
 
     @property
     def run_dir(self) -> Path:

@@ -116,7 +116,8 @@ def test_round_robin_and_rid_stickiness(two_servers):
 
 
 def test_rid_cache_is_lru():
-    engine = RemoteSGLangEngine(["a:1", "b:2", "c:3"])
+    engine = RemoteSGLangEngine.from_config(["a:1", "b:2", "c:3"], InferenceConfig(request_retries=7))
+    assert engine.request_retries == 7
     first = engine.choose_server("rid-0")
     for i in range(1, RID_CACHE_SIZE):
         engine.choose_server(f"rid-{i}")
@@ -190,6 +191,15 @@ def test_5xx_is_retried_4xx_is_not():
                 assert resp.output_versions == [3, 3]  # "default" is not a version: the client's own
                 assert calls[0]["sampling_params"]["temperature"] == 0.7
                 assert calls[0]["return_logprob"] is True and calls[0]["stream"] is False
+
+                req = _request(5, greedy=True, temperature=0.7, stop=["\n"], stop_token_ids=[3])
+                req.extra_sampling_params = {"ignore_eos": True}
+                await engine.agenerate(req)
+                assert calls[-1] == {
+                    "input_ids": PROMPT, "rid": req.rid, "return_logprob": True, "stream": False,
+                    "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
+                                        "stop": ["\n"], "stop_token_ids": [3], "ignore_eos": True},
+                }
         finally:
             await runner.cleanup()
 

@@ -1,4 +1,5 @@
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -119,16 +120,15 @@ def test_cpu_server_with_missing_model_fails_with_log(tmp_path):
 
 
 def test_health_timeout_stops_the_process(tmp_path):
-    server = ServerProcess(["sleep", "300"], f"127.0.0.1:{find_free_port()}", tmp_path / "s.log").start()
-    pid = server.popen.pid
-    start = time.monotonic()
-    with pytest.raises(ServerLaunchError, match="not healthy after 1s"):
-        server.wait_healthy(timeout=1)
-    assert time.monotonic() - start < 15
-    assert server.popen.returncode is not None and not _alive([pid])
+    with ServerProcess(["sleep", "300"], f"127.0.0.1:{find_free_port()}", tmp_path / "s.log") as server:
+        start = time.monotonic()
+        with pytest.raises(ServerLaunchError, match="not healthy after 1s"):
+            server.wait_healthy(timeout=1)
+        assert time.monotonic() - start < 15
+        assert server.popen.returncode is not None and not _alive([server.popen.pid])
 
 
-def test_stop_kills_the_whole_tree(tmp_path):
+def test_stop_kills_the_whole_tree():
     with ServerProcess(["bash", "-c", "sleep 300 & sleep 300 & wait"], "127.0.0.1:1") as server:
         deadline = time.monotonic() + 10
         while len(_process_tree(server.popen.pid)) < 3 and time.monotonic() < deadline:
@@ -139,18 +139,18 @@ def test_stop_kills_the_whole_tree(tmp_path):
     server.stop()  # idempotent
 
 
-def test_stop_kills_children_that_left_the_group_and_ignore_sigterm(tmp_path):
+def test_stop_kills_children_that_left_the_group_and_ignore_sigterm():
     # A child in its own session ignoring SIGTERM: only the psutil sweep + SIGKILL can get it.
     script = "trap '' TERM; setsid bash -c \"trap '' TERM; sleep 300\" & sleep 300"
-    server = ServerProcess(["bash", "-c", script], "127.0.0.1:1").start()
-    deadline = time.monotonic() + 10
-    while len({os.getsid(pid) for pid in _process_tree(server.popen.pid)}) < 2:
-        assert time.monotonic() < deadline, "the setsid child never started"
-        time.sleep(0.05)
-    tree = _process_tree(server.popen.pid)
-    start = time.monotonic()
-    server.stop(timeout=1)
-    assert time.monotonic() - start < 10
+    with ServerProcess(["bash", "-c", script], "127.0.0.1:1") as server:
+        deadline = time.monotonic() + 10
+        while len({os.getsid(pid) for pid in _process_tree(server.popen.pid)}) < 2:
+            assert time.monotonic() < deadline, "the setsid child never started"
+            time.sleep(0.05)
+        tree = _process_tree(server.popen.pid)
+        start = time.monotonic()
+        server.stop(timeout=1)
+        assert time.monotonic() - start < 10
     assert _alive(tree) == []
 
 
@@ -162,7 +162,6 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def test_real_cpu_server_launch_and_stop(tiny_model, tmp_path):
-    pytest.importorskip("areal_pipeline.inference.server")
     cfg = InferenceConfig(num_servers=1, setup_timeout=180, max_batch_size=8, context_length=256)
     [server] = launch_servers(str(tiny_model), cfg, seed=1, log_dir=tmp_path)
     try:
@@ -173,3 +172,29 @@ def test_real_cpu_server_launch_and_stop(tiny_model, tmp_path):
         server.stop()
     assert not server.is_healthy()
     assert _alive(tree) == []
+
+
+def _two_adjacent_ports_one_taken() -> tuple[int, socket.socket]:
+    for _ in range(50):
+        port = find_free_port()
+        blocker = socket.socket()
+        try:
+            blocker.bind(("127.0.0.1", port + 1))
+            blocker.listen()
+            return port, blocker
+        except OSError:
+            blocker.close()
+    pytest.skip("no two adjacent free ports")
+
+
+def test_one_failed_server_stops_all(tiny_model, tmp_path):
+    base_port, blocker = _two_adjacent_ports_one_taken()
+    cfg = InferenceConfig(num_servers=2, base_port=base_port, setup_timeout=180, context_length=256)
+    try:
+        with pytest.raises(ServerLaunchError, match=f"127.0.0.1:{base_port + 1} exited"):
+            launch_servers(str(tiny_model), cfg, seed=1, log_dir=tmp_path)
+    finally:
+        blocker.close()
+    leftovers = [p for p in psutil.process_iter(["cmdline"])
+                 if str(tiny_model) in (p.info["cmdline"] or []) and str(base_port) in p.info["cmdline"]]
+    assert _alive([p.pid for p in leftovers]) == []

@@ -75,11 +75,26 @@ def write_shards(
     extra_manifest: dict[str, Any] | None = None,
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Write `part-*.parquet` then `manifest.json`; return the manifest.
+    """Write trajectories as `part-*.parquet` then `manifest.json`; return the manifest.
 
     A complete earlier output is kept (ShardError) unless `overwrite`; leftovers of an unfinished write
     are always cleared, so a retried task simply writes again.
     """
+    return write_table(_to_table(trajectories, run_id, iteration), out_dir, run_id=run_id, iteration=iteration,
+                       rows_per_shard=rows_per_shard, extra_manifest=extra_manifest, overwrite=overwrite)
+
+
+def write_table(
+    table: pa.Table,
+    out_dir: str | os.PathLike,
+    *,
+    run_id: str,
+    iteration: int,
+    rows_per_shard: int = 256,
+    extra_manifest: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """`write_shards` for any table (e.g. trajectories plus the advantages step's columns)."""
     if rows_per_shard < 1:
         raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
     out = Path(out_dir)
@@ -92,24 +107,24 @@ def write_shards(
     out.mkdir(parents=True, exist_ok=True)
 
     # An empty output still gets one (empty) shard so every reader sees the schema.
-    chunks = [trajectories[i : i + rows_per_shard] for i in range(0, len(trajectories), rows_per_shard)] or [[]]
+    offsets = list(range(0, table.num_rows, rows_per_shard)) or [0]
     shards = []
-    for k, chunk in enumerate(chunks):
+    for k, offset in enumerate(offsets):
         name = f"part-{k:05d}.parquet"
-        table = _to_table(chunk, run_id, iteration)
+        chunk = table.slice(offset, rows_per_shard)
         # Serialised in memory, so the checksum is of exactly the bytes that are renamed into place.
         sink = pa.BufferOutputStream()
-        pq.write_table(table, sink)
+        pq.write_table(chunk, sink)
         data = sink.getvalue().to_pybytes()
         atomic_write_bytes(out / name, data)
         digest = hashlib.sha256(data).hexdigest()
-        shards.append({"file": name, "rows": table.num_rows, "bytes": len(data), "sha256": digest})
+        shards.append({"file": name, "rows": chunk.num_rows, "bytes": len(data), "sha256": digest})
 
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "run_id": run_id,
         "iteration": iteration,
-        "num_rows": len(trajectories),
+        "num_rows": table.num_rows,
         "shards": shards,
         "created_at": datetime.now(timezone.utc).isoformat(),
         **(extra_manifest or {}),
@@ -200,12 +215,12 @@ def verify_shards(out_dir: str | os.PathLike) -> None:
         raise ShardError(f"{out_dir}: shards hold {total} rows, the manifest says {manifest['num_rows']}")
 
 
-def read_table(out_dir: str | os.PathLike) -> pa.Table:
-    """All shards, in order, as one table with `TRAJECTORY_SCHEMA`."""
+def read_table(out_dir: str | os.PathLike, schema: pa.Schema | None = TRAJECTORY_SCHEMA) -> pa.Table:
+    """All shards, in order, as one table (with `schema`; None: the files' own, e.g. batch shards)."""
     tables = []
     for path in part_files(out_dir):
         try:
-            tables.append(pq.read_table(path, schema=TRAJECTORY_SCHEMA))
+            tables.append(pq.read_table(path, schema=schema))
         except FileNotFoundError:
             raise ShardError(f"{path}: listed in the manifest but missing") from None
         except pa.ArrowException as e:

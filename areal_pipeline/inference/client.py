@@ -23,13 +23,15 @@ from typing import Any, Optional
 
 import aiohttp
 
+from areal_pipeline.config import InferenceConfig
 from areal_pipeline.inference.types import ModelRequest, ModelResponse
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
 
 RID_CACHE_SIZE = 128
-# While this client has paused the servers, interrupted requests wait locally rather than queue on them.
+# How often an interrupted request checks whether it may be re-sent: while this client has paused the
+# servers it waits locally rather than queue on them.
 _PAUSE_POLL_S = 0.05
 
 
@@ -84,6 +86,11 @@ class RemoteSGLangEngine:
         self._next_server = random.randrange(len(self.addresses))
         self._rid_to_server: OrderedDict[str, str] = OrderedDict()
 
+    @classmethod
+    def from_config(cls, addresses: list[str], cfg: InferenceConfig) -> "RemoteSGLangEngine":
+        return cls(addresses, request_timeout=cfg.request_timeout, request_retries=cfg.request_retries,
+                   setup_timeout=cfg.setup_timeout)
+
     async def __aenter__(self) -> "RemoteSGLangEngine":
         return self
 
@@ -118,8 +125,9 @@ class RemoteSGLangEngine:
         loop = asyncio.get_running_loop()
         session = self._sessions.get(loop)
         if session is None or session.closed:
-            for other in [l for l in self._sessions if l.is_closed()]:
-                del self._sessions[other]
+            with self._lock:
+                for other in [l for l in self._sessions if l.is_closed()]:
+                    self._sessions.pop(other, None)
             # No connection limit: dozens of concurrent episodes must not queue inside the client.
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
             session = aiohttp.ClientSession(
@@ -129,7 +137,7 @@ class RemoteSGLangEngine:
         return session
 
     async def close(self) -> None:
-        """Close this loop's session (sessions of other, still running loops close with their loop)."""
+        """Close the calling event loop's session; call it from every loop that used the engine."""
         session = self._sessions.pop(asyncio.get_running_loop(), None)
         if session is not None:
             await session.close()
@@ -237,8 +245,10 @@ class RemoteSGLangEngine:
         await self._all("/pause_generation", {"mode": "abort"})
 
     async def resume(self) -> None:
-        await self._all("/continue_generation", {})
-        self._paused = False
+        try:
+            await self._all("/continue_generation", {})
+        finally:
+            self._paused = False
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         """Load a Hugging Face checkpoint directory on every server, then tag new tokens with `version`."""
@@ -257,8 +267,8 @@ class RemoteSGLangEngine:
 
     async def update_weights(self, path: str, version: int) -> None:
         """AReaL's order: pause -> update -> set version -> resume. Servers are resumed even if loading fails."""
-        await self.pause()
         try:
+            await self.pause()
             await self.update_weights_from_disk(path, version)
         finally:
             await self.resume()

@@ -128,28 +128,21 @@ class ServerProcess:
         except OSError:  # refused, reset, timed out, or an HTTP error status (503 while loading)
             return False
 
-    def wait_healthy(self, timeout: float) -> None:
-        """Block until `GET /health` answers 200; on death or timeout, stop it and raise with its log tail."""
+    def check_healthy(self) -> bool:
+        """Whether `GET /health` answers 200; if the process has died, stop what is left and raise."""
         if self.popen is None:
             raise RuntimeError(f"server {self.address} was never started")
-        deadline = time.monotonic() + timeout
-        while True:
-            code = self.popen.poll()
-            if code is not None:
-                self.stop()
-                raise ServerLaunchError(
-                    f"inference server {self.address} exited with code {code} before becoming healthy. "
-                    f"Last lines of {self.log_path}:\n{self.log_tail()}"
-                )
-            if self.is_healthy():
-                return
-            if time.monotonic() >= deadline:
-                self.stop()
-                raise ServerLaunchError(
-                    f"inference server {self.address} not healthy after {timeout:.0f}s. "
-                    f"Last lines of {self.log_path}:\n{self.log_tail()}"
-                )
-            time.sleep(0.5)
+        code = self.popen.poll()
+        if code is not None:
+            self.stop()
+            raise ServerLaunchError(
+                f"inference server {self.address} exited with code {code} before becoming healthy. "
+                f"Last lines of {self.log_path}:\n{self.log_tail()}"
+            )
+        return self.is_healthy()
+
+    def wait_healthy(self, timeout: float) -> None:
+        _wait_all_healthy([self], timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL whatever is left after `timeout`; also children that left the group."""
@@ -186,6 +179,24 @@ class ServerProcess:
             pass
 
 
+def _wait_all_healthy(servers: list[ServerProcess], timeout: float) -> None:
+    """Poll all servers together, so that one dying is reported at once; on timeout, stop them and raise."""
+    deadline = time.monotonic() + timeout
+    pending = list(servers)
+    while True:
+        pending = [s for s in pending if not s.check_healthy()]
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            for server in pending:
+                server.stop()
+            raise ServerLaunchError("\n".join(
+                f"inference server {s.address} not healthy after {timeout:.0f}s. "
+                f"Last lines of {s.log_path}:\n{s.log_tail()}" for s in pending
+            ))
+        time.sleep(0.5)
+
+
 def launch_servers(model_path: str, cfg: InferenceConfig, seed: int, log_dir: Path) -> list[ServerProcess]:
     """Start `cfg.num_servers` servers together and wait until all are healthy; on any failure stop them all.
 
@@ -209,12 +220,10 @@ def launch_servers(model_path: str, cfg: InferenceConfig, seed: int, log_dir: Pa
                       log_dir / f"inference-server-{i}.log")
         for i, port in enumerate(ports)
     ]
-    deadline = time.monotonic() + cfg.setup_timeout
     try:
         for server in servers:
             server.start()
-        for server in servers:
-            server.wait_healthy(max(0.0, deadline - time.monotonic()))
+        _wait_all_healthy(servers, cfg.setup_timeout)
     except BaseException:
         for server in servers:
             server.stop()

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import multiprocessing
 from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
 
 import pebble
@@ -18,6 +19,17 @@ import pebble
 logger = logging.getLogger("areal_pipeline.rewards")
 
 _MAX_ARGS_CHARS = 200
+
+
+class RewardPoolError(RuntimeError):
+    """The pool itself failed (its workers could not start or died): not a score, an error to surface."""
+
+    def __init__(self, fn: Callable[..., Any], error: BaseException):
+        super().__init__(
+            f"reward workers for {getattr(fn, '__qualname__', fn)} died ({error!r}). Workers are spawned "
+            "processes that import the parent's __main__ script: a script that starts work at import time "
+            "needs an `if __name__ == '__main__':` guard."
+        )
 
 
 class RewardPool:
@@ -50,6 +62,8 @@ class RewardPool:
         """Blocking: `fn(*args)` as a float, or 0.0 if it times out or raises."""
         try:
             return float(self._submit(fn, args).result())
+        except BrokenProcessPool as error:
+            raise RewardPoolError(fn, error) from error
         except Exception as error:
             self._warn(fn, args, error)
             return 0.0
@@ -58,6 +72,8 @@ class RewardPool:
         """`score` for asyncio; many calls may be awaited at once, they queue for the workers."""
         try:
             return float(await asyncio.wrap_future(self._submit(fn, args)))
+        except BrokenProcessPool as error:
+            raise RewardPoolError(fn, error) from error
         except Exception as error:
             self._warn(fn, args, error)
             return 0.0

@@ -1,0 +1,76 @@
+"""Start the trainer process under torchrun and talk to its rank-0 endpoint."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+from areal_pipeline.config import ExperimentConfig, save_config
+from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.utils import find_free_port
+
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes through a proxy
+
+
+class TrainerError(RuntimeError):
+    def __init__(self, message: str, code: str = "error", status: int = 500, details: Optional[dict] = None):
+        super().__init__(message)
+        self.code, self.status, self.details = code, status, details or {}
+
+
+class TrainerClient:
+    def __init__(self, address: str, timeout: float = 3600.0):
+        self.address = address
+        self.timeout = timeout
+
+    def call(self, cmd: str, timeout: Optional[float] = None, **args: Any) -> dict:
+        data = json.dumps({"cmd": cmd, **args}).encode()
+        req = urllib.request.Request(f"http://{self.address}/command", data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with _opener.open(req, timeout=timeout or self.timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            body = e.read()
+            try:
+                error = json.loads(body)["error"]
+            except (ValueError, KeyError, TypeError):
+                error = {"message": body.decode(errors="replace")}
+            details = {k: v for k, v in error.items() if k not in ("message", "code")}
+            raise TrainerError(f"trainer {self.address} {cmd}: {error.get('message')}", error.get("code", "error"),
+                               e.code, details) from None
+        except OSError as e:
+            raise TrainerError(f"trainer {self.address} unreachable during {cmd}: {e}", "unreachable", 0) from e
+
+    def health(self) -> dict:
+        with _opener.open(f"http://{self.address}/health", timeout=10) as resp:
+            return json.loads(resp.read())
+
+
+def build_trainer_command(cfg: ExperimentConfig, config_path: Path, model_path: str, port: int) -> list[str]:
+    t = cfg.trainer
+    rendezvous = ["--standalone"] if t.nnodes == 1 else []
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nnodes", str(t.nnodes),
+            "--nproc-per-node", str(t.nproc), *t.torchrun_args,
+            "-m", "areal_pipeline.training.trainer_server", "--config", str(config_path), "--model", model_path,
+            "--host", "127.0.0.1", "--port", str(port)]
+
+
+def launch_trainer(cfg: ExperimentConfig, model_path: str, log_dir: Path) -> tuple[ServerProcess, TrainerClient]:
+    """Start the trainer, wait for its endpoint, initialise it (model + optimizer loaded once)."""
+    config_path = save_config(cfg, Path(log_dir) / "trainer-config.yaml")
+    port = find_free_port()
+    process = ServerProcess(build_trainer_command(cfg, config_path, model_path, port), f"127.0.0.1:{port}",
+                            Path(log_dir) / "trainer.log").start()
+    try:
+        process.wait_healthy(cfg.trainer.setup_timeout)
+        client = TrainerClient(process.address, cfg.trainer.command_timeout)
+        client.call("initialize")
+    except BaseException:
+        process.stop()
+        raise
+    return process, client

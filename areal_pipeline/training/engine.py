@@ -1,0 +1,366 @@
+"""The FSDP2 train engine: a causal LM sharded with `fully_shard` over all ranks, trained on packed sequences.
+
+Every public method is a collective: all ranks call it with the same arguments (the trainer process
+broadcasts each command). A batch is a dict of columns, one entry per sequence: `input_ids` (list of token
+ids) and per-token float lists (`loss_mask`, `logprobs`, `advantages`, ...) in the trajectory convention
+(`x[t]` belongs to token t). A new algorithm is a `loss_fn`, not a change here:
+
+    loss, stats = loss_fn(logprobs, entropy, mb)   # per-token [N] tensors of a packed micro-batch
+    weight = loss_weight_fn(mb)                     # e.g. its number of loss tokens
+
+`train_batch` makes the loss a `loss_weight_fn`-weighted mean over the global minibatch across ranks, so
+1 rank and N ranks compute the same update.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from areal_pipeline.model import DTYPES
+from areal_pipeline.training.losses import entropy_from_logits, gather_logprobs
+from areal_pipeline.training.packing import MicroBatch, balance, count_micro_batches, pack, unpack
+from areal_pipeline.utils import atomic_directory, atomic_write_text, get_logger
+
+logger = get_logger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+WeightFn = Callable[[MicroBatch], float]
+
+MODEL_SUBDIR = "model"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device(device)
+
+
+def lr_lambda(kind: str, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """Multiplier of the base LR at optimizer step `step`: linear warm-up, then constant/linear/cosine decay."""
+    if kind not in ("constant", "linear", "cosine"):
+        raise ValueError(f"unknown lr_scheduler_type '{kind}'; valid: constant, linear, cosine")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        decay = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+    return factor
+
+
+class TrainEngine:
+    def __init__(self, model_path: str, trainer_cfg, *, total_steps: int, temperature: float = 1.0,
+                 trust_remote_code: bool = False, trainable: bool = True):
+        self.model_path = model_path
+        self.cfg = trainer_cfg
+        self.total_steps = total_steps
+        self.temperature = temperature
+        self.trust_remote_code = trust_remote_code
+        self.trainable = trainable
+        self.device = resolve_device(trainer_cfg.device)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.version = 0
+        self.model = self.optimizer = self.scheduler = None
+
+    # ----- set-up ----------------------------------------------------------------------------------
+    def initialize(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32,
+                                                     trust_remote_code=self.trust_remote_code)
+        model.config.use_cache = False
+        if self.cfg.gradient_checkpointing and self.trainable:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.to(self.device)
+        param_dtype = self.cfg.param_dtype
+        if param_dtype == "auto":
+            param_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        self.model = model
+        if not self.trainable:
+            model.eval().requires_grad_(False)
+            return
+        model.train()
+        o = self.cfg.optimizer
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        warmup = int(o.warmup_steps_proportion * self.total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(o.lr_scheduler_type, self.total_steps, warmup, o.min_lr_ratio))
+
+    # ----- data layout -----------------------------------------------------------------------------
+    def _rank_share(self, indices: list[int], batch) -> list[int]:
+        """This rank's sequences of `indices`, balanced by tokens across ranks (same split on every rank)."""
+        return balance({i: len(batch["input_ids"][i]) for i in indices}, self.world_size)[self.rank]
+
+    def _micro_batches(self, indices: list[int], batch, token_keys) -> list[MicroBatch]:
+        """This rank's share of `indices`, cut by the token budget into as many micro-batches as the rank
+        that needs the most (every forward/backward is a collective under FSDP)."""
+        mine = self._rank_share(indices, batch)
+        lengths = {i: len(batch["input_ids"][i]) for i in mine}
+        need = torch.tensor([count_micro_batches(list(lengths.values()), self.cfg.mb_max_tokens)], device=self.device)
+        dist.all_reduce(need, op=dist.ReduceOp.MAX)
+        return [pack(batch, group, token_keys, self.device) for group in balance(lengths, max(1, int(need)))]
+
+    def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token logprobs (with grad) and entropies (without) of a packed micro-batch."""
+        logits = self.model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None],
+                            use_cache=False).logits[0].float()
+        labels = torch.roll(mb.input_ids, -1)
+        next_logp = gather_logprobs(logits, labels, self.temperature)
+        with torch.no_grad():
+            next_entropy = entropy_from_logits(logits / self.temperature)
+        first = mb.position_ids == 0
+        # logits at t predict token t + 1: shift by one so that position t holds token t's values
+        logp = torch.where(first, 0.0, torch.roll(next_logp, 1))
+        entropy = torch.where(first, 0.0, torch.roll(next_entropy, 1))
+        return logp, entropy
+
+    # ----- commands --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_logp(self, batch: dict[str, list]) -> list[list[float]]:
+        """Per-token logprobs of every sequence under the current weights (returned on every rank)."""
+        n = len(batch["input_ids"])
+        mine: dict[int, list[float]] = {}
+        for mb in self._micro_batches(list(range(n)), batch, ()):
+            logp, _ = self._forward(mb)
+            mine.update(zip(mb.indices, unpack(logp, mb)))
+        if self.world_size == 1:
+            return [mine[i] for i in range(n)]
+        # Every rank knows every rank's share, so the gathered values can be cut back into sequences.
+        shares = balance({i: len(batch["input_ids"][i]) for i in range(n)}, self.world_size)
+        parts = self._all_gather_ragged(torch.tensor([v for i in sorted(mine) for v in mine[i]],
+                                                     dtype=torch.float32, device=self.device))
+        out: list[list[float]] = [[] for _ in range(n)]
+        for share, part in zip(shares, parts):
+            offset = 0
+            for i in share:
+                length = len(batch["input_ids"][i])
+                out[i] = part[offset: offset + length].tolist()
+                offset += length
+        return out
+
+    def _all_gather_ragged(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        sizes = [torch.zeros(1, dtype=torch.long, device=self.device) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([flat.numel()], device=self.device))
+        width = max(int(s) for s in sizes)
+        padded = torch.zeros(width, dtype=flat.dtype, device=self.device)
+        padded[: flat.numel()] = flat
+        parts = [torch.zeros_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)
+        return [p[: int(s)].cpu() for p, s in zip(parts, sizes)]
+
+    def train_batch(self, batch: dict[str, list], loss_fn: LossFn, loss_weight_fn: WeightFn,
+                    token_keys: tuple[str, ...], n_minibatches: int = 1) -> dict[str, float]:
+        """One optimizer step per minibatch; returns the token-weighted stats of the whole batch."""
+        started = time.perf_counter()
+        n = len(batch["input_ids"])
+        bounds = [round(m * n / n_minibatches) for m in range(n_minibatches + 1)]
+        totals: dict[str, float] = {}
+        for m in range(n_minibatches):
+            stats = self._train_minibatch(batch, list(range(bounds[m], bounds[m + 1])), loss_fn, loss_weight_fn,
+                                          token_keys)
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v / n_minibatches
+        totals["n_minibatches"] = n_minibatches
+        totals["seconds"] = time.perf_counter() - started
+        totals["tokens"] = float(sum(len(s) for s in batch["input_ids"]))
+        totals["tokens_per_s"] = totals["tokens"] / totals["seconds"]
+        return totals
+
+    def _train_minibatch(self, batch, indices, loss_fn, loss_weight_fn, token_keys) -> dict[str, float]:
+        mbs = self._micro_batches(indices, batch, token_keys)
+        weights = [float(loss_weight_fn(mb)) if mb.indices else 0.0 for mb in mbs]
+        total = torch.tensor([sum(weights)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        global_weight = max(float(total), 1e-8)
+        sums: dict[str, float] = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        for mb, weight in zip(mbs, weights):
+            logp, entropy = self._forward(mb)
+            loss, stats = loss_fn(logp, entropy, mb)
+            # FSDP averages gradients over ranks; scaling by world_size / global weight turns that average
+            # into the weighted mean over every rank's tokens.
+            (loss * (weight * self.world_size / global_weight)).backward()
+            stats = {"loss": loss.detach(), **stats}
+            if "entropy" not in stats and mb.indices:
+                mask = mb.tensors.get("loss_mask")
+                stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1) if mask is not None else entropy.mean()
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * weight
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.gradient_clipping)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        lr = self.scheduler.get_last_lr()[0]
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        keys = sorted(sums)
+        reduced = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(reduced)
+        out = {k: float(v) / global_weight for k, v in zip(keys, reduced.tolist())}
+        out.update(grad_norm=float(grad_norm), lr=lr, loss_weight=global_weight)
+        return out
+
+    # ----- weights and checkpoints -----------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded fp32 weights (a collective; tensors on rank 0 only, on CPU)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_hf(self, out_dir: Path) -> None:
+        """Write the weights as an ordinary Hugging Face directory (rank 0 writes; all ranks must call)."""
+        state = self.full_state_dict()
+        if self.rank == 0:
+            write_hf_dir(Path(out_dir), state, self.model.config, self.model_path)
+        dist.barrier()
+
+    def save(self, path: Path, extra: Optional[dict[str, Any]] = None) -> None:
+        """Everything needed to continue exactly: weights, optimizer, LR schedule, RNG states, version."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        model_state = self.full_state_dict()
+        optim_state = get_optimizer_state_dict(self.model, self.optimizer,
+                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        rngs = [json.loads(bytes(part.tolist()).decode()) for part in self._all_gather_ragged(
+            torch.tensor(list(json.dumps(_rng_state()).encode()), dtype=torch.uint8, device=self.device))]
+        if self.rank == 0:
+            with atomic_directory(path) as tmp:
+                write_hf_dir(tmp / MODEL_SUBDIR, model_state, self.model.config, self.model_path)
+                tensors, groups = _flatten_optimizer_state(optim_state)
+                save_file(tensors, str(tmp / "optimizer.safetensors"))
+                atomic_write_text(tmp / "trainer_state.json", json.dumps({
+                    "version": self.version,
+                    "world_size": self.world_size,
+                    "optimizer_param_groups": groups,
+                    "scheduler": self.scheduler.state_dict(),
+                    "rng": rngs,
+                    **(extra or {}),
+                }, indent=1))
+        dist.barrier()
+
+    def load(self, path: Path) -> dict[str, Any]:
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        path = Path(path)
+        state = json.loads((path / "trainer_state.json").read_text())
+        model_state = read_hf_weights(path / MODEL_SUBDIR, self.model)
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, model_state, options=options)
+        optim_state = _unflatten_optimizer_state(load_file(str(path / "optimizer.safetensors")),
+                                                 state["optimizer_param_groups"])
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=options)
+        self.scheduler.load_state_dict(state["scheduler"])
+        rngs = state["rng"]
+        _set_rng_state(rngs[self.rank] if self.rank < len(rngs) else rngs[0])
+        self.version = int(state["version"])
+        return state
+
+
+def write_hf_dir(out_dir: Path, state: dict[str, torch.Tensor], config, source_dir: str) -> None:
+    """config.json + model.safetensors (+ the tokenizer files of `source_dir`): loadable by `from_pretrained`
+    and servable by SGLang."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if getattr(config, "tie_word_embeddings", False):
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    source = Path(source_dir)
+    if source.is_dir():
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, out_dir / name)
+    else:  # a hub id: let transformers fetch and write the tokenizer
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(source_dir).save_pretrained(out_dir)
+
+
+def read_hf_weights(model_dir: Path, model) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def _flatten_optimizer_state(optim_state: dict) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Optimizer state as safetensors-ready tensors plus JSON param groups (no pickle anywhere)."""
+    tensors = {}
+    for fqn, slots in optim_state.get("state", {}).items():
+        for slot, value in slots.items():
+            tensors[f"{fqn}::{slot}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+              for g in optim_state.get("param_groups", [])]
+    return tensors, groups
+
+
+def _unflatten_optimizer_state(tensors: dict[str, torch.Tensor], groups: list[dict]) -> dict:
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        fqn, slot = key.rsplit("::", 1)
+        state.setdefault(fqn, {})[slot] = value
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+    return {"state": state, "param_groups": groups}
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": _jsonable(random.getstate()), "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_tupled(state["python"]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+def _jsonable(x):
+    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tupled(x):
+    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x

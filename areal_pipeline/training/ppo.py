@@ -1,0 +1,104 @@
+"""The algorithm as the DAG sees it: rollout shards -> batch shards (advantages), and the loss the trainer uses.
+
+Batch shards are the rollout's trajectory columns plus per-token `advantages`, `returns`, `token_rewards`,
+`kl` and, when the trainer recomputed them, `prox_logprobs` / `ref_logprobs`; and per-trajectory
+`task_reward` (the transformed, normalised reward).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pyarrow as pa
+import torch
+
+from areal_pipeline.data.shards import read_table, write_table
+from areal_pipeline.training.advantages import advantage_stats, compute_advantages
+from areal_pipeline.training.losses import ppo_actor_loss, reinforce_loss
+from areal_pipeline.training.packing import MicroBatch
+
+TOKEN_COLUMNS_OUT = ("advantages", "returns", "token_rewards", "kl")
+
+
+def pad(rows: list[list[float]], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
+
+
+def compute_batch(rollout: pa.Table, ppo_cfg, extra_token_columns: Optional[dict[str, list[list[float]]]] = None,
+                  eos_stop_reason: str = "stop") -> tuple[pa.Table, dict[str, float]]:
+    """Advantages for one iteration's rollout table; returns the batch table and its stats."""
+    cols = rollout.to_pydict()
+    extra = extra_token_columns or {}
+    lengths = [len(ids) for ids in cols["input_ids"]]
+    width = max(lengths, default=1)
+    group_index: dict[str, int] = {}
+    batch = {
+        "rewards": torch.tensor(cols["reward"], dtype=torch.float32),
+        "loss_mask": pad(cols["loss_mask"], width),
+        "logprobs": pad(cols["logprobs"], width),
+        "group_ids": torch.tensor([group_index.setdefault(g, len(group_index)) for g in cols["group_id"]]),
+        "no_eos": torch.tensor([r != eos_stop_reason for r in cols["stop_reason"]]),
+    }
+    if "ref_logprobs" in extra:
+        batch["ref_logprobs"] = pad(extra["ref_logprobs"], width)
+    out = compute_advantages(batch, ppo_cfg)
+    table = rollout
+    for name in TOKEN_COLUMNS_OUT:
+        values = [out[name][i, :n].tolist() for i, n in enumerate(lengths)]
+        table = table.append_column(name, pa.array(values, type=pa.list_(pa.float32())))
+    for name, values in extra.items():
+        table = table.append_column(name, pa.array(values, type=pa.list_(pa.float32())))
+    table = table.append_column("task_reward", pa.array(out["task_rewards"].tolist(), type=pa.float32()))
+    return table, advantage_stats(out)
+
+
+def write_batch(rollout_dir: Path, out_dir: Path, ppo_cfg, *, run_id: str, iteration: int,
+                extra_token_columns: Optional[dict[str, list[list[float]]]] = None,
+                rows_per_shard: int = 256) -> dict[str, Any]:
+    table, stats = compute_batch(read_table(rollout_dir), ppo_cfg, extra_token_columns)
+    return write_table(table, out_dir, run_id=run_id, iteration=iteration, rows_per_shard=rows_per_shard,
+                       extra_manifest={"stats": stats}, overwrite=True)
+
+
+def read_batch(batch_dir: Path, columns: tuple[str, ...]) -> dict[str, list]:
+    """The columns the trainer needs, as python lists (one entry per trajectory)."""
+    table = read_table(batch_dir, schema=None)
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{batch_dir}: batch shards lack columns {missing}; have {table.column_names}")
+    return {c: table.column(c).to_pylist() for c in columns}
+
+
+def make_loss(ppo_cfg) -> tuple[Callable, Callable, tuple[str, ...]]:
+    """(loss_fn, loss_weight_fn, per-token columns it reads) for `ppo_cfg.loss`."""
+    decoupled = ppo_cfg.use_decoupled_loss
+    uses_prox = decoupled or ppo_cfg.recompute_logprob
+
+    def weight(mb: MicroBatch) -> float:
+        return float(mb.tensors["loss_mask"].sum())
+
+    if ppo_cfg.loss == "reinforce":
+        def reinforce(logp, entropy, mb):
+            return reinforce_loss(logp, mb.tensors["advantages"], mb.tensors["loss_mask"])
+        return reinforce, weight, ("loss_mask", "advantages")
+
+    if ppo_cfg.loss != "ppo":
+        raise ValueError(f"unknown loss '{ppo_cfg.loss}'; valid: ppo, reinforce")
+
+    def ppo(logp, entropy, mb):
+        t = mb.tensors
+        # Without the decoupled loss, a recomputed logprob simply replaces the behaviour one as "old".
+        old = t["prox_logprobs"] if uses_prox and not decoupled else t["logprobs"]
+        return ppo_actor_loss(
+            logp, old, t["advantages"], t["loss_mask"], eps_clip=ppo_cfg.eps_clip,
+            eps_clip_higher=ppo_cfg.eps_clip_higher, c_clip=ppo_cfg.c_clip,
+            proximal_logprobs=t["prox_logprobs"] if decoupled else None,
+            behav_imp_weight_cap=ppo_cfg.behav_imp_weight_cap,
+            importance_sampling_level=ppo_cfg.importance_sampling_level, seq_ids=mb.seq_ids)
+
+    columns = ("loss_mask", "logprobs", "advantages") + (("prox_logprobs",) if uses_prox else ())
+    return ppo, weight, columns

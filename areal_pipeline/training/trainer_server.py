@@ -1,0 +1,313 @@
+"""The trainer process: started once per run under torchrun, model and optimizer resident across iterations.
+
+    torchrun --standalone --nproc-per-node N -m areal_pipeline.training.trainer_server \
+        --config runs/<run>/config.yaml --model PATH --port P
+
+Rank 0 serves a small HTTP endpoint on 127.0.0.1 (`POST /command`, `GET /health`) and broadcasts each command
+to the other ranks over a gloo control group (as JSON bytes); every command is then run by all ranks as a
+collective, and rank 0 answers. Commands:
+
+    {"cmd": "initialize"}                                   -> {"version"}
+    {"cmd": "compute_logp", "shard_dir", "out_path", "model": "actor" | "ref"}
+    {"cmd": "train", "batch_dir", "iteration"}              -> stats; needs version == iteration - 1
+    {"cmd": "save", "path", "extra"} / {"cmd": "load", "path"}
+    {"cmd": "save_weights", "path"}                         -> an HF directory for /update_weights_from_disk
+    {"cmd": "update_weights_distributed", "servers", "version", "master_address", "master_port"}
+    {"cmd": "status"} / {"cmd": "shutdown"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from areal_pipeline.config import ExperimentConfig, load_config
+from areal_pipeline.data.shards import read_table
+from areal_pipeline.training.engine import TrainEngine, resolve_device
+from areal_pipeline.training.ppo import make_loss, read_batch
+from areal_pipeline.utils import atomic_directory, atomic_path, get_logger
+
+logger = get_logger("areal_pipeline.trainer")
+
+# Between commands the other ranks wait in a broadcast; rollouts can take long, so the control group must
+# not time out while idle.
+IDLE_TIMEOUT = timedelta(days=7)
+
+
+class CommandError(Exception):
+    def __init__(self, message: str, code: str = "error", status: int = 500, **details):
+        super().__init__(message)
+        self.code, self.status, self.details = code, status, details
+
+
+class Trainer:
+    def __init__(self, cfg: ExperimentConfig, model_path: str):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.actor: Optional[TrainEngine] = None
+        self.ref: Optional[TrainEngine] = None
+        self.loss_fn, self.loss_weight_fn, self.token_columns = make_loss(cfg.ppo)
+        self.weight_groups: dict[str, Any] = {}
+
+    def _engine(self, trainable: bool) -> TrainEngine:
+        steps = self.cfg.total_iterations * self.cfg.ppo.ppo_n_minibatches
+        engine = TrainEngine(self.model_path, self.cfg.trainer, total_steps=steps,
+                             temperature=self.cfg.rollout.gconfig.temperature,
+                             trust_remote_code=self.cfg.model.trust_remote_code, trainable=trainable)
+        engine.initialize()
+        return engine
+
+    def require_actor(self) -> TrainEngine:
+        if self.actor is None:
+            raise CommandError("the trainer is not initialised: send {'cmd': 'initialize'} first", "not_initialized", 409)
+        return self.actor
+
+    # Each handler runs on every rank with the same arguments; rank 0's return value is the reply.
+    def initialize(self) -> dict:
+        if self.actor is None:
+            self.actor = self._engine(trainable=True)
+        return {"version": self.actor.version}
+
+    def compute_logp(self, shard_dir: str, out_path: str, model: str = "actor") -> dict:
+        if model == "ref":
+            if self.ref is None:
+                self.ref = self._engine(trainable=False)
+            engine = self.ref
+        elif model == "actor":
+            engine = self.require_actor()
+        else:
+            raise CommandError(f"unknown model '{model}'; valid: actor, ref", status=400)
+        batch = {"input_ids": read_table(Path(shard_dir), schema=None).column("input_ids").to_pylist()}
+        values = engine.compute_logp(batch)
+        if self.rank == 0:
+            import pyarrow.parquet as pq
+
+            table = pa.table({"logprobs": pa.array(values, type=pa.list_(pa.float32()))})
+            with atomic_path(Path(out_path)) as tmp:
+                pq.write_table(table, tmp)
+        return {"path": out_path, "rows": len(values), "version": engine.version}
+
+    def train(self, batch_dir: str, iteration: int) -> dict:
+        actor = self.require_actor()
+        if actor.version != iteration - 1:
+            raise CommandError(
+                f"the trainer is at version {actor.version}; the update of iteration {iteration} needs "
+                f"version {iteration - 1} (load the right checkpoint first)",
+                "version_mismatch", 409, version=actor.version)
+        columns = tuple(c for c in self.token_columns if c != "prox_logprobs")
+        batch = read_batch(Path(batch_dir), ("input_ids",) + columns)
+        if "prox_logprobs" in self.token_columns:
+            batch["prox_logprobs"] = actor.compute_logp(batch)
+        stats = actor.train_batch(batch, self.loss_fn, self.loss_weight_fn, self.token_columns,
+                                  self.cfg.ppo.ppo_n_minibatches)
+        actor.version = iteration
+        return {"version": actor.version, "stats": stats}
+
+    def save(self, path: str, extra: Optional[dict] = None) -> dict:
+        actor = self.require_actor()
+        actor.save(Path(path), extra)
+        return {"path": path, "version": actor.version}
+
+    def load(self, path: str) -> dict:
+        actor = self.require_actor()
+        if not (Path(path) / "trainer_state.json").is_file():
+            raise CommandError(f"no checkpoint at {path}", "no_checkpoint", 404)
+        actor.load(Path(path))
+        return {"path": path, "version": actor.version}
+
+    def save_weights(self, path: str) -> dict:
+        actor = self.require_actor()
+        if self.rank == 0:
+            with atomic_directory(Path(path)) as tmp:
+                actor.save_hf(tmp)
+        else:
+            actor.save_hf(Path(path))  # a collective; only rank 0 writes
+        return {"path": path, "version": actor.version}
+
+    def update_weights_distributed(self, servers: list[str], version: int, master_address: str,
+                                   master_port: int, group_name: str = "weight_update_group") -> dict:
+        from areal_pipeline.training.weight_sync import broadcast_weights
+
+        actor = self.require_actor()
+        state = actor.full_state_dict()  # a collective: every rank takes part in gathering
+        if self.rank == 0:
+            seconds = broadcast_weights(self.weight_groups, state, servers, version, master_address, master_port,
+                                        group_name, self.cfg.model, actor.model.config)
+        else:
+            seconds = 0.0
+        dist.barrier()
+        return {"version": version, "seconds": seconds}
+
+    def status(self) -> dict:
+        return {"version": self.actor.version if self.actor else None, "world_size": self.world_size,
+                "initialized": self.actor is not None}
+
+    def run(self, command: dict) -> Any:
+        handlers = {"initialize": self.initialize, "compute_logp": self.compute_logp, "train": self.train,
+                    "save": self.save, "load": self.load, "save_weights": self.save_weights,
+                    "update_weights_distributed": self.update_weights_distributed, "status": self.status}
+        name = command.get("cmd")
+        if name not in handlers:
+            raise CommandError(f"unknown command '{name}'; valid: {', '.join(sorted(handlers))}, shutdown",
+                               status=400)
+        args = {k: v for k, v in command.items() if k != "cmd"}
+        try:
+            return handlers[name](**args)
+        except TypeError as e:
+            if "argument" in str(e):
+                raise CommandError(f"bad arguments for '{name}': {e}", status=400) from e
+            raise
+
+
+def _broadcast_json(obj: Optional[dict], group) -> dict:
+    """Rank 0's `obj` on every rank, sent as JSON bytes (never pickled)."""
+    if dist.get_rank() == 0:
+        data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.long)
+    else:
+        size = torch.zeros(1, dtype=torch.long)
+    dist.broadcast(size, 0, group=group)
+    if dist.get_rank() != 0:
+        data = torch.zeros(int(size), dtype=torch.uint8)
+    dist.broadcast(data, 0, group=group)
+    return json.loads(bytes(data.tolist()).decode())
+
+
+class _Endpoint:
+    """Rank 0's HTTP front: requests queue up and are answered when the rank loop has run them."""
+
+    def __init__(self, host: str, port: int, trainer: Trainer):
+        self.inbox: queue.Queue = queue.Queue()
+        self.busy_with: Optional[str] = None
+        self.trainer = trainer
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, fmt, *args):  # keep the trainer log for the trainer
+                pass
+
+            def _reply(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path != "/health":
+                    return self._reply(404, {"error": {"message": f"no route {self.path}"}})
+                self._reply(200, {"status": "ok", "busy_with": endpoint.busy_with, **endpoint.trainer.status()})
+
+            def do_POST(self):
+                if self.path != "/command":
+                    return self._reply(404, {"error": {"message": f"no route {self.path}"}})
+                try:
+                    command = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                    if not isinstance(command, dict):
+                        raise ValueError("a command is a JSON object")
+                except ValueError as e:
+                    return self._reply(400, {"error": {"message": f"bad command: {e}", "code": "bad_request"}})
+                done = threading.Event()
+                slot: dict = {}
+                endpoint.inbox.put((command, slot, done))
+                done.wait()
+                self._reply(slot["status"], slot["body"])
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+
+
+def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int) -> None:
+    device = resolve_device(cfg.trainer.device)
+    backend = cfg.trainer.backend if cfg.trainer.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend)
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    torch.manual_seed(cfg.seed)
+    trainer = Trainer(cfg, model_path)
+    endpoint = None
+    if dist.get_rank() == 0:
+        endpoint = _Endpoint(host, port, trainer)
+        endpoint.start()
+        logger.info("trainer (world size %d, %s, %s) listening on http://%s:%d", dist.get_world_size(),
+                    backend, device, host, port)
+    while True:
+        slot = done = None
+        if endpoint is not None:
+            command, slot, done = endpoint.inbox.get()
+            endpoint.busy_with = command.get("cmd")
+        else:
+            command = None
+        command = _broadcast_json(command, control)
+        if command.get("cmd") == "shutdown":
+            if slot is not None:
+                slot.update(status=200, body={"status": "shutting down"})
+                done.set()
+            break
+        started = time.perf_counter()
+        status, body = 200, None
+        try:
+            body = trainer.run(command)
+        except CommandError as e:
+            status, body = e.status, {"error": {"message": str(e), "code": e.code, **e.details}}
+        except Exception as e:
+            logger.error("command %s failed on rank %d:\n%s", command.get("cmd"), dist.get_rank(),
+                         traceback.format_exc())
+            status, body = 500, {"error": {"message": f"{type(e).__name__}: {e}", "code": "internal"}}
+        # A command that failed on another rank must not look like a success on rank 0.
+        failed = torch.tensor([status != 200], dtype=torch.int32)
+        dist.all_reduce(failed, group=control)
+        if slot is not None:
+            if status == 200 and int(failed):
+                status, body = 500, {"error": {"message": f"{command.get('cmd')} failed on another rank; "
+                                                          "see the trainer log", "code": "internal"}}
+            if status == 200:
+                body = {**(body or {}), "seconds": time.perf_counter() - started}
+            slot.update(status=status, body=body)
+            endpoint.busy_with = None
+            done.set()
+    if endpoint is not None:
+        endpoint.stop()
+    dist.destroy_process_group()
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description="areal-pipeline trainer process (run under torchrun)")
+    p.add_argument("--config", required=True, help="the run's resolved config.yaml")
+    p.add_argument("--model", required=True, help="initial weights: HF directory or hub id")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+    serve(load_config(args.config), args.model, args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()
