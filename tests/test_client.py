@@ -77,9 +77,12 @@ def test_generate_returns_aligned_tokens_logprobs_versions(two_servers):
     async def main():
         async with RemoteSGLangEngine(two_servers) as engine:
             await engine.wait_healthy(30)
-            return await asyncio.gather(*(engine.agenerate(_request(24)) for _ in range(8)))
+            # More concurrent requests than aiohttp's default connection limit (100).
+            return await asyncio.gather(*(engine.agenerate(_request(24)) for _ in range(128)))
 
-    for resp in run(main()):
+    responses = run(main())
+    assert {r.server for r in responses} == set(two_servers)
+    for resp in responses:
         assert resp.input_tokens == PROMPT and resp.input_len == len(PROMPT)
         assert 0 < resp.output_len <= 24
         assert len(resp.output_logprobs) == len(resp.output_versions) == resp.output_len

@@ -253,6 +253,27 @@ class BatchEngine:
             return num_tensors
         return self.call(_update)
 
+    def update_weights_from_group(self, group, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                  weight_version: Optional[str]) -> concurrent.futures.Future:
+        """Receive the tensors the trainer broadcasts (rank 0 of `group`), in order, between decode steps."""
+        from areal_pipeline.training.weight_sync import DTYPES as WIRE_DTYPES
+
+        def _update():
+            params = self.model.state_dict()
+            unknown = [n for n in names if n not in params]
+            if unknown:  # fail before receiving: the trainer's broadcast then errors out instead of hanging
+                raise RequestError(f"tensors this model does not have: {unknown[:5]}")
+            for name, dtype, shape in zip(names, dtypes, shapes):
+                if dtype not in WIRE_DTYPES:
+                    raise RequestError(f"unsupported dtype {dtype!r} for {name}")
+                buffer = torch.empty(shape, dtype=WIRE_DTYPES[dtype], device=self.device)
+                group.broadcast(buffer, root=0).wait()
+                with torch.no_grad():
+                    params[name].copy_(buffer.to(params[name].dtype))
+            self.weight_version = weight_version if weight_version is not None else _next_version(self.weight_version)
+            return len(names)
+        return self.call(_update)
+
     # ----- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         try:

@@ -48,6 +48,7 @@ class InferenceServer:
     def __init__(self, engine: BatchEngine, server_args: dict[str, Any]):
         self.engine = engine
         self.server_args = server_args
+        self.weight_groups: dict[str, Any] = {}  # group_name -> (process group, store)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30, middlewares=[self._errors])
@@ -64,6 +65,9 @@ class InferenceServer:
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         app.on_shutdown.append(self._shutdown)
         return app
 
@@ -267,6 +271,51 @@ class InferenceServer:
             "num_paused_requests": num_paused,
             "weight_version": self.engine.weight_version,
         })
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        from areal_pipeline.training.weight_sync import create_weight_update_group
+
+        body = await _json_body(request)
+        try:
+            args = (body.get("backend", "gloo"), body["master_address"], int(body["master_port"]),
+                    int(body["rank_offset"]), int(body["world_size"]), body.get("group_name", "weight_update_group"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise RequestError(f"init_weights_update_group needs master_address, master_port, rank_offset and "
+                               f"world_size: {e!r}") from e
+        if args[0] != "gloo":
+            raise RequestError(f"the CPU server joins weight-update groups over gloo, not {args[0]!r}")
+        try:  # joining blocks until every member is there: keep it off the event loop and the engine
+            group = await asyncio.get_running_loop().run_in_executor(None, lambda: create_weight_update_group(*args))
+        except Exception as e:
+            return web.json_response({"success": False, "message": f"could not join the group: {e}"}, status=400)
+        self.weight_groups[args[-1]] = group
+        return web.json_response({"success": True, "message": f"joined {args[-1]} as rank {args[3]}"})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.weight_groups:
+            return web.json_response({"success": False, "message": f"no weight-update group {name!r}; "
+                                      "call /init_weights_update_group first"}, status=400)
+        names, dtypes, shapes = body.get("names") or [], body.get("dtypes") or [], body.get("shapes") or []
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise RequestError("names, dtypes and shapes must have the same length")
+        if body.get("abort_all_requests"):
+            await asyncio.wrap_future(self.engine.abort(abort_all=True))
+        version = body.get("weight_version")
+        try:
+            count = await asyncio.wrap_future(self.engine.update_weights_from_group(
+                self.weight_groups[name][0], names, dtypes, shapes, None if version is None else str(version)))
+        except Exception as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        return web.json_response({"success": True, "message": f"updated {count} tensors; "
+                                  f"weight_version={self.engine.weight_version}"})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        removed = self.weight_groups.pop(body.get("group_name", "weight_update_group"), None)
+        return web.json_response({"success": removed is not None,
+                                  "message": "destroyed" if removed else "no such group"})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await _json_body(request) if request.method == "POST" else dict(request.query)

@@ -128,9 +128,13 @@ class TrainEngine:
         return [pack(batch, group, token_keys, self.device) for group in balance(lengths, max(1, int(need)))]
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token logprobs (with grad) and entropies (without) of a packed micro-batch."""
-        logits = self.model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None],
-                            use_cache=False).logits[0].float()
+        """Per-token logprobs (with grad) and entropies (without) of a micro-batch, in packed [N] layout."""
+        if self.cfg.pack_sequences or not mb.indices:
+            logits = self.model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None],
+                                use_cache=False).logits[0]
+        else:
+            logits = self._padded_logits(mb)
+        logits = logits.float()
         labels = torch.roll(mb.input_ids, -1)
         next_logp = gather_logprobs(logits, labels, self.temperature)
         with torch.no_grad():
@@ -140,6 +144,19 @@ class TrainEngine:
         logp = torch.where(first, 0.0, torch.roll(next_logp, 1))
         entropy = torch.where(first, 0.0, torch.roll(next_entropy, 1))
         return logp, entropy
+
+    def _padded_logits(self, mb: MicroBatch) -> torch.Tensor:
+        """The baseline layout: a right-padded [B, T] batch with an attention mask, logits returned in the
+        packed order (so everything downstream is shared with the packed path)."""
+        lengths = mb.lengths
+        width = max(lengths)
+        valid = torch.arange(width, device=self.device)[None, :] < torch.tensor(lengths, device=self.device)[:, None]
+        ids = torch.zeros(len(lengths), width, dtype=torch.long, device=self.device)
+        ids[valid] = mb.input_ids
+        positions = torch.arange(width, device=self.device).expand(len(lengths), -1)
+        logits = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=positions,
+                            use_cache=False).logits
+        return logits[valid]
 
     # ----- commands --------------------------------------------------------------------------------
     @torch.no_grad()

@@ -12,7 +12,7 @@ collective, and rank 0 answers. Commands:
     {"cmd": "train", "batch_dir", "iteration"}              -> stats; needs version == iteration - 1
     {"cmd": "save", "path", "extra"} / {"cmd": "load", "path"}
     {"cmd": "save_weights", "path"}                         -> an HF directory for /update_weights_from_disk
-    {"cmd": "update_weights_distributed", "servers", "version", "master_address", "master_port"}
+    {"cmd": "update_weights_distributed", "servers", "master_address", "master_port", "dtype"}
     {"cmd": "status"} / {"cmd": "shutdown"}
 """
 
@@ -140,15 +140,18 @@ class Trainer:
             actor.save_hf(Path(path))  # a collective; only rank 0 writes
         return {"path": path, "version": actor.version}
 
-    def update_weights_distributed(self, servers: list[str], version: int, master_address: str,
-                                   master_port: int, group_name: str = "weight_update_group") -> dict:
+    def update_weights_distributed(self, servers: list[str], master_address: str, master_port: int,
+                                   dtype: str = "float32", group_name: str = "weight_update_group") -> dict:
         from areal_pipeline.training.weight_sync import broadcast_weights
 
         actor = self.require_actor()
         state = actor.full_state_dict()  # a collective: every rank takes part in gathering
+        backend = "nccl" if actor.device.type == "cuda" else "gloo"
+        version = actor.version
         if self.rank == 0:
             seconds = broadcast_weights(self.weight_groups, state, servers, version, master_address, master_port,
-                                        group_name, self.cfg.model, actor.model.config)
+                                        group_name, dtype, backend,
+                                        bool(getattr(actor.model.config, "tie_word_embeddings", False)))
         else:
             seconds = 0.0
         dist.barrier()
