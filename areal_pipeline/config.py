@@ -171,7 +171,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     param_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (mixed precision, fp32 master weights)
     mb_max_tokens: int = 8192  # micro-batch token budget for packed sequences
-    pack_sequences: bool = True  # false: right-padded [B, T] micro-batches (the slower baseline)
+    pack_sequences: bool = True  # false: one padded row per sequence (the slower baseline)
     gradient_checkpointing: bool = False
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     weight_sync: str = "disk"  # disk | distributed

@@ -150,7 +150,8 @@ def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
 class BatchEngine:
     def __init__(self, model_path: str, *, max_batch_size: int = 128, context_length: int = 0,
                  seed: int = 0, dtype: str = "float32", device: str = "cpu",
-                 trust_remote_code: bool = False, weight_version: str = "0"):
+                 trust_remote_code: bool = False, weight_version: str = "0",
+                 on_load_failure: Optional[Callable[[], None]] = None):
         self.model_path = model_path
         self.max_batch_size = max_batch_size
         self.seed = seed
@@ -165,6 +166,7 @@ class BatchEngine:
         self.eos_ids: list[int] = []
         self.ready = threading.Event()
         self.load_error: Optional[BaseException] = None
+        self.on_load_failure = on_load_failure
         self.paused = False
         self._pending: deque[GenRequest] = deque()
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
@@ -282,6 +284,8 @@ class BatchEngine:
         except BaseException as e:  # reported through /health and the log
             logger.exception("failed to load model %s", self.model_path)
             self.load_error = e
+            if self.on_load_failure is not None:
+                self.on_load_failure()
             return
         self.ready.set()
         torch.set_grad_enabled(False)

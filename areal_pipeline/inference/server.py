@@ -12,6 +12,9 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import signal
+import sys
 import time
 from typing import Any, Optional
 
@@ -356,15 +359,19 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
+    # A model that cannot load ends the server (non-zero exit), as SGLang does, so launchers fail fast.
     engine = BatchEngine(args.model, max_batch_size=args.max_batch_size, context_length=args.context_length,
                          seed=args.seed, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-                         weight_version=args.weight_version)
+                         weight_version=args.weight_version,
+                         on_load_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
     # Listen at once (health says 503 while the model loads), as SGLang does.
     engine.start()
     server = InferenceServer(engine, server_args=vars(args))
     logger.info("CPU inference server on http://%s:%d (model %s)", args.host, args.port, args.model)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
                 handle_signals=True)
+    if engine.load_error is not None:
+        sys.exit(f"could not load model {args.model}: {engine.load_error}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

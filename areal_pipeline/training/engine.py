@@ -125,16 +125,13 @@ class TrainEngine:
         lengths = {i: len(batch["input_ids"][i]) for i in mine}
         need = torch.tensor([count_micro_batches(list(lengths.values()), self.cfg.mb_max_tokens)], device=self.device)
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
-        return [pack(batch, group, token_keys, self.device) for group in balance(lengths, max(1, int(need)))]
+        return [pack(batch, group, token_keys, self.device, self.cfg.pack_sequences)
+                for group in balance(lengths, max(1, int(need)))]
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token logprobs (with grad) and entropies (without) of a micro-batch, in packed [N] layout."""
-        if self.cfg.pack_sequences or not mb.indices:
-            logits = self.model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None],
-                                use_cache=False).logits[0]
-        else:
-            logits = self._padded_logits(mb)
-        logits = logits.float()
+        grid = self.model(input_ids=mb.grid_input_ids, position_ids=mb.grid_position_ids, use_cache=False).logits
+        logits = grid.flatten(0, 1)[mb.grid_index].float()
         labels = torch.roll(mb.input_ids, -1)
         next_logp = gather_logprobs(logits, labels, self.temperature)
         with torch.no_grad():
@@ -144,19 +141,6 @@ class TrainEngine:
         logp = torch.where(first, 0.0, torch.roll(next_logp, 1))
         entropy = torch.where(first, 0.0, torch.roll(next_entropy, 1))
         return logp, entropy
-
-    def _padded_logits(self, mb: MicroBatch) -> torch.Tensor:
-        """The baseline layout: a right-padded [B, T] batch with an attention mask, logits returned in the
-        packed order (so everything downstream is shared with the packed path)."""
-        lengths = mb.lengths
-        width = max(lengths)
-        valid = torch.arange(width, device=self.device)[None, :] < torch.tensor(lengths, device=self.device)[:, None]
-        ids = torch.zeros(len(lengths), width, dtype=torch.long, device=self.device)
-        ids[valid] = mb.input_ids
-        positions = torch.arange(width, device=self.device).expand(len(lengths), -1)
-        logits = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=positions,
-                            use_cache=False).logits
-        return logits[valid]
 
     # ----- commands --------------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,91 @@
+"""Training throughput: trained tokens/s of one PPO update through the trainer process, packed vs padded
+micro-batches and 1 vs 2 ranks (gloo on CPU, NCCL on GPU).
+
+    python bench/train_throughput.py [--trajectories 128] [--min-len 16] [--max-len 256] [--updates 3]
+
+Lengths are spread uniformly (as agent trajectories are), which is where padding wastes compute.
+The last line is one JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+from areal_pipeline.config import load_config
+from areal_pipeline.data.shards import write_shards
+from areal_pipeline.data.trajectory import Trajectory
+from areal_pipeline.model import build_tiny_model
+from areal_pipeline.training.client import launch_trainer
+from areal_pipeline.training.ppo import write_batch
+
+
+def synthetic_batch(out: Path, n: int, min_len: int, max_len: int, cfg, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    trajectories = []
+    for i in range(n):
+        prompt_len = rng.randrange(8, 32)
+        length = rng.randrange(min_len, max_len + 1)
+        gen = max(1, length - prompt_len)
+        trajectories.append(Trajectory(
+            prompt_id=f"p{i // 8}", group_id=f"p{i // 8}", sample_idx=i % 8,
+            input_ids=[rng.randrange(256) for _ in range(prompt_len + gen)],
+            loss_mask=[0] * prompt_len + [1] * gen, logprobs=[0.0] * prompt_len + [-5.5] * gen,
+            versions=[-1] * prompt_len + [0] * gen, reward=float(rng.random() < 0.5), stop_reason="stop"))
+    write_shards(trajectories, out / "rollout", run_id="bench", iteration=0)
+    write_batch(out / "rollout", out / "batch", cfg.ppo, run_id="bench", iteration=0)
+    return out / "batch"
+
+
+def measure(cfg, model_dir: str, batch_dir: Path, updates: int, log_dir: Path) -> float:
+    process, client = launch_trainer(cfg, model_dir, log_dir)
+    try:
+        client.call("train", batch_dir=str(batch_dir), iteration=1)  # warm-up
+        rates = [client.call("train", batch_dir=str(batch_dir), iteration=k)["stats"]["tokens_per_s"]
+                 for k in range(2, 2 + updates)]
+    finally:
+        process.stop()
+    return statistics.median(rates)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trajectories", type=int, default=128)
+    p.add_argument("--min-len", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--updates", type=int, default=3)
+    p.add_argument("--mb-max-tokens", type=int, default=4096)
+    p.add_argument("--model", default="", help="HF model dir (default: the embedded tiny model)")
+    args = p.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-train-"))
+    model_dir = args.model or str(build_tiny_model(work / "tiny"))
+    base = [f"output_dir={work}", f"total_iterations={args.updates + 1}",
+            f"trainer.mb_max_tokens={args.mb_max_tokens}"]
+    batch_dir = synthetic_batch(work, args.trajectories, args.min_len, args.max_len, load_config(None, base))
+    variants = {
+        "packed_1rank": ["trainer.nproc=1"],
+        "padded_1rank": ["trainer.nproc=1", "trainer.pack_sequences=false"],
+        "packed_2ranks": ["trainer.nproc=2"],
+    }
+    rates = {}
+    for name, overrides in variants.items():
+        cfg = load_config(None, base + overrides)
+        rates[name] = measure(cfg, model_dir, batch_dir, args.updates, work / name)
+        print(f"{name}: {rates[name]:,.0f} trained tokens/s", flush=True)
+    print(json.dumps({
+        "trajectories": args.trajectories,
+        "tokens_per_s": round(rates["packed_1rank"], 1),
+        "padded_tokens_per_s": round(rates["padded_1rank"], 1),
+        "two_ranks_tokens_per_s": round(rates["packed_2ranks"], 1),
+        "packed_vs_padded": round(rates["packed_1rank"] / rates["padded_1rank"], 3),
+        "two_ranks_vs_one": round(rates["packed_2ranks"] / rates["packed_1rank"], 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()
