@@ -104,6 +104,37 @@ class GenerationConfig:
 
 
 @dataclass
+class RetrievalConfig:
+    """The search agent's local retrieval server (`areal-pipeline retrieval-server`)."""
+
+    corpus: str = ""  # jsonl with id, title, contents; empty: the generated knowledge base
+    retriever: str = "bm25"  # bm25 | dense
+    embedding_model: str = ""  # a local sentence-embedding model directory, for retriever=dense
+    index_dir: str = ""  # empty: <output_dir>/_indexes/<corpus digest>
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port
+    topk: int = 3
+    max_topk: int = 50
+    max_query_chars: int = 2000
+    request_retries: int = 3
+    setup_timeout: float = 120.0
+
+
+@dataclass
+class AgentConfig:
+    """Settings of the multi-turn and tool-using workflows (ignored by single-turn rlvr)."""
+
+    max_turns: int = 2
+    turn_discount: float = 0.9  # reflection: final reward x turn_discount per extra turn
+    turn_level_discount: float = 0.9  # multi_turn: per-turn rewards discounted backwards over turns
+    reward_bias: float = 0.0  # multi_turn per-turn reward: ((success - 0.5) * 2 - bias) * scaling
+    reward_scaling: float = 1.0
+    max_tokens: int = 1024  # search agent: budget of the whole episode (prompt + all turns)
+    reward: str = "f1"  # search agent: f1 | exact_match
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+
+
+@dataclass
 class RolloutConfig:
     workflow: str = "rlvr"
     batch_size: int = 16  # prompts per iteration
@@ -112,6 +143,7 @@ class RolloutConfig:
     reward_workers: int = 1
     shard_rows: int = 256
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass
