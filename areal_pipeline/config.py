@@ -207,8 +207,6 @@ class TrainerConfig:
     gradient_checkpointing: bool = False
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     weight_sync: str = "disk"  # disk | distributed
-    save_freq: int = 1
-    keep_checkpoints: int = 2
     setup_timeout: float = 300.0
     command_timeout: float = 3600.0
 
@@ -225,6 +223,10 @@ class ExperimentConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     total_iterations: int = 10
+    save_freq: int = 1  # checkpoint every N iterations (and after the last)
+    keep_checkpoints: int = 2  # newest K kept
+    eval_freq: int = 0  # pass@1 on the test split every N iterations (and after the last); 0: off
+    eval_max_prompts: int = 0  # 0: the whole test split
 
     @property
     def run_dir(self) -> Path:

@@ -61,7 +61,10 @@ def rollout_stats(trajectories: list[Trajectory], seconds: float) -> dict[str, f
     rewards = [t.reward for t in trajectories]
     mean = sum(rewards) / n
     generated = sum(t.num_generated for t in trajectories)
+    token_versions = [v for t in trajectories for v, m in zip(t.versions, t.loss_mask) if m]
     return {
+        "min_token_version": min(token_versions, default=None),
+        "max_token_version": max(token_versions, default=None),
         "num_trajectories": len(trajectories),
         "reward_mean": mean,
         "reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,

@@ -7,6 +7,7 @@ that live across iterations.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,10 @@ from areal_pipeline.rollout.executor import rollout_to_shards, select_batch
 from areal_pipeline.workflows import build_workflow
 
 
+def episode_seed(seed: int, iteration: int, prompt_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{iteration}/{prompt_id}".encode()).digest()[:4], "little") >> 1
+
+
 def rollout_dir(cfg: ExperimentConfig, iteration: int) -> Path:
     return cfg.run_dir / f"iter_{iteration}" / "rollout"
 
@@ -27,7 +32,8 @@ def rollout_dir(cfg: ExperimentConfig, iteration: int) -> Path:
 async def rollout_iteration(cfg: ExperimentConfig, addresses: list[str], iteration: int, tokenizer,
                             reward_pool: RewardPool, progress: bool = True) -> dict[str, Any]:
     records = load_records(cfg.dataset, cfg.dataset.train_split, cfg.seed)
-    batch = select_batch(records, iteration, cfg.rollout.batch_size, cfg.seed)
+    batch = [{**r, "sampling_seed": episode_seed(cfg.seed, iteration, r["prompt_id"])}
+             for r in select_batch(records, iteration, cfg.rollout.batch_size, cfg.seed)]
     workflow = build_workflow(cfg, tokenizer, reward_pool)
     inf = cfg.inference
     async with RemoteSGLangEngine(addresses, request_timeout=inf.request_timeout,

@@ -7,7 +7,7 @@ Rank 0 serves a small HTTP endpoint on 127.0.0.1 (`POST /command`, `GET /health`
 to the other ranks over a gloo control group (as JSON bytes); every command is then run by all ranks as a
 collective, and rank 0 answers. Commands:
 
-    {"cmd": "initialize"}                                   -> {"version"}
+    {"cmd": "initialize"} / {"cmd": "reinitialize"}         -> {"version"}
     {"cmd": "compute_logp", "shard_dir", "out_path", "model": "actor" | "ref"}
     {"cmd": "train", "batch_dir", "iteration"}              -> stats; needs version == iteration - 1
     {"cmd": "save", "path", "extra"} / {"cmd": "load", "path"}
@@ -83,6 +83,11 @@ class Trainer:
         if self.actor is None:
             self.actor = self._engine(trainable=True)
         return {"version": self.actor.version}
+
+    def reinitialize(self) -> dict:
+        """Back to the initial weights and a fresh optimizer (version 0), e.g. to replay from the start."""
+        self.actor = None
+        return self.initialize()
 
     def compute_logp(self, shard_dir: str, out_path: str, model: str = "actor") -> dict:
         if model == "ref":
@@ -162,7 +167,7 @@ class Trainer:
                 "initialized": self.actor is not None}
 
     def run(self, command: dict) -> Any:
-        handlers = {"initialize": self.initialize, "compute_logp": self.compute_logp, "train": self.train,
+        handlers = {"initialize": self.initialize, "reinitialize": self.reinitialize, "compute_logp": self.compute_logp, "train": self.train,
                     "save": self.save, "load": self.load, "save_weights": self.save_weights,
                     "update_weights_distributed": self.update_weights_distributed, "status": self.status}
         name = command.get("cmd")

@@ -23,6 +23,14 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
                                               return_dict=False))
 
 
+def sample_seed(data: dict[str, Any], sample_idx: int, turn: int = 0) -> dict[str, int]:
+    """`sampling_seed` for one generation, when the rollout gave the episode a seed: the same iteration then
+    samples the same tokens however the server batches it (so a rerun reproduces its shards)."""
+    if data.get("sampling_seed") is None:
+        return {}
+    return {"sampling_seed": (int(data["sampling_seed"]) + 1009 * sample_idx + 7919 * turn) % (1 << 31)}
+
+
 def single_turn_trajectory(data: dict[str, Any], sample_idx: int, resp: ModelResponse, reward: float,
                            completion: str) -> Trajectory:
     prompt_len = resp.input_len
@@ -54,8 +62,9 @@ class RLVRWorkflow:
     async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
         input_ids = chat_prompt_ids(self.tokenizer, data["messages"])
         single = dataclasses.replace(self.gconfig, n_samples=1)
-        requests = [ModelRequest(rid=uuid.uuid4().hex, input_ids=input_ids, gconfig=single)
-                    for _ in range(self.gconfig.n_samples)]
+        requests = [ModelRequest(rid=uuid.uuid4().hex, input_ids=input_ids, gconfig=single,
+                                 extra_sampling_params=sample_seed(data, i))
+                    for i in range(self.gconfig.n_samples)]
         responses = await asyncio.gather(*(engine.agenerate(r) for r in requests))
         completions = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in responses]
         rewards = await asyncio.gather(*(self.reward_pool.ascore(self.reward_fn, c, data["answer"])

@@ -1,0 +1,504 @@
+"""One RL iteration as steps that any orchestrator can call: the Prefect tasks wrap them one to one, and a
+plain loop (`run_plain`) calls the same functions.
+
+Every step is idempotent and backed by its output on disk: it first looks for its complete output (a
+manifest or record written last, atomically) and returns that instead of redoing the work. State that lives
+in processes is restored on demand instead of being assumed:
+
+- the trainer must be at version k-1 for `ppo_update(k)`: a trainer found at another version (it crashed and
+  was restarted, or the run was resumed) loads the newest checkpoint at or below k-1 and replays the updates
+  after it from their batch shards (bitwise exact on CPU);
+- the inference servers must serve version k-1 for `rollout(k)` and version k after `broadcast_weights(k)`:
+  a server at another version (restarted, or resumed run) gets the right weights pushed first.
+
+Rollouts are seeded per episode (seed, iteration, prompt), so a rerun of a half-finished rollout samples the
+same tokens; with `ppo.recompute_logprob` the trainer's "old" logprobs are recomputed from those tokens, so a
+rerun after a crash reaches the same final weights bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from areal_pipeline.config import ExperimentConfig, save_config, to_dict
+from areal_pipeline.data.datasets import load_records
+from areal_pipeline.data.shards import is_complete, read_manifest, read_table
+from areal_pipeline.inference.client import RemoteSGLangEngine
+from areal_pipeline.inference.launcher import ServerProcess, launch_servers
+from areal_pipeline.model import load_tokenizer, resolve_model_path
+from areal_pipeline.rewards.pool import RewardPool
+from areal_pipeline.rollout.executor import rollout_to_shards, select_batch
+from areal_pipeline.rollout.job import episode_seed
+from areal_pipeline.training.client import TrainerClient, TrainerError, launch_trainer
+from areal_pipeline.training.ppo import write_batch
+from areal_pipeline.utils import atomic_write_text, find_free_port, get_logger
+
+logger = get_logger(__name__)
+
+
+class RunLockedError(RuntimeError):
+    pass
+
+
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Refuse a second live run of the same run id (they would overwrite each other's outputs)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / ".lock"
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "another process"
+        handle.close()
+        raise RunLockedError(f"run '{run_dir.name}' is already running ({owner}); refusing to start a second "
+                             f"run with the same run_id in {run_dir}") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    try:
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    run_dir: Path
+
+    def iteration(self, k: int) -> Path:
+        return self.run_dir / f"iter_{k}"
+
+    def rollout(self, k: int) -> Path:
+        return self.iteration(k) / "rollout"
+
+    def batch(self, k: int) -> Path:
+        return self.iteration(k) / "batch"
+
+    def update(self, k: int) -> Path:
+        return self.iteration(k) / "update.json"
+
+    def evaluation(self, k: int) -> Path:
+        return self.iteration(k) / "eval.json"
+
+    def metrics(self, k: int) -> Path:
+        return self.iteration(k) / "metrics.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def checkpoint(self, k: int) -> Path:
+        return self.checkpoints / f"step_{k}"
+
+    def weights(self, k: int) -> Path:
+        return self.run_dir / "weights" / f"v{k}"
+
+    @property
+    def metrics_jsonl(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def saved_checkpoints(self) -> list[int]:
+        if not self.checkpoints.is_dir():
+            return []
+        return sorted(int(p.name.split("_")[1]) for p in self.checkpoints.glob("step_*")
+                      if (p / "trainer_state.json").is_file())
+
+    def completed_iterations(self) -> list[int]:
+        return sorted(int(p.parent.name.split("_")[1]) for p in self.run_dir.glob("iter_*/metrics.json"))
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _write_json(path: Path, record: dict) -> dict:
+    atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return record
+
+
+class Services:
+    """The long-lived processes of a run (inference servers, trainer, tool servers), owned by the
+    orchestrating process; steps find them here and restart the ones that died."""
+
+    def __init__(self, cfg: ExperimentConfig, model_path: str):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.log_dir = cfg.run_dir / "logs"
+        self.inference: list[ServerProcess] = []
+        self.trainer: Optional[ServerProcess] = None
+        self.trainer_client: Optional[TrainerClient] = None
+        self.tools: dict[str, ServerProcess] = {}
+
+    def start_inference(self) -> list[str]:
+        if not self.inference:
+            self.inference = launch_servers(self.model_path, self.cfg.inference, self.cfg.seed, self.log_dir)
+        return self.addresses
+
+    def start_trainer(self) -> str:
+        if self.trainer is None:
+            self.trainer, self.trainer_client = launch_trainer(self.cfg, self.model_path, self.log_dir)
+        return self.trainer.address
+
+    def start_tools(self) -> dict[str, str]:
+        if self.cfg.rollout.workflow == "search_agent" and "retrieval" not in self.tools:
+            from areal_pipeline.tools.retrieval_server import launch_retrieval_server
+
+            self.tools["retrieval"] = launch_retrieval_server(self.cfg, self.log_dir)
+        return {name: p.address for name, p in self.tools.items()}
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.inference]
+
+    def ensure_inference_alive(self) -> None:
+        """Restart servers that died (they come back at version 0; the next step pushes the weights)."""
+        dead = [s for s in self.inference if s.popen is None or s.popen.poll() is not None or not s.is_healthy()]
+        if dead:
+            logger.warning("inference server(s) %s died; restarting", ", ".join(s.address for s in dead))
+            for s in dead:
+                s.stop()
+            self.inference = [s for s in self.inference if s not in dead]
+            # restart on the same ports, so that addresses recorded elsewhere stay valid
+            self.inference += [ServerProcess(s.command, s.address, s.log_path).start() for s in dead]
+            for s in self.inference[-len(dead):]:
+                s.wait_healthy(self.cfg.inference.setup_timeout)
+
+    def ensure_trainer_alive(self) -> TrainerClient:
+        if self.trainer is not None and self.trainer.popen.poll() is None and self.trainer.is_healthy():
+            return self.trainer_client
+        logger.warning("the trainer is down; restarting it")
+        if self.trainer is not None:
+            self.trainer.stop()
+        self.trainer = self.trainer_client = None
+        self.start_trainer()
+        return self.trainer_client
+
+    def stop(self) -> None:
+        for process in [*self.inference, *([self.trainer] if self.trainer else []), *self.tools.values()]:
+            try:
+                process.stop()
+            except Exception:  # teardown goes on for the others
+                logger.exception("could not stop %s", process.address)
+        self.inference, self.trainer, self.trainer_client, self.tools = [], None, None, {}
+
+
+class Pipeline:
+    def __init__(self, cfg: ExperimentConfig, services: Optional[Services] = None):
+        self.cfg = cfg
+        self.paths = RunPaths(cfg.run_dir)
+        self.model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
+        self.services = services or Services(cfg, self.model_path)
+        self._tokenizer = None
+        self._reward_pool: Optional[RewardPool] = None
+        self._records: dict[str, list[dict]] = {}
+
+    # ----- set-up ----------------------------------------------------------------------------------
+    def prepare_dataset(self) -> dict[str, Any]:
+        """Both splits as jsonl under `<output_dir>/_datasets/<content digest>/`, made once per content."""
+        d = self.cfg.dataset
+        source = hashlib.sha256(json.dumps(to_dict(d), sort_keys=True).encode() + str(self.cfg.seed).encode())
+        if d.path and Path(d.path).exists():
+            for f in sorted(Path(d.path).rglob("*.jsonl")) if Path(d.path).is_dir() else [Path(d.path)]:
+                source.update(f.read_bytes())
+        out = Path(self.cfg.output_dir) / "_datasets" / f"{d.name}-{source.hexdigest()[:16]}"
+        manifest = _read_json(out / "manifest.json")
+        if manifest is None:
+            counts = {}
+            for split in (d.train_split, d.test_split):
+                records = load_records(d, split, self.cfg.seed)
+                atomic_write_text(out / f"{split}.jsonl",
+                                  "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+                counts[split] = len(records)
+            manifest = _write_json(out / "manifest.json", {"path": str(out), "counts": counts, "name": d.name})
+        self.dataset_dir = Path(manifest["path"])
+        return manifest
+
+    def records(self, split: str) -> list[dict]:
+        if split not in self._records:
+            if not hasattr(self, "dataset_dir"):
+                self.prepare_dataset()
+            with open(self.dataset_dir / f"{split}.jsonl", encoding="utf-8") as f:
+                self._records[split] = [json.loads(line) for line in f]
+        return self._records[split]
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_path, self.cfg.model.trust_remote_code)
+        return self._tokenizer
+
+    @property
+    def reward_pool(self) -> RewardPool:
+        if self._reward_pool is None:
+            self._reward_pool = RewardPool(self.cfg.rollout.reward_workers, self.cfg.rollout.reward_timeout)
+        return self._reward_pool
+
+    def close(self) -> None:
+        if self._reward_pool is not None:
+            self._reward_pool.close()
+            self._reward_pool = None
+
+    # ----- versions --------------------------------------------------------------------------------
+    def ensure_trainer_version(self, version: int) -> TrainerClient:
+        """Bring the trainer to `version`: load the newest checkpoint at or below it, replay the rest."""
+        client = self.services.ensure_trainer_alive()
+        current = client.call("status")["version"]
+        if current == version:
+            return client
+        saved = [c for c in self.paths.saved_checkpoints() if c <= version]
+        start = saved[-1] if saved else 0
+        if current is not None and start <= current <= version:
+            start = current  # already on the way: replay only what is missing
+        elif saved:
+            client.call("load", path=str(self.paths.checkpoint(start)))
+        else:
+            client.call("reinitialize")
+        if start < version:
+            logger.info("trainer at version %s: replaying updates %d..%d from their batch shards",
+                        current, start + 1, version)
+        for k in range(start + 1, version + 1):
+            if not is_complete(self.paths.batch(k)):
+                raise RuntimeError(f"cannot restore the trainer to version {version}: iteration {k}'s batch "
+                                   f"shards at {self.paths.batch(k)} are missing")
+            client.call("train", batch_dir=str(self.paths.batch(k)), iteration=k)
+        return client
+
+    def server_versions(self) -> list[str]:
+        async def versions():
+            async with self._engine() as engine:
+                return [str((await engine.get_model_info(a))["weight_version"]) for a in engine.addresses]
+        return asyncio.run(versions())
+
+    def sync_servers(self, version: int) -> dict[str, Any]:
+        """Make every inference server serve `version` (pause -> update -> continue); a no-op when it does."""
+        self.services.ensure_inference_alive()
+        if all(v == str(version) for v in self.server_versions()):
+            return {"version": version, "pushed": False, "seconds": 0.0}
+        started = time.perf_counter()
+        client = self.ensure_trainer_version(version)
+        if self.cfg.trainer.weight_sync == "distributed":
+            async def push():
+                async with self._engine() as engine:
+                    await engine.pause()
+                    try:
+                        client.call("update_weights_distributed", servers=engine.addresses,
+                                    master_address="127.0.0.1", master_port=find_free_port(),
+                                    dtype=self._wire_dtype())
+                        engine.set_version(version)
+                    finally:
+                        await engine.resume()
+        else:
+            path = self.paths.weights(version)
+            if not (path / "config.json").is_file():
+                client.call("save_weights", path=str(path))
+
+            async def push():
+                async with self._engine() as engine:
+                    await engine.update_weights(str(path), version)
+        asyncio.run(push())
+        self._prune_weights(keep=version)
+        return {"version": version, "pushed": True, "seconds": time.perf_counter() - started}
+
+    def _wire_dtype(self) -> str:
+        inf = self.cfg.inference
+        return inf.sglang.dtype if inf.backend == "sglang" else self.cfg.model.dtype
+
+    def _prune_weights(self, keep: int) -> None:
+        root = self.paths.run_dir / "weights"
+        for path in root.glob("v*") if root.is_dir() else []:
+            if path.name != f"v{keep}":
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _engine(self) -> RemoteSGLangEngine:
+        inf = self.cfg.inference
+        return RemoteSGLangEngine(self.services.addresses, request_timeout=inf.request_timeout,
+                                  request_retries=inf.request_retries)
+
+    # ----- the DAG's nodes -------------------------------------------------------------------------
+    def rollout(self, k: int, progress: bool = False) -> dict[str, Any]:
+        out = self.paths.rollout(k)
+        if is_complete(out):
+            return {**read_manifest(out)["stats"], "cached": True}
+        self.sync_servers(k - 1)
+        from areal_pipeline.workflows import build_workflow
+
+        batch = [{**r, "sampling_seed": episode_seed(self.cfg.seed, k, r["prompt_id"])}
+                 for r in select_batch(self.records(self.cfg.dataset.train_split), k - 1,
+                                       self.cfg.rollout.batch_size, self.cfg.seed)]
+        workflow = build_workflow(self.cfg, self.tokenizer, self.reward_pool, **self._tool_kwargs())
+
+        async def run():
+            async with self._engine() as engine:
+                return await rollout_to_shards(
+                    workflow, engine, batch, out, run_id=self.cfg.run_id, iteration=k,
+                    max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
+                    samples_per_episode=self.cfg.rollout.gconfig.n_samples, rows_per_shard=self.cfg.rollout.shard_rows,
+                    progress=progress, extra_manifest={"policy_version": k - 1})
+        stats = asyncio.run(run())["stats"]
+        return {**stats, "cached": False}
+
+    def _tool_kwargs(self) -> dict[str, Any]:
+        tools = {name: p.address for name, p in self.services.tools.items()}
+        return {"tool_addresses": tools} if tools else {}
+
+    def advantages(self, k: int) -> dict[str, Any]:
+        out = self.paths.batch(k)
+        if is_complete(out):
+            return {**read_manifest(out)["stats"], "cached": True}
+        started = time.perf_counter()
+        extra = None
+        if self.cfg.ppo.kl_ctl != 0:
+            client = self.services.ensure_trainer_alive()
+            ref_path = self.paths.iteration(k) / "ref_logprobs.parquet"
+            client.call("compute_logp", shard_dir=str(self.paths.rollout(k)), out_path=str(ref_path), model="ref")
+            import pyarrow.parquet as pq
+
+            extra = {"ref_logprobs": pq.read_table(ref_path).column("logprobs").to_pylist()}
+        manifest = write_batch(self.paths.rollout(k), out, self.cfg.ppo, run_id=self.cfg.run_id, iteration=k,
+                               extra_token_columns=extra, rows_per_shard=self.cfg.rollout.shard_rows)
+        return {**manifest["stats"], "seconds": time.perf_counter() - started, "cached": False}
+
+    def ppo_update(self, k: int) -> dict[str, Any]:
+        record = _read_json(self.paths.update(k))
+        if record is not None:
+            return {**record, "cached": True}
+        client = self.ensure_trainer_version(k - 1)
+        reply = client.call("train", batch_dir=str(self.paths.batch(k)), iteration=k)
+        return {**_write_json(self.paths.update(k), {"version": reply["version"], **reply["stats"]}), "cached": False}
+
+    def broadcast_weights(self, k: int) -> dict[str, Any]:
+        return self.sync_servers(k)
+
+    def checkpoint(self, k: int) -> dict[str, Any]:
+        if not (k % self.cfg.save_freq == 0 or k == self.cfg.total_iterations):
+            return {"saved": False}
+        path = self.paths.checkpoint(k)
+        if (path / "trainer_state.json").is_file():
+            return {"saved": True, "path": str(path), "cached": True}
+        started = time.perf_counter()
+        client = self.ensure_trainer_version(k)
+        client.call("save", path=str(path), extra={"iteration": k, "run_id": self.cfg.run_id})
+        for old in self.paths.saved_checkpoints()[: -self.cfg.keep_checkpoints]:
+            shutil.rmtree(self.paths.checkpoint(old), ignore_errors=True)
+        return {"saved": True, "path": str(path), "seconds": time.perf_counter() - started, "cached": False}
+
+    def evaluate(self, k: int, force: bool = False) -> Optional[dict[str, Any]]:
+        if not force and not (self.cfg.eval_freq > 0 and (k % self.cfg.eval_freq == 0 or k == self.cfg.total_iterations)):
+            return None
+        record = _read_json(self.paths.evaluation(k))
+        if record is not None:
+            return {**record, "cached": True}
+        self.sync_servers(k)
+        record = evaluate_policy(self.cfg, self._engine, self.records(self.cfg.dataset.test_split), self.tokenizer,
+                                 self.reward_pool, self._tool_kwargs())
+        return {**_write_json(self.paths.evaluation(k), {"version": k, **record}), "cached": False}
+
+    def record_metrics(self, k: int, nodes: dict[str, Optional[dict]], seconds: dict[str, float]) -> dict[str, Any]:
+        """The iteration's metrics: one flat record in `iter_<k>/metrics.json` and `metrics.jsonl`."""
+        rollout, batch, update = nodes["rollout"], nodes["advantages"], nodes["ppo_update"]
+        evaluation = nodes.get("evaluate")
+        record = {
+            "iteration": k,
+            "reward_mean": rollout["reward_mean"], "reward_std": rollout["reward_std"],
+            "accuracy": rollout["accuracy"], "response_length": rollout["response_length"],
+            "staleness": _staleness(k, rollout), "rollout_tokens_per_s": rollout["rollout_tokens_per_s"],
+            "advantage_std": batch.get("advantage_std"), "kl": batch.get("kl_mean"),
+            **{k2: update.get(k2) for k2 in ("loss", "entropy", "clip_fraction", "dual_clip_fraction", "approx_kl",
+                                             "importance_weight", "grad_norm", "lr")},
+            "train_tokens_per_s": update.get("tokens_per_s"),
+            "eval_pass_at_1": evaluation.get("pass_at_1") if evaluation else None,
+            "eval_reward": evaluation.get("reward_mean") if evaluation else None,
+            **{f"time_{name}": round(s, 4) for name, s in seconds.items()},
+        }
+        _write_json(self.paths.metrics(k), record)
+        lines = [json.dumps(json.loads(self.paths.metrics(i).read_text()), sort_keys=True)
+                 for i in self.paths.completed_iterations()]
+        atomic_write_text(self.paths.metrics_jsonl, "".join(line + "\n" for line in lines))
+        return record
+
+    def run_iteration(self, k: int) -> dict[str, Any]:
+        """The plain (orchestrator-free) iteration: the same nodes in the same order."""
+        nodes, seconds = {}, {}
+        for name in ("rollout", "advantages", "ppo_update", "broadcast_weights", "checkpoint", "evaluate"):
+            started = time.perf_counter()
+            nodes[name] = getattr(self, name)(k)
+            seconds[name] = time.perf_counter() - started
+        return self.record_metrics(k, nodes, seconds)
+
+    def start(self) -> None:
+        save_config(self.cfg, self.paths.run_dir / "config.yaml")
+        self.prepare_dataset()
+        self.services.start_tools()
+        self.services.start_inference()
+        self.services.start_trainer()
+
+
+def _staleness(k: int, rollout_stats: dict) -> int:
+    """How many versions behind the policy of iteration k (version k - 1) its oldest token is."""
+    oldest = rollout_stats.get("min_token_version")
+    return 0 if oldest is None else (k - 1) - oldest
+
+
+def evaluate_policy(cfg: ExperimentConfig, engine_factory, records: list[dict], tokenizer, reward_pool,
+                    tool_kwargs: dict) -> dict[str, Any]:
+    """pass@1 (greedy, one sample per prompt) and mean reward on `records`."""
+    import dataclasses
+
+    from areal_pipeline.rollout.executor import run_episodes
+    from areal_pipeline.workflows import build_workflow
+
+    records = records[: cfg.eval_max_prompts] if cfg.eval_max_prompts else records
+    greedy = dataclasses.replace(cfg.rollout.gconfig, n_samples=1, greedy=True)
+    eval_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gconfig=greedy))
+    workflow = build_workflow(eval_cfg, tokenizer, reward_pool, **tool_kwargs)
+    started = time.perf_counter()
+
+    async def run():
+        async with engine_factory() as engine:
+            return await run_episodes(workflow, engine, records,
+                                      max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts, progress=False)
+    trajectories = asyncio.run(run())
+    n = max(1, len(trajectories))
+    return {
+        "num_prompts": len(records),
+        "pass_at_1": sum(t.reward >= 1.0 for t in trajectories) / n,
+        "reward_mean": sum(t.reward for t in trajectories) / n,
+        "response_length": sum(t.num_generated for t in trajectories) / n,
+        "seconds": time.perf_counter() - started,
+        "samples": [{"prompt": next((m["content"] for m in t.messages if m["role"] == "user"), ""),
+                     "completion": t.text, "reward": t.reward} for t in trajectories[:4]],
+    }
+
+
+def newest_completed_iteration(run_dir: Path) -> int:
+    done = RunPaths(run_dir).completed_iterations()
+    return done[-1] if done else 0
+
+
+def run_plain(cfg: ExperimentConfig, first: int = 1, last: Optional[int] = None) -> list[dict[str, Any]]:
+    """The train loop without an orchestrator (the baseline of bench/orchestration_overhead.py)."""
+    pipeline = Pipeline(cfg)
+    records = []
+    with run_lock(cfg.run_dir):
+        try:
+            pipeline.start()
+            for k in range(first, (last or cfg.total_iterations) + 1):
+                records.append(pipeline.run_iteration(k))
+        finally:
+            pipeline.close()
+            pipeline.services.stop()
+    return records
