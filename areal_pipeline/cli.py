@@ -30,14 +30,65 @@ def cmd_inference_server(args) -> None:
     server.serve(args)
 
 
+def cmd_retrieval_server(args) -> None:
+    from areal_pipeline.tools import retrieval_server
+
+    retrieval_server.serve(args)
+
+
 def cmd_rollout(args) -> None:
-    from areal_pipeline.rollout.job import rollout_dir, run_rollout_job
+    from areal_pipeline.config import save_config
+    from areal_pipeline.pipeline import Pipeline, run_lock
 
     cfg = _config(args)
-    manifest = run_rollout_job(cfg, iteration=args.iteration)
-    stats = manifest["stats"]
+    pipeline = Pipeline(cfg)
+    with run_lock(cfg.run_dir):
+        try:
+            save_config(cfg, cfg.run_dir / "config.yaml")
+            pipeline.prepare_dataset()
+            pipeline.services.start_tools()
+            pipeline.services.start_inference()
+            stats = pipeline.rollout(args.iteration, progress=True)
+        finally:
+            pipeline.close()
+            pipeline.services.stop()
     print(json.dumps(stats, indent=2))
-    print(f"shards: {rollout_dir(cfg, args.iteration)}")
+    print(f"shards: {pipeline.paths.rollout(args.iteration)}")
+
+
+def cmd_train(args) -> None:
+    from flows.train import train
+
+    from areal_pipeline.metrics import read_metrics, summarize
+    from areal_pipeline.pipeline import resolve_run_config
+
+    cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)  # config errors first
+    result = train(config_path=args.config, overrides=args.overrides, run_id=args.run_id, iterations=args.iterations)
+    records = read_metrics(cfg.run_dir / "metrics.jsonl")
+    summary = summarize(records)
+    print(f"\nrun {cfg.run_id}: {summary.get('iterations', 0)} iterations in {cfg.run_dir}")
+    if summary:
+        print(f"  mean reward, first {summary['window']} iterations: {summary['reward_first']:.3f}")
+        print(f"  mean reward, last {summary['window']} iterations:  {summary['reward_last']:.3f}")
+        if summary["eval_pass_at_1_last"] is not None:
+            print(f"  eval pass@1: {summary['eval_pass_at_1_first']:.3f} -> {summary['eval_pass_at_1_last']:.3f}")
+    print(f"  reward curve: {result.get('curve', cfg.run_dir / 'reward_curve.png')}")
+    print(f"  metrics:      {cfg.run_dir / 'metrics.jsonl'}")
+
+
+def cmd_evaluate(args) -> None:
+    from flows.evaluate import evaluate
+
+    result = evaluate(config_path=args.config, overrides=args.overrides, run_id=args.run_id,
+                      checkpoint=args.checkpoint)
+    print(json.dumps(result, indent=2))
+
+
+def cmd_serve(args) -> None:
+    from flows.serve import serve_deployments
+
+    serve_deployments(args.config, args.overrides, args.run_id, args.iterations, cron=args.cron,
+                      interval=args.interval, eval_cron=args.eval_cron, eval_interval=args.eval_interval)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,24 +109,76 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve a model over SGLang's HTTP API on CPU")
     p.set_defaults(func=cmd_inference_server)
 
+    from areal_pipeline.tools.retrieval_server import build_arg_parser as retrieval_arg_parser
+
+    p = sub.add_parser("retrieval-server", parents=[retrieval_arg_parser()], add_help=False,
+                       conflict_handler="resolve", help="serve BM25 (or dense) retrieval over a jsonl corpus")
+    p.set_defaults(func=cmd_retrieval_server)
+
+    p = sub.add_parser("train", help="run the train flow: one Prefect child flow run per RL iteration")
+    p.add_argument("--config", default="configs/tiny_cpu.yaml")
+    p.add_argument("--run-id", default=None, help="default: the config's run_id")
+    p.add_argument("--iterations", type=int, default=None,
+                   help="continue the run for N more iterations (default: up to total_iterations)")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. trainer.optimizer.lr=1e-4")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("evaluate", help="pass@1 and mean reward of a checkpoint on the test split")
+    p.add_argument("--config", default="configs/tiny_cpu.yaml")
+    p.add_argument("--run-id", default=None)
+    p.add_argument("--checkpoint", default="latest",
+                   help="a checkpoint dir, an HF model dir, or 'latest' (the run's newest checkpoint)")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("serve", help="serve the train and evaluate deployments (Prefect UI runs, schedules)")
+    p.add_argument("--config", default="configs/tiny_cpu.yaml")
+    p.add_argument("--run-id", default=None)
+    p.add_argument("--iterations", type=int, default=None, help="iterations a train run adds to its run")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--cron", default=None, help="schedule train runs, e.g. '0 * * * *'")
+    when.add_argument("--interval", type=float, default=None, help="schedule train runs every N seconds")
+    eval_when = p.add_mutually_exclusive_group()
+    eval_when.add_argument("--eval-cron", default=None)
+    eval_when.add_argument("--eval-interval", type=float, default=None)
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("rollout", help="roll out one iteration's batch into Parquet shards")
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
-    p.add_argument("--iteration", type=int, default=0)
+    p.add_argument("--iteration", type=int, default=1, help="k: rolled out with the run's policy k - 1")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.n_samples=8")
     p.set_defaults(func=cmd_rollout)
     return parser
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (a cancelled deployment run, `kill`) unwinds like Ctrl-C, so servers and trainer are stopped."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
+    _exit_on_sigterm()
     if args.command != "inference-server":
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from areal_pipeline.config import ConfigError
+
+    from areal_pipeline.pipeline import RunLockedError
 
     try:
         args.func(args)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+    except RunLockedError as e:
+        sys.exit(str(e))
+    except KeyboardInterrupt:
+        sys.exit("interrupted: servers and trainer were stopped")
 
 
 if __name__ == "__main__":

@@ -227,6 +227,7 @@ class ExperimentConfig:
     keep_checkpoints: int = 2  # newest K kept
     eval_freq: int = 0  # pass@1 on the test split every N iterations (and after the last); 0: off
     eval_max_prompts: int = 0  # 0: the whole test split
+    tensorboard: bool = False  # also write <run_dir>/tensorboard (needs the tensorboard package)
 
     @property
     def run_dir(self) -> Path:

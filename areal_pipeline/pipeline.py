@@ -37,8 +37,7 @@ from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.inference.launcher import ServerProcess, launch_servers
 from areal_pipeline.model import load_tokenizer, resolve_model_path
 from areal_pipeline.rewards.pool import RewardPool
-from areal_pipeline.rollout.executor import rollout_to_shards, select_batch
-from areal_pipeline.rollout.job import episode_seed
+from areal_pipeline.rollout.executor import episode_seed, rollout_to_shards, select_batch
 from areal_pipeline.training.client import TrainerClient, TrainerError, launch_trainer
 from areal_pipeline.training.ppo import write_batch
 from areal_pipeline.utils import atomic_write_text, find_free_port, get_logger
@@ -482,6 +481,51 @@ def evaluate_policy(cfg: ExperimentConfig, engine_factory, records: list[dict], 
         "samples": [{"prompt": next((m["content"] for m in t.messages if m["role"] == "user"), ""),
                      "completion": t.text, "reward": t.reward} for t in trajectories[:4]],
     }
+
+
+def resolve_run_config(config_path, overrides: Optional[list[str]] = None, run_id: Optional[str] = None,
+                       iterations: Optional[int] = None) -> ExperimentConfig:
+    """The run's config; `iterations` extends an existing run by that many iterations past its newest one."""
+    from areal_pipeline.config import load_config
+
+    overrides = list(overrides or []) + ([f"run_id={run_id}"] if run_id else [])
+    cfg = load_config(config_path, overrides)
+    if iterations is not None:
+        cfg.total_iterations = newest_completed_iteration(cfg.run_dir) + iterations
+    return cfg
+
+
+def resolve_checkpoint(cfg: ExperimentConfig, checkpoint: str) -> Path:
+    """A servable model directory: "latest" (the run's newest checkpoint), a checkpoint directory, or an HF
+    model directory."""
+    if checkpoint == "latest":
+        saved = RunPaths(cfg.run_dir).saved_checkpoints()
+        if not saved:
+            raise FileNotFoundError(f"run '{cfg.run_id}' has no checkpoint yet in {cfg.run_dir / 'checkpoints'}")
+        return RunPaths(cfg.run_dir).checkpoint(saved[-1]) / "model"
+    path = Path(checkpoint)
+    if (path / "model" / "config.json").is_file():
+        return path / "model"
+    if (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(f"{checkpoint} is neither a checkpoint directory (with model/) nor a model directory")
+
+
+def evaluate_checkpoint(cfg: ExperimentConfig, model_dir: Path) -> dict[str, Any]:
+    """Serve `model_dir` on fresh inference servers and score it on the test split."""
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
+    pipeline = Pipeline(cfg)
+    pipeline.services.log_dir = cfg.run_dir / "logs" / "evaluate"  # apart from a live train run's logs
+    try:
+        pipeline.services.start_tools()
+        pipeline.services.start_inference()
+        return evaluate_policy(cfg, pipeline._engine, pipeline.records(cfg.dataset.test_split), pipeline.tokenizer,
+                               pipeline.reward_pool, pipeline._tool_kwargs())
+    finally:
+        pipeline.close()
+        pipeline.services.stop()
 
 
 def newest_completed_iteration(run_dir: Path) -> int:

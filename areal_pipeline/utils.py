@@ -82,3 +82,37 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 def get_logger(name: str) -> logging.Logger:
     """Library loggers live under `areal_pipeline`, so one handler (Prefect's, or the CLI's) sees them all."""
     return logging.getLogger(name if name.startswith("areal_pipeline") else f"areal_pipeline.{name}")
+
+
+PARENT_PID_ENV = "AREAL_PARENT_PID"
+
+
+def exit_when_parent_dies(poll_seconds: float = 1.0) -> None:
+    """End this process when its launcher ($AREAL_PARENT_PID) or its direct parent is gone.
+
+    Services run in their own sessions so they can be stopped as a group; this keeps them from outliving an
+    orchestrator that was killed outright (kill -9 skips its clean-up), and torchrun's ranks (which torchrun
+    starts in sessions of their own) from outliving their torchrun agent."""
+    import threading
+
+    watched = {os.getppid()}
+    if os.environ.get(PARENT_PID_ENV):
+        watched.add(int(os.environ[PARENT_PID_ENV]))
+
+    def watch() -> None:
+        import time
+
+        while True:
+            for pid in watched:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    logging.getLogger("areal_pipeline").warning("parent process %s is gone: exiting", pid)
+                    os._exit(1)
+                except PermissionError:  # alive, owned by someone else
+                    pass
+            if os.getppid() not in watched:  # reparented: the direct parent died between two polls
+                os._exit(1)
+            time.sleep(poll_seconds)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

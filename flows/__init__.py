@@ -1,0 +1,23 @@
+"""Prefect flows: `train` (one child run per RL iteration), `evaluate`, and the deployments that serve them.
+
+Importing this package sets Prefect defaults suited to a flow run per iteration (each can be overridden
+by setting the variable): see ../shared/docs/prefect-notes.md for what each costs.
+"""
+
+import os
+
+PREFECT_DEFAULTS = {
+    # no internet here, and no reason to phone home anywhere
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    # the library's logs (servers, trainer, rollout) reach the Prefect run logs
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "areal_pipeline",
+    # one SQLite transaction per task-run event caused 'database is locked' storms (503 + 2 s back-off);
+    # batching them shows task runs in the UI up to 5 s late
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "1000",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "5",
+    # the ephemeral (no server configured) API server takes 15-25 s to start on a loaded 2-core machine
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+}
+for _name, _value in PREFECT_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)

@@ -1,4 +1,4 @@
-"""The rollout job end to end: real servers, workflow, reward pool, shards."""
+"""Rollouts end to end: real servers, workflow, reward pool, shards."""
 
 import asyncio
 import json
@@ -59,7 +59,7 @@ def test_rollout_command_writes_verified_shards(tmp_path):
             "rollout.shard_rows=8", "inference.num_servers=2"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    out_dir = tmp_path / "r1" / "iter_0" / "rollout"
+    out_dir = tmp_path / "r1" / "iter_1" / "rollout"
     verify_shards(out_dir)
     manifest = json.loads((out_dir / "manifest.json").read_text())
     assert manifest["num_rows"] == 18 and len(manifest["shards"]) == 3

@@ -11,7 +11,8 @@ Each record is a plain dict:
 Sources, by `cfg.name`:
     arithmetic  generated from `seed`; the train and test splits never share a question
     gsm8k       a jsonl file, a directory of `<split>.jsonl`, or a hub id (default "openai/gsm8k")
-    search_qa   a jsonl file or a directory of `<split>.jsonl`; rows {"question", "answer", "id"?}
+    search_qa   a jsonl file or a directory of `<split>.jsonl`; rows {"question", "answer", "id"?};
+                empty path: questions over the generated knowledge base (`data/knowledge_base.py`)
 
 A jsonl file given directly is used whatever the split; a directory is looked up per split.
 """
@@ -207,7 +208,7 @@ def _hub_rows(hub_id: str, split: str) -> Iterator[tuple[str, dict[str, Any]]]:
 
 def _search_qa(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
     if not cfg.path:
-        raise DatasetError("search_qa has no built-in source: set dataset.path to a jsonl file or directory")
+        return _generated_search_qa(cfg, split)
     records = []
     seen: dict[str, str] = {}
     for i, (where, row) in enumerate(_read_jsonl(_jsonl_file(cfg.path, split, "search_qa"))):
@@ -221,6 +222,19 @@ def _search_qa(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]
             seen[prompt_id] = where
         records.append(_record(cfg, prompt_id, question, question, answers))
     return records
+
+
+def _generated_search_qa(cfg: DatasetConfig, split: str) -> list[dict[str, Any]]:
+    """Questions over the generated knowledge base (the corpus the retrieval server then serves)."""
+    from areal_pipeline.data.knowledge_base import knowledge_base
+
+    splits = {cfg.train_split: "train", cfg.test_split: "test"}
+    if split not in splits:
+        raise DatasetError(f"the generated search_qa set has splits '{cfg.train_split}' and '{cfg.test_split}', "
+                           f"not '{split}'")
+    rows = knowledge_base().questions[splits[split]]
+    return [_record(cfg, f"search_qa-kb-{split}-{i:05d}", row["question"], row["question"], list(row["answer"]))
+            for i, row in enumerate(rows)]
 
 
 def _answer_list(row: dict[str, Any], where: str) -> list[str]:

@@ -51,13 +51,15 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("messages", pa.string()),
         ("text", pa.string()),
         ("metadata", pa.string()),
+        # Nullable and last: shards written before it existed read back with nulls (no schema_version bump).
+        ("token_returns", pa.list_(pa.float32())),
     ]
 )
 
 # Columns that map one-to-one onto `Trajectory` fields (messages/metadata go through JSON).
 _TRAJECTORY_COLUMNS = (
     "prompt_id", "group_id", "sample_idx", "input_ids", "loss_mask", "logprobs", "versions",
-    "reward", "num_turns", "stop_reason", "text",
+    "reward", "num_turns", "stop_reason", "text", "token_returns",
 )  # fmt: skip
 
 

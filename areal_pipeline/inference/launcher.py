@@ -25,7 +25,7 @@ from typing import Optional
 import psutil
 
 from areal_pipeline.config import InferenceConfig, SGLangConfig
-from areal_pipeline.utils import find_free_port, get_logger
+from areal_pipeline.utils import PARENT_PID_ENV, find_free_port, get_logger
 
 logger = get_logger(__name__)
 
@@ -112,9 +112,10 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logger.info("starting inference server %s (log: %s): %s", self.address, self.log_path, " ".join(self.command))
         with open(self.log_path, "ab") as log:
+            env = {**(self.env if self.env is not None else os.environ), PARENT_PID_ENV: str(os.getpid())}
             self.popen = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env=self.env,
+                start_new_session=True, env=env,
             )
         return self
 

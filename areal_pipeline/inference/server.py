@@ -23,7 +23,7 @@ from aiohttp import web
 
 from areal_pipeline import __version__
 from areal_pipeline.inference.engine import BatchEngine, GenRequest, RequestError, SamplingParams
-from areal_pipeline.utils import get_logger
+from areal_pipeline.utils import exit_when_parent_dies, get_logger
 
 logger = get_logger(__name__)
 
@@ -359,6 +359,7 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
+    exit_when_parent_dies()
     # A model that cannot load ends the server (non-zero exit), as SGLang does, so launchers fail fast.
     engine = BatchEngine(args.model, max_batch_size=args.max_batch_size, context_length=args.context_length,
                          seed=args.seed, dtype=args.dtype, trust_remote_code=args.trust_remote_code,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 import time
 from pathlib import Path
@@ -15,6 +16,11 @@ from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
+
+
+def episode_seed(seed: int, iteration: int, prompt_id: str) -> int:
+    """The sampling seed of one episode: a rerun of the iteration samples the same tokens."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{iteration}/{prompt_id}".encode()).digest()[:4], "little") >> 1
 
 
 def select_batch(records: list[dict[str, Any]], iteration: int, batch_size: int, seed: int) -> list[dict[str, Any]]:

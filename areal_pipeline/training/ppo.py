@@ -2,19 +2,21 @@
 
 Batch shards are the rollout's trajectory columns plus per-token `advantages`, `returns`, `token_rewards`,
 `kl` and, when the trainer recomputed them, `prox_logprobs` / `ref_logprobs`; and per-trajectory
-`task_reward` (the transformed, normalised reward).
+`task_reward` (the transformed, normalised reward; the raw one for rows with `token_returns`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import pyarrow as pa
 import torch
 
+from areal_pipeline.config import NormConfig
 from areal_pipeline.data.shards import read_table, write_table
-from areal_pipeline.training.advantages import advantage_stats, compute_advantages
+from areal_pipeline.training.advantages import advantage_stats, compute_advantages, normalize_advantages
 from areal_pipeline.training.losses import ppo_actor_loss, reinforce_loss
 from areal_pipeline.training.packing import MicroBatch
 
@@ -30,7 +32,11 @@ def pad(rows: list[list[float]], width: int) -> torch.Tensor:
 
 def compute_batch(rollout: pa.Table, ppo_cfg, extra_token_columns: Optional[dict[str, list[list[float]]]] = None,
                   eos_stop_reason: str = "stop") -> tuple[pa.Table, dict[str, float]]:
-    """Advantages for one iteration's rollout table; returns the batch table and its stats."""
+    """Advantages for one iteration's rollout table; returns the batch table and its stats.
+
+    Rows with `token_returns` (set by workflows with per-turn rewards, or ReMax) take those returns as
+    their advantages before normalisation, in place of the shaped and discounted trajectory reward.
+    """
     cols = rollout.to_pydict()
     extra = extra_token_columns or {}
     lengths = [len(ids) for ids in cols["input_ids"]]
@@ -45,7 +51,15 @@ def compute_batch(rollout: pa.Table, ppo_cfg, extra_token_columns: Optional[dict
     }
     if "ref_logprobs" in extra:
         batch["ref_logprobs"] = pad(extra["ref_logprobs"], width)
-    out = compute_advantages(batch, ppo_cfg)
+    token_returns = cols.get("token_returns") or []
+    given = [r is not None for r in token_returns]
+    if any(given):
+        if not all(given):
+            raise ValueError(f"the rollout mixes trajectories with token_returns ({sum(given)}) and without "
+                             f"({len(given) - sum(given)}); one workflow must produce all of a batch")
+        out = _advantages_from_token_returns(batch, pad(token_returns, width), ppo_cfg)
+    else:
+        out = compute_advantages(batch, ppo_cfg)
     table = rollout
     for name in TOKEN_COLUMNS_OUT:
         values = [out[name][i, :n].tolist() for i, n in enumerate(lengths)]
@@ -54,6 +68,25 @@ def compute_batch(rollout: pa.Table, ppo_cfg, extra_token_columns: Optional[dict
         table = table.append_column(name, pa.array(values, type=pa.list_(pa.float32())))
     table = table.append_column("task_reward", pa.array(out["task_rewards"].tolist(), type=pa.float32()))
     return table, advantage_stats(out)
+
+
+_NO_NORM = NormConfig(mean_level="none", std_level="none")
+
+
+def _advantages_from_token_returns(batch: dict[str, torch.Tensor], token_returns: torch.Tensor,
+                                   ppo_cfg) -> dict[str, torch.Tensor]:
+    # The workflow has already shaped and discounted its rewards, so the trajectory reward gets no
+    # transform or normalisation and no GAE: only the KL penalty (if any) still goes through GAE, and
+    # the configured advantage normalisation applies to the sum.
+    unshaped = dataclasses.replace(ppo_cfg, reward_bias=0.0, reward_scaling=1.0, reward_norm=_NO_NORM,
+                                   adv_norm=_NO_NORM)
+    out = compute_advantages({**batch, "rewards": torch.zeros_like(batch["rewards"])}, unshaped)
+    returns = token_returns * out["loss_mask"]
+    out["advantages"] = normalize_advantages(out["advantages"] + returns, out["loss_mask"], ppo_cfg.adv_norm,
+                                             batch["group_ids"])
+    out["returns"] = out["returns"] + returns
+    out["rewards"] = out["task_rewards"] = batch["rewards"]
+    return out
 
 
 def write_batch(rollout_dir: Path, out_dir: Path, ppo_cfg, *, run_id: str, iteration: int,

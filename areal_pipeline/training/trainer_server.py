@@ -39,7 +39,7 @@ from areal_pipeline.config import ExperimentConfig, load_config
 from areal_pipeline.data.shards import read_table
 from areal_pipeline.training.engine import TrainEngine, resolve_device
 from areal_pipeline.training.ppo import make_loss, read_batch
-from areal_pipeline.utils import atomic_directory, atomic_path, get_logger
+from areal_pipeline.utils import atomic_directory, atomic_path, exit_when_parent_dies, get_logger
 
 logger = get_logger("areal_pipeline.trainer")
 
@@ -314,6 +314,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+    exit_when_parent_dies()
     serve(load_config(args.config), args.model, args.host, args.port)
 
 

@@ -2,15 +2,62 @@
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
-def build_workflow(cfg, tokenizer, reward_pool) -> Any:
-    """The workflow named by `cfg.rollout.workflow`, wired to its reward and generation settings."""
-    from areal_pipeline.rewards import math_reward
-    from areal_pipeline.workflows.rlvr import RLVRWorkflow
+WORKFLOWS = ("rlvr", "reflection", "multi_turn", "remax", "search_agent")
 
-    workflows = {"rlvr": lambda: RLVRWorkflow(math_reward, cfg.rollout.gconfig, tokenizer, reward_pool)}
+
+def build_workflow(cfg, tokenizer, reward_pool, *, tool_addresses: Optional[dict[str, str]] = None) -> Any:
+    """The workflow named by `cfg.rollout.workflow`, wired to its reward and generation settings.
+
+    `tool_addresses` names running tool servers, e.g. {"retrieval": "127.0.0.1:8000"} for the search agent
+    (see `tools.retrieval_server.launch_retrieval_server`); without one the search agent retrieves in
+    process, from the same index.
+    """
     name = cfg.rollout.workflow
-    if name not in workflows:
-        raise ValueError(f"unknown workflow '{name}'; valid: {', '.join(sorted(workflows))}")
-    return workflows[name]()
+    if name not in WORKFLOWS:
+        raise ValueError(f"unknown workflow '{name}'; valid: {', '.join(WORKFLOWS)}")
+    from areal_pipeline.rewards import math_reward
+
+    g, agent = cfg.rollout.gconfig, cfg.rollout.agent
+    if name == "rlvr":
+        from areal_pipeline.workflows.rlvr import RLVRWorkflow
+
+        return RLVRWorkflow(math_reward, g, tokenizer, reward_pool)
+    if name == "reflection":
+        from areal_pipeline.workflows.reflection import ReflectionWorkflow
+
+        return ReflectionWorkflow(math_reward, g, tokenizer, reward_pool, max_turns=agent.max_turns,
+                                  turn_discount=agent.turn_discount)
+    if name == "multi_turn":
+        from areal_pipeline.workflows.multi_turn import MultiTurnWorkflow
+
+        return MultiTurnWorkflow(math_reward, g, tokenizer, reward_pool, max_turns=agent.max_turns,
+                                 turn_level_discount=agent.turn_level_discount, reward_bias=agent.reward_bias,
+                                 reward_scaling=agent.reward_scaling)
+    if name == "remax":
+        from areal_pipeline.workflows.remax import ReMaxWorkflow
+
+        return ReMaxWorkflow(math_reward, g, tokenizer, reward_pool)
+    return _search_agent(cfg, tokenizer, (tool_addresses or {}).get("retrieval"))
+
+
+def _search_agent(cfg, tokenizer, address: Optional[str]) -> Any:
+    from areal_pipeline.rewards import exact_match_reward, f1_reward
+    from areal_pipeline.tools.retrieval_client import LocalRetrievalClient, RetrievalClient
+    from areal_pipeline.workflows.search_agent import SearchAgentWorkflow
+
+    agent, r = cfg.rollout.agent, cfg.rollout.agent.retrieval
+    rewards = {"f1": f1_reward, "exact_match": exact_match_reward}
+    if agent.reward not in rewards:
+        raise ValueError(f"unknown search agent reward '{agent.reward}'; valid: {', '.join(rewards)}")
+    if address:
+        retrieval = RetrievalClient(address, retries=r.request_retries)
+    else:
+        from areal_pipeline.tools.retrieval_server import RetrievalService
+
+        retrieval = LocalRetrievalClient(RetrievalService.from_config(r, Path(cfg.output_dir) / "_indexes"))
+    return SearchAgentWorkflow(rewards[agent.reward], cfg.rollout.gconfig, tokenizer, retrieval,
+                               max_turns=agent.max_turns, max_tokens=agent.max_tokens, topk=r.topk,
+                               max_query_chars=r.max_query_chars)

@@ -1,0 +1,82 @@
+"""Clients of the retrieval server: over HTTP, or the same service in process.
+
+    client = RetrievalClient("127.0.0.1:8000", retries=3)
+    docs = await client.retrieve(["capital of France"], topk=3)      # [[{"id", "title", "contents"}, ...]]
+
+Every failure comes out as `RetrievalError`, so a workflow can end an episode cleanly on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import aiohttp
+
+from areal_pipeline.utils import get_logger
+
+logger = get_logger(__name__)
+
+
+class RetrievalError(RuntimeError):
+    pass
+
+
+class RetrievalClient:
+    """`POST /retrieve`; connection errors, timeouts and HTTP 5xx are retried `retries` times, 4xx are not."""
+
+    def __init__(self, address: str, *, retries: int = 3, retry_delay: float = 0.5, timeout: float = 60.0):
+        self.address, self.retries, self.retry_delay, self.timeout = address, retries, retry_delay, timeout
+
+    async def retrieve(self, queries: list[str], topk: int) -> list[list[dict[str, Any]]]:
+        url = f"http://{self.address}/retrieve"
+        payload = {"queries": queries, "topk": topk, "return_scores": False}
+        last_error = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                logger.warning("retrieval at %s failed (%s); retry %d/%d", self.address, last_error, attempt,
+                               self.retries)
+                await asyncio.sleep(self.retry_delay * 2 ** (attempt - 1))
+            try:
+                # A session per call: searches are rare next to generations, and the workflow has no
+                # close hook in which to end a long-lived session.
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as session:
+                    async with session.post(url, json=payload) as resp:
+                        body = await resp.json(content_type=None)
+                        if resp.status < 400:
+                            return _results(body, len(queries))
+                        message = body.get("error", {}).get("message") if isinstance(body, dict) else body
+                        last_error = f"HTTP {resp.status}: {message}"
+                        if resp.status < 500:
+                            break
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                last_error = f"{type(e).__name__}: {e}"
+        raise RetrievalError(f"retrieval server {self.address}: {last_error}")
+
+
+class LocalRetrievalClient:
+    """The retrieval service in this process (a thread), for runs with no retrieval server."""
+
+    def __init__(self, service):
+        self.service = service
+        # One retrieval at a time, as in the server: a dense encoder is not safe to share across threads.
+        self._lock = threading.Lock()
+
+    def _retrieve(self, body: dict) -> dict:
+        with self._lock:
+            return self.service.retrieve(body)
+
+    async def retrieve(self, queries: list[str], topk: int) -> list[list[dict[str, Any]]]:
+        try:
+            body = await asyncio.to_thread(self._retrieve, {"queries": queries, "topk": topk})
+        except Exception as e:
+            raise RetrievalError(f"in-process retrieval: {e}") from e
+        return body["result"]
+
+
+def _results(body: Any, n: int) -> list[list[dict[str, Any]]]:
+    result = body.get("result") if isinstance(body, dict) else None
+    if not isinstance(result, list) or len(result) != n:
+        raise ValueError(f"expected {{'result': [...]}} with {n} lists, got {str(body)[:200]}")
+    return result

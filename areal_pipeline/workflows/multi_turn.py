@@ -1,0 +1,127 @@
+"""Multi-turn answering with feedback and per-turn rewards (AReaL's multi-turn math agent).
+
+Each turn the environment checks the answer (the reward function on that turn's text); while it is
+wrong and turns remain (`agent.max_turns`) it says so as a user message and the model answers again.
+Turn t earns `r_t = ((success_t - 0.5) * 2 - agent.reward_bias) * agent.reward_scaling`, and its tokens
+are trained with the discounted return `G_t = r_t + agent.turn_level_discount * G_{t+1}`: the workflow
+writes G_t on each turn's tokens as the trajectory's `token_returns`, which the advantages step uses in
+place of the trajectory reward (then normalises per `ppo.adv_norm`).
+
+`Trajectory.reward` is for curves and pass@1: 1 if some turn was right, times `turn_level_discount` per
+extra turn. Every turn's answer, success, reward, return and policy version stay in the trajectory's
+`metadata["turns"]`, so `per_version_log(run_dir)` reads them back from the run's shards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from areal_pipeline.config import GenerationConfig
+from areal_pipeline.data.shards import is_complete, read_trajectories
+from areal_pipeline.data.trajectory import NO_VERSION, SequenceBuilder, Trajectory
+from areal_pipeline.inference.types import ModelRequest
+from areal_pipeline.rewards.pool import RewardPool
+from areal_pipeline.workflows.reflection import next_turn_ids, turn_record, user_turn_ids
+from areal_pipeline.workflows.rlvr import chat_prompt_ids, sample_seed
+
+WRONG_MESSAGE = "Wrong, try again."
+
+
+def discounted_returns(rewards: list[float], discount: float) -> list[float]:
+    """G_t = r_t + discount * G_{t+1}, with G = 0 after the last turn."""
+    returns, following = [], 0.0
+    for r in reversed(rewards):
+        following = r + discount * following
+        returns.append(following)
+    return returns[::-1]
+
+
+class MultiTurnWorkflow:
+    def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: GenerationConfig, tokenizer,
+                 reward_pool: RewardPool, max_turns: int = 2, turn_level_discount: float = 0.9,
+                 reward_bias: float = 0.0, reward_scaling: float = 1.0):
+        if max_turns < 1:
+            raise ValueError(f"agent.max_turns must be at least 1, got {max_turns}")
+        self.reward_fn = reward_fn
+        self.gconfig = gconfig
+        self.single = dataclasses.replace(gconfig, n_samples=1)
+        self.tokenizer = tokenizer
+        self.reward_pool = reward_pool
+        self.max_turns = max_turns
+        self.discount = turn_level_discount
+        self.reward_bias = reward_bias
+        self.reward_scaling = reward_scaling
+        self.closing_ids, self.wrong_ids = user_turn_ids(tokenizer, WRONG_MESSAGE)
+
+    def turn_reward(self, success: bool) -> float:
+        return ((float(success) - 0.5) * 2 - self.reward_bias) * self.reward_scaling
+
+    async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
+        prompt_ids = chat_prompt_ids(self.tokenizer, data["messages"])
+        return list(await asyncio.gather(*(self._episode(engine, data, prompt_ids, i)
+                                           for i in range(self.gconfig.n_samples))))
+
+    async def _episode(self, engine, data: dict[str, Any], prompt_ids: list[int], sample_idx: int) -> Trajectory:
+        seq = SequenceBuilder(prompt_ids)
+        rid = uuid.uuid4().hex
+        messages = list(data["messages"])
+        turns: list[dict[str, Any]] = []
+        for turn in range(self.max_turns):
+            if turn:
+                seq.add_environment(next_turn_ids(resp, self.tokenizer.eos_token_id, self.closing_ids, self.wrong_ids))
+                messages.append({"role": "user", "content": WRONG_MESSAGE})
+            resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(seq.input_ids), gconfig=self.single,
+                                                       extra_sampling_params=sample_seed(data, sample_idx, turn)))
+            seq.add_model_turn(resp)
+            text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+            success = await self.reward_pool.ascore(self.reward_fn, text, data["answer"]) > 0
+            messages.append({"role": "assistant", "content": text})
+            turns.append(turn_record(resp, text, success=success, reward=self.turn_reward(success)))
+            if success:
+                break
+        returns = discounted_returns([t["reward"] for t in turns], self.discount)
+        for record, value in zip(turns, returns):
+            record["return"] = value
+        return seq.trajectory(
+            prompt_id=data["prompt_id"],
+            group_id=data["prompt_id"],
+            sample_idx=sample_idx,
+            reward=float(turns[-1]["success"]) * self.discount ** (len(turns) - 1),
+            stop_reason=resp.stop_reason,
+            messages=messages,
+            text=self.tokenizer.decode(seq.input_ids[seq.prompt_len:]),
+            metadata={"answer": data.get("answer"), "turns": turns, "server": resp.server},
+            token_returns=seq.turn_returns(returns),
+        )
+
+
+def per_version_log(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every model turn of every finished rollout of a run, oldest policy version first.
+
+    One row per turn: iteration, version (the policy version that began the turn; version_end where an
+    update landed mid-turn), prompt_id, sample_idx, turn, answer (the turn's text) and whatever the
+    workflow recorded for it (reward; success and return for multi_turn). Single-turn trajectories
+    (rlvr, remax) give one row each, with the trajectory's reward.
+    """
+    rows = []
+    for rollout in sorted(Path(run_dir).glob("iter_*/rollout"), key=lambda p: int(p.parent.name.split("_")[1])):
+        if not is_complete(rollout):
+            continue
+        iteration = int(rollout.parent.name.split("_")[1])
+        for t in read_trajectories(rollout):
+            for i, turn in enumerate(t.metadata.get("turns") or [_single_turn(t)]):
+                extra = {k: v for k, v in turn.items() if k not in ("text", "version_start", "version_end")}
+                rows.append({"iteration": iteration, "version": turn["version_start"],
+                             "version_end": turn["version_end"], "prompt_id": t.prompt_id,
+                             "sample_idx": t.sample_idx, "turn": i, "answer": turn["text"], **extra})
+    return sorted(rows, key=lambda r: (r["version"], r["iteration"], r["prompt_id"], r["sample_idx"], r["turn"]))
+
+
+def _single_turn(t: Trajectory) -> dict[str, Any]:
+    versions = [v for v, m in zip(t.versions, t.loss_mask) if m] or [NO_VERSION]
+    return {"text": t.text, "reward": t.reward, "num_tokens": t.num_generated, "stop_reason": t.stop_reason,
+            "version_start": min(versions), "version_end": max(versions)}

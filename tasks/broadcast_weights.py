@@ -1,0 +1,10 @@
+from prefect import task
+
+from tasks import registry
+
+
+@task(name="broadcast_weights", retries=2, retry_delay_seconds=[5, 30], timeout_seconds=3600)
+def broadcast_weights(run_id: str, k: int) -> dict:
+    """Pause the servers, push version k (disk or distributed), continue. Idempotent: a retry re-pushes only
+    to servers not yet at version k."""
+    return registry.get(run_id).broadcast_weights(k)

@@ -1,0 +1,46 @@
+"""The live pipelines of this process, by run id, and the cache keys that tie task results to disk outputs."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from areal_pipeline.pipeline import Pipeline
+
+_PIPELINES: dict[str, Pipeline] = {}
+
+
+def register(pipeline: Pipeline) -> None:
+    _PIPELINES[pipeline.cfg.run_id] = pipeline
+
+
+def unregister(run_id: str) -> None:
+    _PIPELINES.pop(run_id, None)
+
+
+def get(run_id: str) -> Pipeline:
+    try:
+        return _PIPELINES[run_id]
+    except KeyError:
+        raise RuntimeError(f"run '{run_id}' has no live pipeline in this process (tasks run inside the train "
+                           "flow, which starts the servers and the trainer)") from None
+
+
+def output_cache_key(output: Callable[[Pipeline, int], Path]) -> Callable[[Any, dict], Optional[str]]:
+    """A Prefect `cache_key_fn` that exists only while the node's output is complete on disk: the key is
+    the digest of the output's manifest/record, so deleting or rewriting the output invalidates the cache,
+    and a node whose output is missing always runs."""
+
+    def key(context, parameters: dict) -> Optional[str]:
+        pipeline = _PIPELINES.get(parameters["run_id"])
+        if pipeline is None:
+            return None
+        path = output(pipeline, parameters["k"])
+        record = path / "manifest.json" if path.is_dir() else path
+        if not record.is_file():
+            return None
+        digest = hashlib.sha256(record.read_bytes()).hexdigest()[:16]
+        return f"{context.task.name}-{pipeline.cfg.run_id}-{parameters['k']}-{digest}"
+
+    return key

@@ -1,0 +1,257 @@
+"""The Prefect flows on Prefect's real engine with a temporary SQLite database, real servers and trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    """A temporary Prefect API (SQLite) for this module; CLI subprocesses use it through PREFECT_API_URL."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    os.environ["PREFECT_HOME"] = str(home)
+    import flows  # noqa: F401  (sets the project's Prefect defaults before Prefect is configured)
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()
+
+
+def fast_overrides(tmp_path: Path, model_dir: Path, run_id: str = "t", iterations: int = 3) -> list[str]:
+    return [f"output_dir={tmp_path}", f"run_id={run_id}", f"model.path={model_dir}", f"total_iterations={iterations}",
+            "rollout.batch_size=4", "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=8",
+            "eval_freq=3", "eval_max_prompts=8", "trainer.optimizer.lr=1e-3", "dataset.arithmetic_train_size=64"]
+
+
+def our_service_processes(launcher_pid: int) -> list[psutil.Process]:
+    """Servers and trainer processes launched by `launcher_pid` (they carry its pid in AREAL_PARENT_PID)."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("AREAL_PARENT_PID") == str(launcher_pid):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def final_weights(run_dir: Path, k: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step_{k}" / "model" / "model.safetensors"))
+
+
+async def _flow_runs(name_prefix: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    async with get_client() as client:
+        return await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=name_prefix)))
+
+
+async def _artifacts(key: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async with get_client() as client:
+        return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+
+
+def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir, tmp_path):
+    from flows.train import train
+
+    result = train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
+                   overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="e2e"))
+    run_dir = tmp_path / "e2e"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert records[-1]["eval_pass_at_1"] is not None and records[0]["eval_pass_at_1"] is None
+    for r in records:
+        assert r["staleness"] == 0 and r["time_rollout"] > 0 and r["grad_norm"] >= 0 and r["lr"] > 0
+    assert (run_dir / "reward_curve.png").stat().st_size > 1000 and result["curve"].endswith("reward_curve.png")
+    assert (run_dir / "checkpoints" / "step_3" / "trainer_state.json").is_file()
+    assert not (run_dir / "checkpoints" / "step_1").exists()  # keep_checkpoints=2
+    child_runs = asyncio.run(_flow_runs("e2e/iter-"))
+    assert sorted(r.name for r in child_runs) == ["e2e/iter-1", "e2e/iter-2", "e2e/iter-3"]
+    assert all(r.state.is_completed() for r in child_runs)
+    for what in ("metrics", "iteration", "reward-curve"):
+        artifacts = asyncio.run(_artifacts(f"e2e-{what}"))
+        assert artifacts, what
+    curve = asyncio.run(_artifacts("e2e-reward-curve"))[0]
+    assert "data:image/png;base64," in curve.data
+    assert our_service_processes(os.getpid()) == []  # teardown left nothing behind
+
+    # a second call with the same run id finds every iteration finished: nothing is redone
+    started = time.monotonic()
+    again = train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
+                  overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="e2e"))
+    assert again["iterations"] == 3 and len(asyncio.run(_flow_runs("e2e/iter-"))) == 3
+    assert time.monotonic() - started < 120
+
+
+def test_evaluate_flow_scores_the_newest_checkpoint(prefect_api, tiny_model_dir, tmp_path):
+    from flows.evaluate import evaluate
+    from flows.train import train
+
+    overrides = fast_overrides(tmp_path, tiny_model_dir, run_id="ev", iterations=1)
+    train(config_path=str(REPO / "configs/tiny_cpu.yaml"), overrides=overrides)
+    result = evaluate(config_path=str(REPO / "configs/tiny_cpu.yaml"), overrides=overrides)
+    assert result["model"] == str(tmp_path / "ev" / "checkpoints" / "step_1" / "model")
+    assert result["num_prompts"] == 8 and 0.0 <= result["pass_at_1"] <= 1.0
+    assert asyncio.run(_artifacts("ev-evaluation"))
+
+
+def test_ppo_update_failing_on_first_attempt_succeeds_on_retry(prefect_api, tiny_model_dir, tmp_path):
+    """The trainer is killed in the middle of an update: the task fails, and its retry restarts the trainer,
+    restores version k - 1 from the checkpoint and trains again."""
+    from flows.train import train
+    from tasks import registry
+
+    killed = {}
+
+    def kill_trainer_during_second_update():
+        def trainer_busy():
+            pipeline = registry._PIPELINES.get("retry")
+            if pipeline is None or pipeline.services.trainer is None:
+                return None
+            if not (tmp_path / "retry" / "iter_1" / "update.json").exists():
+                return None
+            try:
+                health = pipeline.services.trainer_client.health()
+            except OSError:
+                return None
+            return pipeline.services.trainer if health.get("busy_with") == "train" else None
+
+        trainer = wait_until(trainer_busy, 300, "the second update", interval=0.01)
+        # a crash of the rank itself (torchrun starts ranks in sessions of their own)
+        (rank,) = psutil.Process(trainer.popen.pid).children()
+        killed["pid"] = rank.pid
+        rank.kill()
+
+    killer = threading.Thread(target=kill_trainer_during_second_update, daemon=True)
+    killer.start()
+    train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
+          overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="retry", iterations=2))
+    killer.join(5)
+    assert "pid" in killed
+    update = json.loads((tmp_path / "retry" / "iter_2" / "update.json").read_text())
+    assert update["version"] == 2
+
+    async def update_attempts():
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+        async with get_client() as client:
+            runs = await client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="ppo_update")))
+            child = [r for r in await _flow_runs("retry/iter-2")]
+            return [r for r in runs if r.flow_run_id == child[0].id]
+    (task_run,) = asyncio.run(update_attempts())
+    assert task_run.run_count == 2 and task_run.state.is_completed()
+
+
+def cli(*args: str, env: dict, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "areal_pipeline.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def test_killed_run_reruns_to_bitwise_equal_weights(prefect_api, tiny_model_dir, tmp_path):
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    config = ["--config", "configs/tiny_cpu.yaml"]
+    reference = cli("train", *config, *fast_overrides(tmp_path, tiny_model_dir, run_id="ref"), env=env)
+
+    victim = cli("train", *config, *fast_overrides(tmp_path, tiny_model_dir, run_id="victim"), env=env)
+    marker = tmp_path / "victim" / "iter_2" / "rollout" / "manifest.json"
+    wait_until(lambda: marker.exists() or victim.poll() is not None, 600, "iteration 2's rollout", interval=0.05)
+    assert victim.poll() is None, victim.stdout.read()
+    victim.kill()  # SIGKILL: no clean-up code runs
+    victim.wait()
+    # the services notice their launcher is gone and exit by themselves
+    wait_until(lambda: our_service_processes(victim.pid) == [], 30, "the killed run's services to exit")
+
+    out, _ = reference.communicate(timeout=600)
+    assert reference.returncode == 0, out
+    rerun = cli("train", *config, *fast_overrides(tmp_path, tiny_model_dir, run_id="victim"), env=env)
+    out, _ = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, out
+    assert "iterations 1..1 are finished; continuing at 2" in out
+    a, b = final_weights(tmp_path / "ref", 3), final_weights(tmp_path / "victim", 3)
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    assert "mean reward" in out and "reward curve:" in out
+
+
+def test_same_run_id_twice_is_refused(prefect_api, tiny_model_dir, tmp_path):
+    from areal_pipeline.pipeline import RunLockedError, run_lock
+    from flows.train import train
+
+    with run_lock(tmp_path / "busy"):
+        with pytest.raises(RunLockedError, match="already running"):
+            train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
+                  overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="busy"))
+
+
+def test_scheduled_deployment_registers_and_a_triggered_run_completes(prefect_api, tiny_model_dir, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    serve = cli("serve", "--config", "configs/tiny_cpu.yaml", "--iterations", "1", "--interval", "86400",
+                *fast_overrides(tmp_path, tiny_model_dir, run_id="served"), env=env, start_new_session=True)
+
+    async def scenario():
+        async with get_client() as client:
+            async def deployment(name):
+                for _ in range(600):
+                    try:
+                        return await client.read_deployment_by_name(name)
+                    except Exception:
+                        await asyncio.sleep(0.2)
+                raise AssertionError(f"deployment {name} never registered")
+
+            train_dep = await deployment("train/train")
+            await deployment("evaluate/evaluate")
+            assert train_dep.schedules and train_dep.parameters["iterations"] == 1
+            finished = []
+            for _ in range(2):  # a second run continues the same run id for one more iteration
+                run = await client.create_flow_run_from_deployment(train_dep.id)
+                for _ in range(3000):
+                    run = await client.read_flow_run(run.id)
+                    if run.state.is_final():
+                        break
+                    await asyncio.sleep(0.2)
+                finished.append(run.state.type)
+            return finished
+
+    try:
+        assert asyncio.run(scenario()) == [StateType.COMPLETED, StateType.COMPLETED]
+    finally:
+        os.killpg(serve.pid, signal.SIGINT)
+        try:
+            serve.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+    lines = (tmp_path / "served" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["iteration"] for line in lines] == [1, 2]

@@ -1,0 +1,277 @@
+"""Reflection, multi-turn with feedback, and ReMax: scripted turns for the exact behaviour, a real CPU server for the
+token-level invariants (the tiny model writes random bytes, so checks go by structure)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from areal_pipeline.config import GenerationConfig, load_config
+from areal_pipeline.data.shards import read_table, write_shards
+from areal_pipeline.inference.client import RemoteSGLangEngine
+from areal_pipeline.model import load_model, load_tokenizer
+from areal_pipeline.rewards import math_reward
+from areal_pipeline.rewards.pool import RewardPool
+from areal_pipeline.training.ppo import compute_batch, read_batch, write_batch
+from areal_pipeline.workflows import build_workflow
+from areal_pipeline.workflows.multi_turn import WRONG_MESSAGE, MultiTurnWorkflow, per_version_log
+from areal_pipeline.workflows.reflection import REFLECTION_MESSAGE, ReflectionWorkflow, user_turn_ids
+from areal_pipeline.workflows.remax import ReMaxWorkflow
+from areal_pipeline.workflows.rlvr import chat_prompt_ids
+from test_workflows_common import (
+    InlinePool,
+    RecordingEngine,
+    ScriptedEngine,
+    assert_logprobs_match_model,
+    assert_token_invariants,
+)
+
+DATA = {"prompt_id": "p0", "answer": "7",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3+4?"}]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+def _enc(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _digits(completion: str, answer: str) -> float:
+    """A reward the random tiny model earns now and then (module level: the reward pool's workers import it)."""
+    return sum(c.isdigit() for c in completion) / 4
+
+
+# ---------------------------------------------------------------------------------------------- reflection
+
+
+def test_reflection_ids_are_the_templated_prefix_difference(tokenizer):
+    eos = tokenizer.eos_token_id
+    closing, message = user_turn_ids(tokenizer, REFLECTION_MESSAGE)
+    # on the very conversation of an episode, not only the placeholder the ids were computed on
+    conversation = DATA["messages"] + [{"role": "assistant", "content": "5"}]
+    closed = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
+    full = tokenizer.apply_chat_template(conversation + [{"role": "user", "content": REFLECTION_MESSAGE}],
+                                         tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert message == full[len(closed):]
+    assert closed[-len(closing) - 1:] == [eos] + closing and closing == _enc(tokenizer, "\n")
+    assert tokenizer.decode(message) == f"<|im_start|>user\n{REFLECTION_MESSAGE}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_templates_that_cannot_append_turns_are_refused(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.eos_token = "<|endoftext|>"  # a base model's EOS: the chat template never writes it
+    with pytest.raises(ValueError, match="does not end an assistant turn with the EOS token '<|endoftext|>'"):
+        user_turn_ids(tokenizer, "again")
+
+
+def test_reflection_retries_until_right_and_discounts(tokenizer):
+    eos = tokenizer.eos_token_id
+    outputs = {0: _enc(tokenizer, "5"), 1: _enc(tokenizer, "6") + [eos], 2: _enc(tokenizer, "7"), 3: [55]}
+    engine = ScriptedEngine(lambda req, turn: outputs[turn])
+    workflow = ReflectionWorkflow(math_reward, GenerationConfig(n_samples=1, max_new_tokens=16), tokenizer,
+                                  InlinePool(), max_turns=4, turn_discount=0.5)
+    (t,) = asyncio.run(workflow.arun_episode(engine, DATA))
+    prompt = chat_prompt_ids(tokenizer, DATA["messages"])
+    env = workflow.closing_ids + workflow.reflection_ids
+    # an EOS is inserted after "5" (the turn did not end with one), not after "6<eos>"
+    assert t.input_ids == prompt + _enc(tokenizer, "5") + [eos] + env + _enc(tokenizer, "6") + [eos] + env + \
+        _enc(tokenizer, "7")
+    assert t.loss_mask == [0] * len(prompt) + [1] + [0] * (1 + len(env)) + [1, 1] + [0] * len(env) + [1]
+    assert t.num_turns == 3 and t.reward == 0.25  # right at the third turn: 1 x 0.5^2
+    assert [turn["reward"] for turn in t.metadata["turns"]] == [0.0, 0.0, 1.0]
+    assert [turn["version_start"] for turn in t.metadata["turns"]] == [3, 3, 3]
+    assert [m["content"] for m in t.messages[2:]] == ["5", REFLECTION_MESSAGE, "6", REFLECTION_MESSAGE, "7"]
+    assert t.token_returns is None
+    assert_token_invariants(t, engine.calls, prompt)
+
+
+def test_reflection_group_ends_after_max_turns(tokenizer):
+    engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, "no idea"), stop_reason="length")
+    workflow = ReflectionWorkflow(math_reward, GenerationConfig(n_samples=3, max_new_tokens=16), tokenizer,
+                                  InlinePool(), max_turns=2)
+    trajectories = asyncio.run(workflow.arun_episode(engine, DATA))
+    assert [t.sample_idx for t in trajectories] == [0, 1, 2] and len(engine.calls) == 6
+    assert len({req.rid for req, _ in engine.calls}) == 3  # one rid per episode, shared by its turns
+    for t in trajectories:
+        assert (t.reward, t.num_turns, t.stop_reason) == (0.0, 2, "length")
+        assert t.input_ids[-len("no idea"):] == _enc(tokenizer, "no idea")  # nothing appended after the last turn
+        assert_token_invariants(t, engine.calls, chat_prompt_ids(tokenizer, DATA["messages"]))
+
+
+# ---------------------------------------------------------------------------------------------- multi-turn
+
+
+def test_multi_turn_per_turn_rewards_and_discounted_returns(tokenizer):
+    outputs = {0: _enc(tokenizer, "5"), 1: _enc(tokenizer, "it is 6"), 2: _enc(tokenizer, "7")}
+    engine = ScriptedEngine(lambda req, turn: outputs[turn])
+    workflow = MultiTurnWorkflow(math_reward, GenerationConfig(n_samples=1, max_new_tokens=16), tokenizer,
+                                 InlinePool(), max_turns=3, turn_level_discount=0.9)
+    (t,) = asyncio.run(workflow.arun_episode(engine, DATA))
+    turns = t.metadata["turns"]
+    assert [x["success"] for x in turns] == [False, False, True]
+    assert [x["reward"] for x in turns] == [-1.0, -1.0, 1.0]
+    # G2 = 1, G1 = -1 + 0.9 * 1 = -0.1, G0 = -1 + 0.9 * -0.1 = -1.09
+    assert [x["return"] for x in turns] == pytest.approx([-1.09, -0.1, 1.0])
+    assert t.reward == pytest.approx(0.81) and t.num_turns == 3
+    prompt = chat_prompt_ids(tokenizer, DATA["messages"])
+    calls = assert_token_invariants(t, engine.calls, prompt)
+    for (req, resp), value in zip(calls, [-1.09, -0.1, 1.0]):
+        start = len(req.input_ids)
+        assert t.token_returns[start:start + resp.output_len] == pytest.approx([value] * resp.output_len)
+    assert all(r == 0.0 for r, m in zip(t.token_returns, t.loss_mask) if not m)
+    closing, wrong = user_turn_ids(tokenizer, WRONG_MESSAGE)
+    second = calls[1][0].input_ids
+    assert second == prompt + _enc(tokenizer, "5") + [tokenizer.eos_token_id] + closing + wrong
+    assert [m["content"] for m in t.messages[2:]] == ["5", WRONG_MESSAGE, "it is 6", WRONG_MESSAGE, "7"]
+
+
+def test_multi_turn_reward_bias_and_scaling(tokenizer):
+    engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, "5"))
+    workflow = MultiTurnWorkflow(math_reward, GenerationConfig(n_samples=2, max_new_tokens=16), tokenizer,
+                                 InlinePool(), max_turns=2, turn_level_discount=0.9, reward_bias=0.5,
+                                 reward_scaling=2.0)
+    for t in asyncio.run(workflow.arun_episode(engine, DATA)):
+        # wrong: ((0 - 0.5) * 2 - 0.5) * 2 = -3; G1 = -3, G0 = -3 + 0.9 * -3 = -5.7
+        assert [x["return"] for x in t.metadata["turns"]] == pytest.approx([-5.7, -3.0])
+        assert t.reward == 0.0
+    assert workflow.turn_reward(True) == 1.0  # ((1 - 0.5) * 2 - 0.5) * 2
+
+
+def test_per_version_log_reads_every_finished_rollout(tokenizer, tmp_path):
+    workflow = MultiTurnWorkflow(math_reward, GenerationConfig(n_samples=2, max_new_tokens=16), tokenizer,
+                                 InlinePool(), max_turns=2)
+    for iteration, version in ((1, 0), (2, 1)):
+        engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, "7" if turn else "5"))
+        engine.VERSION = version
+        write_shards(asyncio.run(workflow.arun_episode(engine, DATA)), tmp_path / f"iter_{iteration}" / "rollout",
+                     run_id="r", iteration=iteration)
+    (tmp_path / "iter_3" / "rollout").mkdir(parents=True)  # unfinished: no manifest
+    log = per_version_log(tmp_path)
+    assert len(log) == 8
+    assert [(r["iteration"], r["version"]) for r in log] == [(1, 0)] * 4 + [(2, 1)] * 4
+    first = log[0]
+    assert (first["prompt_id"], first["sample_idx"], first["turn"], first["answer"]) == ("p0", 0, 0, "5")
+    assert (first["success"], first["reward"], first["return"]) == (False, -1.0, pytest.approx(-0.1))
+    assert {r["answer"] for r in log if r["turn"] == 1} == {"7"}
+
+
+# ---------------------------------------------------------------------------------------------- real server
+
+
+@pytest.mark.parametrize("name", ["reflection", "multi_turn"])
+def test_multi_turn_workflows_against_a_real_server(name, cpu_server, tiny_model_dir, tmp_path):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    cfg = load_config(None, [f"rollout.workflow={name}", "rollout.gconfig.n_samples=3",
+                             "rollout.gconfig.max_new_tokens=6", "rollout.agent.max_turns=3"])
+    records = [{"prompt_id": f"p{i}", "messages": [{"role": "user", "content": f"What is {i}+1?"}],
+                "answer": str(i + 1), "sampling_seed": 100 + i} for i in range(3)]
+
+    async def go():
+        with RewardPool(timeout=30) as pool:
+            workflow = build_workflow(cfg, tokenizer, pool)
+            async with RemoteSGLangEngine([cpu_server]) as real:
+                engine = RecordingEngine(real)
+                groups = await asyncio.gather(*(workflow.arun_episode(engine, r) for r in records))
+        return workflow, engine, groups
+
+    workflow, engine, groups = asyncio.run(go())
+    model = load_model(tiny_model_dir)
+    eos = tokenizer.eos_token_id
+    message = workflow.reflection_ids if name == "reflection" else workflow.wrong_ids
+    for record, group in zip(records, groups):
+        assert [t.sample_idx for t in group] == [0, 1, 2]
+        prompt = chat_prompt_ids(tokenizer, record["messages"])
+        for t in group:
+            calls = assert_token_invariants(t, engine.calls, prompt)
+            assert_logprobs_match_model(model, t)
+            # between turns: exactly an EOS where the model gave none, the template's closing, the message
+            for (req, resp), (next_req, _) in zip(calls, calls[1:]):
+                end = len(req.input_ids) + resp.output_len
+                inserted = [] if resp.output_tokens[-1:] == [eos] else [eos]
+                assert next_req.input_ids[end:] == inserted + workflow.closing_ids + message
+            solved = t.metadata["turns"][-1]["reward"] > 0
+            assert t.num_turns == 3 or solved
+            if name == "multi_turn":
+                returns = [x["return"] for x in t.metadata["turns"]]
+                for (req, resp), value in zip(calls, returns):
+                    start = len(req.input_ids)
+                    assert t.token_returns[start:start + resp.output_len] == pytest.approx([value] * resp.output_len)
+                assert t.reward == float(solved) * 0.9 ** (t.num_turns - 1)
+            else:
+                assert t.reward == t.metadata["turns"][-1]["reward"] * 0.9 ** (t.num_turns - 1)
+    trajectories = [t for g in groups for t in g]
+    write_shards(trajectories, tmp_path / "iter_1" / "rollout", run_id="r", iteration=1)
+    table, _ = compute_batch(read_table(tmp_path / "iter_1" / "rollout"), cfg.ppo)
+    for adv, mask in zip(table.column("advantages").to_pylist(), table.column("loss_mask").to_pylist()):
+        assert all(a == 0 for a, m in zip(adv, mask) if not m)
+    assert len(per_version_log(tmp_path)) == sum(t.num_turns for t in trajectories)
+
+
+# ---------------------------------------------------------------------------------------------- ReMax
+
+
+def test_remax_advantage_is_sampled_minus_greedy_reward(tokenizer):
+    by_seed = {0: "7", 1009: "3"}  # rlvr.sample_seed: sample i of an episode seeded 0 gets seed 1009 * i
+
+    def respond(req, turn):
+        return _enc(tokenizer, "7" if req.gconfig.greedy else by_seed[req.extra_sampling_params["sampling_seed"]])
+
+    engine = ScriptedEngine(respond)
+    workflow = ReMaxWorkflow(math_reward, GenerationConfig(n_samples=2, max_new_tokens=8), tokenizer, InlinePool())
+    data = {**DATA, "sampling_seed": 0}
+    t0, t1 = asyncio.run(workflow.arun_episode(engine, data))
+    greedy = [req for req, _ in engine.calls if req.gconfig.greedy]
+    assert len(engine.calls) == 3 and len(greedy) == 1 and "sampling_seed" not in greedy[0].extra_sampling_params
+    assert all(req.input_ids == chat_prompt_ids(tokenizer, DATA["messages"]) for req, _ in engine.calls)
+    assert (t0.reward, t1.reward) == (1.0, 0.0)  # each sample keeps its own reward
+    for t, advantage in ((t0, 0.0), (t1, -1.0)):
+        assert t.metadata["reward_greedy"] == 1.0 and t.metadata["greedy_text"] == "7"
+        assert t.metadata["advantage"] == advantage and t.metadata["reward_sampled"] == t.reward
+        assert t.token_returns == [advantage if m else 0.0 for m in t.loss_mask]
+
+    evaluation = ReMaxWorkflow(math_reward, GenerationConfig(n_samples=1, greedy=True), tokenizer, InlinePool())
+    engine.calls.clear()
+    (t,) = asyncio.run(evaluation.arun_episode(engine, DATA))
+    assert len(engine.calls) == 1 and t.reward == 1.0 and t.metadata["advantage"] == 0.0
+
+
+def test_remax_trains_with_reinforce_on_its_advantages(cpu_server, tiny_model_dir, tmp_path):
+    from areal_pipeline.training.client import launch_trainer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    cfg = load_config("configs/remax.yaml", [f"output_dir={tmp_path}", "rollout.gconfig.max_new_tokens=16",
+                                             "trainer.optimizer.lr=1e-3"])
+    records = [{"prompt_id": f"p{i}", "messages": [{"role": "user", "content": f"What is {i}+2?"}],
+                "answer": str(i + 2), "sampling_seed": 7 * i} for i in range(8)]
+
+    async def go():
+        with RewardPool(timeout=30) as pool:
+            workflow = ReMaxWorkflow(_digits, cfg.rollout.gconfig, tokenizer, pool)
+            async with RemoteSGLangEngine([cpu_server]) as engine:
+                return [t for r in records for t in await workflow.arun_episode(engine, r)]
+
+    trajectories = asyncio.run(go())
+    assert len(trajectories) == len(records)  # the greedy baselines are not trained
+    advantages = [t.metadata["reward_sampled"] - t.metadata["reward_greedy"] for t in trajectories]
+    assert any(advantages), "the stub reward should separate some samples from their baseline"
+    rollout, batch_dir = tmp_path / "rollout", tmp_path / "batch"
+    write_shards(trajectories, rollout, run_id="r", iteration=1)
+    write_batch(rollout, batch_dir, cfg.ppo, run_id="r", iteration=1)
+    batch = read_batch(batch_dir, ("input_ids", "loss_mask", "logprobs", "advantages"))
+    for row, mask, advantage in zip(batch["advantages"], batch["loss_mask"], advantages):
+        assert row == pytest.approx([advantage if m else 0.0 for m in mask], abs=1e-6)  # reaches the trainer as is
+    mask = torch.tensor([m for row in batch["loss_mask"] for m in row], dtype=torch.float32)
+    adv = torch.tensor([a for row in batch["advantages"] for a in row])
+    logp = torch.tensor([lp for row in batch["logprobs"] for lp in row])  # the server's = the policy's, before the step
+    expected = -(adv * logp * mask).sum() / mask.sum()
+    process, client = launch_trainer(cfg, str(tiny_model_dir), tmp_path / "logs")
+    try:
+        stats = client.call("train", batch_dir=str(batch_dir), iteration=1)["stats"]
+    finally:
+        process.stop()
+    assert stats["loss"] == pytest.approx(float(expected), abs=1e-4)

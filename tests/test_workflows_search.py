@@ -1,0 +1,215 @@
+"""The search agent against the retrieval server: scripted turns for the protocol (search -> information ->
+answer, limits, retrieval failures), the real CPU server for the token-level invariants."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from areal_pipeline.config import GenerationConfig, load_config
+from areal_pipeline.data.knowledge_base import knowledge_base
+from areal_pipeline.data.shards import read_trajectories, verify_shards
+from areal_pipeline.inference.client import RemoteSGLangEngine
+from areal_pipeline.inference.types import ModelRequest, ModelResponse
+from areal_pipeline.model import load_model, load_tokenizer
+from areal_pipeline.rewards import exact_match_reward, f1_reward
+from areal_pipeline.tools.retrieval_client import RetrievalClient
+from areal_pipeline.tools.retrieval_server import launch_retrieval_server
+from areal_pipeline.utils import find_free_port
+from areal_pipeline.workflows import build_workflow
+from areal_pipeline.workflows.rlvr import chat_prompt_ids
+from areal_pipeline.workflows.search_agent import (
+    STOP_STRINGS,
+    SearchAgentWorkflow,
+    format_information,
+    parse_action,
+    search_prompt,
+)
+from test_workflows_common import (
+    InlinePool,
+    RecordingEngine,
+    ScriptedEngine,
+    assert_logprobs_match_model,
+    assert_token_invariants,
+)
+
+# A two-hop question over the generated knowledge base, and the pages that answer it.
+QUESTION = next(q for q in knowledge_base().questions["train"] if q["question"].startswith("What is the capital"))
+PERSON = max((r["title"] for r in knowledge_base().corpus if r["title"] in QUESTION["question"]), key=len)
+CITY = next(r for r in knowledge_base().corpus if r["title"] == PERSON)["contents"].split(" born in ")[1].split(" in ")[0]
+DATA = {"prompt_id": "q0", "question": QUESTION["question"], "answer": QUESTION["answer"],
+        "messages": [{"role": "user", "content": QUESTION["question"]}]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def retrieval(tmp_path_factory):
+    root = tmp_path_factory.mktemp("retrieval")
+    server = launch_retrieval_server(load_config("configs/search_agent.yaml", [f"output_dir={root}"]), root / "logs")
+    yield server.address
+    server.stop()
+
+
+def _enc(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _workflow(tokenizer, address: str, *, reward=f1_reward, max_turns: int = 4, max_tokens: int = 1024,
+              n_samples: int = 1, retries: int = 0) -> SearchAgentWorkflow:
+    return SearchAgentWorkflow(reward, GenerationConfig(n_samples=n_samples, max_new_tokens=96), tokenizer,
+                               RetrievalClient(address, retries=retries, retry_delay=0.01), max_turns=max_turns,
+                               max_tokens=max_tokens, topk=2)
+
+
+def test_parse_action_takes_the_first_closed_tag():
+    assert parse_action("<think>hm</think> <search> who is X </search>") == ("search", "who is X")
+    assert parse_action("<answer> Paris </answer><search>y</search>") == ("answer", "Paris")
+    assert parse_action("<search>a</search> then <answer>b</answer>") == ("search", "a")
+    assert parse_action("no tags </search>") == (None, "")
+    assert parse_action("<search>unfinished") == (None, "")
+    assert parse_action("") == (None, "")
+
+
+def test_information_block():
+    docs = [{"id": "1", "title": "Rilis", "contents": '"Rilis"\nRilis is a city.'},
+            {"id": "2", "title": "Other", "contents": "No title line here."}]
+    assert format_information(docs) == ("\n\n<information>Doc 1 (Title: Rilis) Rilis is a city.\n"
+                                        "Doc 2 (Title: Other) No title line here.</information>\n\n")
+    assert format_information([]) == "\n\n<information>No results.</information>\n\n"
+
+
+def test_prompt_asks_in_the_agent_format():
+    messages = search_prompt({**DATA, "messages": [{"role": "system", "content": "S"}, *DATA["messages"]]})
+    assert messages[0] == {"role": "system", "content": "S"}
+    assert messages[1]["role"] == "user" and messages[1]["content"].endswith(f"Question: {DATA['question']}")
+    assert all(tag in messages[1]["content"] for tag in ("<think>", "<search>", "<information>", "<answer>"))
+
+
+def test_two_searches_then_the_answer(tokenizer, retrieval):
+    script = {0: f"<think>who is it</think><search>{PERSON}</search>", 1: f"<search>{CITY}</search>",
+              2: f"<think>found it</think><answer>{QUESTION['answer'][0]}</answer>"}
+    engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, script[turn]))
+    (t,) = asyncio.run(_workflow(tokenizer, retrieval).arun_episode(engine, {**DATA, "sampling_seed": 5}))
+    assert (t.reward, t.stop_reason, t.num_turns) == (1.0, "stop", 3)
+    assert t.metadata["queries"] == [PERSON, CITY] and t.metadata["prediction"] == QUESTION["answer"][0]
+    prompt = chat_prompt_ids(tokenizer, search_prompt(DATA))
+    calls = assert_token_invariants(t, engine.calls, prompt)
+    client = RetrievalClient(retrieval)
+    for (req, resp), (next_req, _), query in zip(calls, calls[1:], [PERSON, CITY]):
+        docs = asyncio.run(client.retrieve([query], 2))[0]
+        assert docs[0]["title"] == query
+        end = len(req.input_ids) + resp.output_len
+        assert next_req.input_ids[end:] == _enc(tokenizer, format_information(docs))  # masked: checked above
+    for req, _ in calls:
+        assert set(STOP_STRINGS) <= set(req.extra_sampling_params["stop"])
+    assert len({req.extra_sampling_params["sampling_seed"] for req, _ in calls}) == 3
+    assert t.messages[-1]["role"] == "assistant" and "<information>Doc 1 (Title: " + PERSON in t.messages[-1]["content"]
+
+
+def test_partial_answers_and_exact_match(tokenizer, retrieval):
+    engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, f"<answer>capital {QUESTION['answer'][0]}</answer>"))
+    (f1,) = asyncio.run(_workflow(tokenizer, retrieval).arun_episode(engine, DATA))
+    (em,) = asyncio.run(_workflow(tokenizer, retrieval, reward=exact_match_reward).arun_episode(engine, DATA))
+    assert f1.reward == pytest.approx(2 / 3) and em.reward == 0.0
+    silent = ScriptedEngine(lambda req, turn: _enc(tokenizer, "I do not know") + [tokenizer.eos_token_id])
+    (t,) = asyncio.run(_workflow(tokenizer, retrieval).arun_episode(silent, DATA))
+    assert (t.reward, t.stop_reason, t.num_turns, t.metadata["prediction"]) == (0.0, "stop", 1, None)
+
+
+def test_max_turns_ends_the_episode_without_a_last_retrieval(tokenizer, retrieval):
+    engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, f"<search>{PERSON} {turn}</search>"))
+    (t,) = asyncio.run(_workflow(tokenizer, retrieval, max_turns=3).arun_episode(engine, DATA))
+    assert (t.reward, t.stop_reason, t.num_turns) == (0.0, "max_turns", 3)
+    assert t.metadata["queries"] == [f"{PERSON} 0", f"{PERSON} 1", f"{PERSON} 2"]
+    assert t.input_ids[-len(_enc(tokenizer, "</search>")):] == _enc(tokenizer, "</search>")  # no results appended
+    assert_token_invariants(t, engine.calls, chat_prompt_ids(tokenizer, search_prompt(DATA)))
+
+
+def test_max_tokens_bounds_the_whole_episode(tokenizer, retrieval):
+    prompt = chat_prompt_ids(tokenizer, search_prompt(DATA))
+    budget = len(prompt) + 400
+    engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, f"<search>{PERSON}</search>"))
+    (t,) = asyncio.run(_workflow(tokenizer, retrieval, max_turns=10, max_tokens=budget).arun_episode(engine, DATA))
+    assert t.stop_reason == "length" and len(t.input_ids) <= budget and t.num_turns >= 2
+    for req, _ in engine.calls:
+        assert len(req.input_ids) + req.gconfig.max_new_tokens <= budget
+
+
+def test_a_failing_retrieval_ends_the_episode_not_the_batch(tokenizer, tmp_path):
+    dead = f"127.0.0.1:{find_free_port()}"
+    cfg = load_config("configs/search_agent.yaml", [f"output_dir={tmp_path}", "rollout.gconfig.n_samples=2",
+                                                    "rollout.agent.retrieval.request_retries=1"])
+    workflow = build_workflow(cfg, tokenizer, InlinePool(), tool_addresses={"retrieval": dead})
+    engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, f"<search>{PERSON}</search>"))
+    trajectories = asyncio.run(workflow.arun_episode(engine, DATA))
+    assert len(trajectories) == 2
+    for t in trajectories:
+        assert (t.reward, t.stop_reason, t.num_turns) == (0.0, "retrieval_error", 1)
+        assert t.metadata["error"].startswith(f"retrieval server {dead}: ClientConnectorError")
+
+
+class _ScriptedFirstTurn:
+    """The first turn of each episode is a scripted search, with the tiny model's own logprobs for it (so the
+    whole trajectory is what the model would score); later turns are generated by the real server."""
+
+    def __init__(self, engine, model, tokens: list[int]):
+        self.engine, self.model, self.tokens = engine, model, tokens
+        self.seen: set[str] = set()
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        if req.rid in self.seen:
+            return await self.engine.agenerate(req)
+        self.seen.add(req.rid)
+        ids = torch.tensor([req.input_ids + self.tokens])
+        with torch.no_grad():
+            logp = torch.log_softmax(self.model(ids).logits[0, :-1].float(), -1)
+        logp = logp.gather(-1, ids[0, 1:, None])[len(req.input_ids) - 1:, 0].tolist()
+        return ModelResponse(input_tokens=list(req.input_ids), output_tokens=list(self.tokens), output_logprobs=logp,
+                             output_versions=[0] * len(self.tokens), stop_reason="stop", latency=0.0)
+
+
+def test_search_episodes_against_a_real_server(cpu_server, tiny_model_dir, tokenizer, retrieval, tmp_path):
+    model = load_model(tiny_model_dir)
+    cfg = load_config("configs/search_agent.yaml", [f"output_dir={tmp_path}", "rollout.gconfig.n_samples=2",
+                                                    "rollout.gconfig.max_new_tokens=16", "rollout.agent.max_turns=3"])
+    workflow = build_workflow(cfg, tokenizer, InlinePool(), tool_addresses={"retrieval": retrieval})
+    records = [{**DATA, "prompt_id": f"q{i}", "sampling_seed": 11 * i} for i in range(2)]
+
+    async def go(first_turn):
+        async with RemoteSGLangEngine([cpu_server]) as real:
+            engine = RecordingEngine(_ScriptedFirstTurn(real, model, first_turn) if first_turn else real)
+            groups = await asyncio.gather(*(workflow.arun_episode(engine, r) for r in records))
+        return engine, [t for g in groups for t in g]
+
+    prompt = chat_prompt_ids(tokenizer, search_prompt(DATA))
+    for first_turn in (None, _enc(tokenizer, f"<search>{PERSON}</search>")):
+        engine, trajectories = asyncio.run(go(first_turn))
+        assert len(trajectories) == 4
+        for t in trajectories:
+            calls = assert_token_invariants(t, engine.calls, prompt)
+            assert_logprobs_match_model(model, t)
+            assert len(t.input_ids) <= cfg.rollout.agent.max_tokens
+            assert all(set(STOP_STRINGS) <= set(req.extra_sampling_params["stop"]) for req, _ in calls)
+            if first_turn:  # the results went in after the scripted search, and the real server went on from there
+                assert t.num_turns >= 2 and "<information>Doc 1 (Title: " + PERSON in t.text
+
+
+def test_rollout_command_with_the_search_agent_config(tmp_path):
+    args = [sys.executable, "-m", "areal_pipeline.cli", "rollout", "--config", "configs/search_agent.yaml",
+            f"output_dir={tmp_path}", "run_id=s", "rollout.batch_size=2", "rollout.gconfig.n_samples=2"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (out,) = list(tmp_path.glob("s/iter_*/rollout"))
+    verify_shards(out)
+    trajectories = read_trajectories(out)
+    assert len(trajectories) == 4 and all(isinstance(t.metadata["answer"], list) for t in trajectories)
+    assert json.loads((out / "manifest.json").read_text())["num_rows"] == 4
