@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(BIN)/areal-pipeline rollout --config $(CONFIG) $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 -q $(ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/rollout_throughput.py

@@ -45,6 +45,9 @@ from areal_pipeline.utils import atomic_write_text, find_free_port, get_logger
 logger = get_logger(__name__)
 
 
+NODES = ("rollout", "advantages", "ppo_update", "broadcast_weights", "checkpoint", "evaluate")
+
+
 class RunLockedError(RuntimeError):
     pass
 
@@ -195,6 +198,21 @@ class Services:
         self.inference, self.trainer, self.trainer_client, self.tools = [], None, None, {}
 
 
+def _timed(step):
+    """Record how long the library work of a node took (`Pipeline.step_seconds[k][name]`), apart from any
+    orchestration around it."""
+    import functools
+
+    @functools.wraps(step)
+    def run(self, k: int, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return step(self, k, *args, **kwargs)
+        finally:
+            self.step_seconds.setdefault(k, {})[step.__name__] = time.perf_counter() - started
+    return run
+
+
 class Pipeline:
     def __init__(self, cfg: ExperimentConfig, services: Optional[Services] = None):
         self.cfg = cfg
@@ -204,6 +222,7 @@ class Pipeline:
         self._tokenizer = None
         self._reward_pool: Optional[RewardPool] = None
         self._records: dict[str, list[dict]] = {}
+        self.step_seconds: dict[int, dict[str, float]] = {}
 
     # ----- set-up ----------------------------------------------------------------------------------
     def prepare_dataset(self) -> dict[str, Any]:
@@ -328,6 +347,7 @@ class Pipeline:
                                   request_retries=inf.request_retries)
 
     # ----- the DAG's nodes -------------------------------------------------------------------------
+    @_timed
     def rollout(self, k: int, progress: bool = False) -> dict[str, Any]:
         out = self.paths.rollout(k)
         if is_complete(out):
@@ -354,6 +374,7 @@ class Pipeline:
         tools = {name: p.address for name, p in self.services.tools.items()}
         return {"tool_addresses": tools} if tools else {}
 
+    @_timed
     def advantages(self, k: int) -> dict[str, Any]:
         out = self.paths.batch(k)
         if is_complete(out):
@@ -371,6 +392,7 @@ class Pipeline:
                                extra_token_columns=extra, rows_per_shard=self.cfg.rollout.shard_rows)
         return {**manifest["stats"], "seconds": time.perf_counter() - started, "cached": False}
 
+    @_timed
     def ppo_update(self, k: int) -> dict[str, Any]:
         record = _read_json(self.paths.update(k))
         if record is not None:
@@ -379,9 +401,11 @@ class Pipeline:
         reply = client.call("train", batch_dir=str(self.paths.batch(k)), iteration=k)
         return {**_write_json(self.paths.update(k), {"version": reply["version"], **reply["stats"]}), "cached": False}
 
+    @_timed
     def broadcast_weights(self, k: int) -> dict[str, Any]:
         return self.sync_servers(k)
 
+    @_timed
     def checkpoint(self, k: int) -> dict[str, Any]:
         if not (k % self.cfg.save_freq == 0 or k == self.cfg.total_iterations):
             return {"saved": False}
@@ -395,6 +419,7 @@ class Pipeline:
             shutil.rmtree(self.paths.checkpoint(old), ignore_errors=True)
         return {"saved": True, "path": str(path), "seconds": time.perf_counter() - started, "cached": False}
 
+    @_timed
     def evaluate(self, k: int, force: bool = False) -> Optional[dict[str, Any]]:
         if not force and not (self.cfg.eval_freq > 0 and (k % self.cfg.eval_freq == 0 or k == self.cfg.total_iterations)):
             return None
@@ -406,7 +431,7 @@ class Pipeline:
                                  self.reward_pool, self._tool_kwargs())
         return {**_write_json(self.paths.evaluation(k), {"version": k, **record}), "cached": False}
 
-    def record_metrics(self, k: int, nodes: dict[str, Optional[dict]], seconds: dict[str, float]) -> dict[str, Any]:
+    def record_metrics(self, k: int, nodes: dict[str, Optional[dict]]) -> dict[str, Any]:
         """The iteration's metrics: one flat record in `iter_<k>/metrics.json` and `metrics.jsonl`."""
         rollout, batch, update = nodes["rollout"], nodes["advantages"], nodes["ppo_update"]
         evaluation = nodes.get("evaluate")
@@ -421,7 +446,7 @@ class Pipeline:
             "train_tokens_per_s": update.get("tokens_per_s"),
             "eval_pass_at_1": evaluation.get("pass_at_1") if evaluation else None,
             "eval_reward": evaluation.get("reward_mean") if evaluation else None,
-            **{f"time_{name}": round(s, 4) for name, s in seconds.items()},
+            **{f"time_{name}": round(s, 4) for name, s in self.step_seconds.get(k, {}).items()},
         }
         _write_json(self.paths.metrics(k), record)
         lines = [json.dumps(json.loads(self.paths.metrics(i).read_text()), sort_keys=True)
@@ -431,12 +456,8 @@ class Pipeline:
 
     def run_iteration(self, k: int) -> dict[str, Any]:
         """The plain (orchestrator-free) iteration: the same nodes in the same order."""
-        nodes, seconds = {}, {}
-        for name in ("rollout", "advantages", "ppo_update", "broadcast_weights", "checkpoint", "evaluate"):
-            started = time.perf_counter()
-            nodes[name] = getattr(self, name)(k)
-            seconds[name] = time.perf_counter() - started
-        return self.record_metrics(k, nodes, seconds)
+        nodes = {name: getattr(self, name)(k) for name in NODES}
+        return self.record_metrics(k, nodes)
 
     def start(self) -> None:
         save_config(self.cfg, self.paths.run_dir / "config.yaml")

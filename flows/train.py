@@ -9,6 +9,7 @@ continues from the node that failed. Servers and the trainer are stopped in ever
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Optional
 
@@ -17,29 +18,31 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 
 import tasks
 from areal_pipeline.metrics import write_tensorboard
-from areal_pipeline.pipeline import Pipeline, newest_completed_iteration, resolve_run_config, run_lock
+from areal_pipeline.pipeline import NODES, Pipeline, newest_completed_iteration, resolve_run_config, run_lock
+from areal_pipeline.utils import atomic_write_text
 from flows import artifacts
 from tasks import registry
-
-NODES = ("rollout", "advantages", "ppo_update", "broadcast_weights", "checkpoint", "evaluate")
 
 
 @flow(name="iteration", flow_run_name="{run_id}/iter-{k}", persist_result=True, result_serializer="json")
 def iteration(run_id: str, k: int) -> dict[str, Any]:
     """One RL iteration of run `run_id`: policy k - 1 -> k."""
     pipeline = registry.get(run_id)
-    results, seconds = {}, {}
-    for name in NODES:
-        started = time.perf_counter()
-        results[name] = getattr(tasks, name)(run_id, k)
-        seconds[name] = time.perf_counter() - started
-    record = pipeline.record_metrics(k, results, seconds)
+    results = {name: getattr(tasks, name)(run_id, k) for name in NODES}
+    record = pipeline.record_metrics(k, results)
     if pipeline.cfg.tensorboard:
         write_tensorboard([record], pipeline.paths.run_dir / "tensorboard")
     artifacts.publish_iteration(pipeline, k, record)
     get_run_logger().info("iteration %d: reward %.3f, %s", k, record["reward_mean"],
-                          ", ".join(f"{n} {s:.2f}s" for n, s in seconds.items()))
+                          ", ".join(f"{n} {s:.2f}s" for n, s in pipeline.step_seconds.get(k, {}).items()))
     return record
+
+
+def record_orchestration(pipeline: Pipeline, k: int, wall: float) -> None:
+    """What the iteration cost beyond its nodes' own work: Prefect's share (`iter_<k>/orchestration.json`)."""
+    work = sum(pipeline.step_seconds.get(k, {}).values())
+    atomic_write_text(pipeline.paths.iteration(k) / "orchestration.json", json.dumps(
+        {"wall_seconds": wall, "node_seconds": work, "overhead_seconds": wall - work}) + "\n")
 
 
 @flow(name="train", persist_result=True, result_serializer="json")
@@ -65,7 +68,9 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
             # A flow waits for its heartbeat thread on exit (~1 s): too much for one child run per iteration.
             with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
                 for k in range(first, cfg.total_iterations + 1):
+                    started = time.perf_counter()
                     iteration(cfg.run_id, k)
+                    record_orchestration(pipeline, k, time.perf_counter() - started)
                     artifacts.update_progress(progress, cfg.total_iterations, k)
             summary = artifacts.publish_curve(pipeline) or {}
             logger.info("run %s finished: %s", cfg.run_id, summary)

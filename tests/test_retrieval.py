@@ -148,15 +148,22 @@ def test_dense_retriever_with_a_local_encoder(tmp_path):
                          intermediate_size=64, max_position_embeddings=512)).save_pretrained(encoder)
     tokenizer.save_pretrained(encoder)
     rows = knowledge_base().corpus[:40]
-    cfg = load_config(None, ["rollout.agent.retrieval.retriever=dense", f"rollout.agent.retrieval.embedding_model={encoder}"])
-    rows_digest = "ab" * 32
-    service = RetrievalService(rows, build_retriever(rows, rows_digest, "dense", tmp_path / "idx", str(encoder)))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [f"rollout.agent.retrieval.corpus={corpus}", "rollout.agent.retrieval.retriever=dense",
+                             f"rollout.agent.retrieval.embedding_model={encoder}",
+                             f"rollout.agent.retrieval.index_dir={tmp_path / 'idx'}"])
+    service = RetrievalService.from_config(cfg.rollout.agent.retrieval, tmp_path / "unused")
     hits = service.retrieve({"queries": [rows[7]["contents"]], "topk": 3, "return_scores": True})["result"][0]
     assert hits[0]["document"] == rows[7] and hits[0]["score"] == pytest.approx(1.0, abs=1e-5)
-    assert len(hits) == 3
+    assert len(hits) == 3 and service.retriever.name == "dense"
     (index_dir,) = list((tmp_path / "idx").iterdir())
-    assert index_dir.name.startswith("dense-abababab") and (index_dir / "embeddings.npy").is_file()
-    assert cfg.rollout.agent.retrieval.retriever == "dense"
+    assert index_dir.name.startswith("dense-") and (index_dir / "embeddings.npy").is_file()
+    assert not (tmp_path / "unused").exists()
+    # the embeddings are cached: a second service reads them instead of encoding the corpus again
+    mtime = (index_dir / "embeddings.npy").stat().st_mtime_ns
+    RetrievalService.from_config(cfg.rollout.agent.retrieval, tmp_path / "unused")
+    assert (index_dir / "embeddings.npy").stat().st_mtime_ns == mtime
 
 
 @pytest.fixture(scope="module")
