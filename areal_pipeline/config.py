@@ -138,6 +138,9 @@ class AgentConfig:
 class RolloutConfig:
     workflow: str = "rlvr"
     batch_size: int = 16  # prompts per iteration
+    # eta: iteration k's episodes may be generated while the policy is at version >= k - 1 - eta, i.e. during
+    # the updates of up to eta earlier iterations. 0: synchronous.
+    max_head_offpolicyness: int = 0
     max_concurrent_rollouts: int = 128
     reward_timeout: float = 5.0
     reward_workers: int = 1
@@ -166,7 +169,7 @@ class PPOConfig:
     eps_clip_higher: Optional[float] = None
     c_clip: Optional[float] = None  # dual clip (> 1)
     importance_sampling_level: str = "token"  # token | sequence (GSPO)
-    use_decoupled_loss: bool = False
+    use_decoupled_loss: Optional[bool] = None  # None: on in asynchronous mode (max_head_offpolicyness > 0)
     behav_imp_weight_cap: Optional[float] = None
     recompute_logprob: bool = False
     reward_bias: float = 0.0
@@ -202,6 +205,7 @@ class TrainerConfig:
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     device: str = "auto"  # auto | cpu | cuda
     param_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (mixed precision, fp32 master weights)
+    num_threads: int = 0  # torch threads per rank (0: torch's default)
     mb_max_tokens: int = 8192  # micro-batch token budget for packed sequences
     pack_sequences: bool = True  # false: one padded row per sequence (the slower baseline)
     gradient_checkpointing: bool = False
@@ -228,6 +232,10 @@ class ExperimentConfig:
     eval_freq: int = 0  # pass@1 on the test split every N iterations (and after the last); 0: off
     eval_max_prompts: int = 0  # 0: the whole test split
     tensorboard: bool = False  # also write <run_dir>/tensorboard (needs the tensorboard package)
+
+    def __post_init__(self) -> None:
+        if self.ppo.use_decoupled_loss is None:
+            self.ppo.use_decoupled_loss = self.rollout.max_head_offpolicyness > 0
 
     @property
     def run_dir(self) -> Path:

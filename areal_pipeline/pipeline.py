@@ -37,7 +37,7 @@ from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.inference.launcher import ServerProcess, launch_servers
 from areal_pipeline.model import load_tokenizer, resolve_model_path
 from areal_pipeline.rewards.pool import RewardPool
-from areal_pipeline.rollout.executor import episode_seed, rollout_to_shards, select_batch
+from areal_pipeline.rollout.executor import episode_seed, rollout_to_shards, select_batch, write_rollout_shards
 from areal_pipeline.training.client import TrainerClient, TrainerError, launch_trainer
 from areal_pipeline.training.ppo import write_batch
 from areal_pipeline.utils import atomic_write_text, find_free_port, get_logger
@@ -223,6 +223,7 @@ class Pipeline:
         self._reward_pool: Optional[RewardPool] = None
         self._records: dict[str, list[dict]] = {}
         self.step_seconds: dict[int, dict[str, float]] = {}
+        self._async_rollout = None
 
     # ----- set-up ----------------------------------------------------------------------------------
     def prepare_dataset(self) -> dict[str, Any]:
@@ -266,6 +267,9 @@ class Pipeline:
         return self._reward_pool
 
     def close(self) -> None:
+        if self._async_rollout is not None:
+            self._async_rollout.stop()
+            self._async_rollout = None
         if self._reward_pool is not None:
             self._reward_pool.close()
             self._reward_pool = None
@@ -305,6 +309,7 @@ class Pipeline:
         """Make every inference server serve `version` (pause -> update -> continue); a no-op when it does."""
         self.services.ensure_inference_alive()
         if all(v == str(version) for v in self.server_versions()):
+            self._notify_version(version)
             return {"version": version, "pushed": False, "seconds": 0.0}
         started = time.perf_counter()
         client = self.ensure_trainer_version(version)
@@ -328,8 +333,13 @@ class Pipeline:
                 async with self._engine() as engine:
                     await engine.update_weights(str(path), version)
         asyncio.run(push())
+        self._notify_version(version)
         self._prune_weights(keep=version)
         return {"version": version, "pushed": True, "seconds": time.perf_counter() - started}
+
+    def _notify_version(self, version: int) -> None:
+        if self._async_rollout is not None:
+            self._async_rollout.set_version(version)
 
     def _wire_dtype(self) -> str:
         inf = self.cfg.inference
@@ -353,12 +363,10 @@ class Pipeline:
         if is_complete(out):
             return {**read_manifest(out)["stats"], "cached": True}
         self.sync_servers(k - 1)
-        from areal_pipeline.workflows import build_workflow
-
-        batch = [{**r, "sampling_seed": episode_seed(self.cfg.seed, k, r["prompt_id"])}
-                 for r in select_batch(self.records(self.cfg.dataset.train_split), k - 1,
-                                       self.cfg.rollout.batch_size, self.cfg.seed)]
-        workflow = build_workflow(self.cfg, self.tokenizer, self.reward_pool, **self._tool_kwargs())
+        if self.cfg.rollout.max_head_offpolicyness > 0:
+            return self._collect_async(k)
+        batch = self._episodes(k)
+        workflow = self._workflow()
 
         async def run():
             async with self._engine() as engine:
@@ -369,6 +377,38 @@ class Pipeline:
                     progress=progress, extra_manifest={"policy_version": k - 1})
         stats = asyncio.run(run())["stats"]
         return {**stats, "cached": False}
+
+    def _episodes(self, k: int) -> list[dict[str, Any]]:
+        """Iteration k's episodes: its prompts (a pure function of k), each with its sampling seed."""
+        return [{**r, "sampling_seed": episode_seed(self.cfg.seed, k, r["prompt_id"])}
+                for r in select_batch(self.records(self.cfg.dataset.train_split), k - 1,
+                                      self.cfg.rollout.batch_size, self.cfg.seed)]
+
+    def _workflow(self):
+        from areal_pipeline.workflows import build_workflow
+
+        return build_workflow(self.cfg, self.tokenizer, self.reward_pool, **self._tool_kwargs())
+
+    def _collect_async(self, k: int) -> dict[str, Any]:
+        """Asynchronous mode: iteration k's episodes from the background executor (started on first use,
+        from this iteration on), written as the iteration's shards."""
+        from areal_pipeline.rollout.async_executor import AsyncRolloutExecutor
+
+        if self._async_rollout is None:
+            self._async_rollout = AsyncRolloutExecutor(
+                first_iteration=k, last_iteration=self.cfg.total_iterations,
+                eta=self.cfg.rollout.max_head_offpolicyness, version=k - 1, batch_for=self._episodes,
+                workflow=self._workflow(), engine_factory=self._engine,
+                max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
+                samples_per_episode=self.cfg.rollout.gconfig.n_samples)
+            self._async_rollout.start()
+        started = time.perf_counter()
+        trajectories = self._async_rollout.collect(k)
+        manifest = write_rollout_shards(trajectories, self.paths.rollout(k), run_id=self.cfg.run_id, iteration=k,
+                                        seconds=time.perf_counter() - started,
+                                        rows_per_shard=self.cfg.rollout.shard_rows,
+                                        extra_manifest={"policy_version": k - 1})
+        return {**manifest["stats"], "cached": False}
 
     def _tool_kwargs(self) -> dict[str, Any]:
         tools = {name: p.address for name, p in self.services.tools.items()}
@@ -442,7 +482,8 @@ class Pipeline:
             "staleness": _staleness(k, rollout), "rollout_tokens_per_s": rollout["rollout_tokens_per_s"],
             "advantage_std": batch.get("advantage_std"), "kl": batch.get("kl_mean"),
             **{k2: update.get(k2) for k2 in ("loss", "entropy", "clip_fraction", "dual_clip_fraction", "approx_kl",
-                                             "importance_weight", "grad_norm", "lr")},
+                                             "importance_weight", "behave_imp_weight", "behave_mask_fraction",
+                                             "grad_norm", "lr")},
             "train_tokens_per_s": update.get("tokens_per_s"),
             "eval_pass_at_1": evaluation.get("pass_at_1") if evaluation else None,
             "eval_reward": evaluation.get("reward_mean") if evaluation else None,

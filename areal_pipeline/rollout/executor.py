@@ -90,7 +90,14 @@ async def rollout_to_shards(workflow, engine, records, out_dir: Path, *, run_id:
     started = time.perf_counter()
     trajectories = await run_episodes(workflow, engine, records, max_concurrent_rollouts=max_concurrent_rollouts,
                                       samples_per_episode=samples_per_episode, progress=progress)
-    stats = rollout_stats(trajectories, time.perf_counter() - started)
+    return write_rollout_shards(trajectories, out_dir, run_id=run_id, iteration=iteration,
+                                seconds=time.perf_counter() - started, rows_per_shard=rows_per_shard,
+                                extra_manifest=extra_manifest)
+
+
+def write_rollout_shards(trajectories: list[Trajectory], out_dir: Path, *, run_id: str, iteration: int,
+                         seconds: float, rows_per_shard: int, extra_manifest: Optional[dict] = None) -> dict[str, Any]:
+    stats = rollout_stats(trajectories, seconds)
     manifest = write_shards(trajectories, out_dir, run_id=run_id, iteration=iteration,
                             rows_per_shard=rows_per_shard, extra_manifest={"stats": stats, **(extra_manifest or {})},
                             overwrite=True)

@@ -253,6 +253,8 @@ def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int) -> None:
     backend = cfg.trainer.backend if cfg.trainer.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if cfg.trainer.num_threads > 0:
+        torch.set_num_threads(cfg.trainer.num_threads)
     dist.init_process_group(backend=backend)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     torch.manual_seed(cfg.seed)

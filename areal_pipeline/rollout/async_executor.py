@@ -1,0 +1,116 @@
+"""Asynchronous rollout (AReaL's idea: rollouts never wait for training), with bounded staleness.
+
+A background thread runs its own event loop and keeps generating episodes, iteration after iteration. The
+episodes of iteration k (the prompts `select_batch` gives it, as in synchronous mode) are admitted only while
+
+    k - 1 <= version + max_head_offpolicyness          (AReaL: floor((started - 1) / batch_size) <= version + eta)
+
+where `version` is the policy version the servers serve, and at most `max_concurrent_rollouts` trajectories
+are in flight. So with eta = 1, iteration k + 1 is being generated while iteration k's update runs. A weight
+update pauses the servers: in-flight generations come back with partial tokens and the client continues them
+under the new weights, each token tagged with the version that produced it; the staleness of an iteration
+(k - 1 minus its oldest token's version) never exceeds eta.
+
+`collect(k)` waits for iteration k's episodes and hands them over; the rollout node writes them as shards, and
+from then on they are the iteration's inputs (a rerun trains on exactly them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, Callable, Optional
+
+from areal_pipeline.data.trajectory import Trajectory
+from areal_pipeline.utils import get_logger
+
+logger = get_logger(__name__)
+
+
+class AsyncRolloutExecutor:
+    def __init__(self, *, first_iteration: int, last_iteration: int, eta: int, version: int,
+                 batch_for: Callable[[int], list[dict[str, Any]]], workflow, engine_factory,
+                 max_concurrent_rollouts: int, samples_per_episode: int):
+        self.first_iteration = first_iteration
+        self.last_iteration = last_iteration
+        self.eta = eta
+        self.batch_for = batch_for
+        self.workflow = workflow
+        self.engine_factory = engine_factory
+        self.max_concurrent_rollouts = max_concurrent_rollouts
+        self.samples_per_episode = samples_per_episode
+        self._version = version
+        self._loop = asyncio.new_event_loop()
+        self._batches: dict[int, concurrent.futures.Future] = {
+            k: concurrent.futures.Future() for k in range(first_iteration, last_iteration + 1)}
+        self._thread = threading.Thread(target=self._run, name="async-rollout", daemon=True)
+        self._version_changed: Optional[asyncio.Event] = None
+        self._main: Optional[asyncio.Task] = None
+
+    # ----- called from the orchestrating thread ------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def set_version(self, version: int) -> None:
+        """The servers now serve `version`: iterations up to version + 1 + eta may start."""
+        def bump():
+            self._version = max(self._version, version)
+            self._version_changed.set()
+        try:
+            self._loop.call_soon_threadsafe(bump)
+        except RuntimeError:  # the loop is not running yet, or is done (every iteration produced)
+            self._version = max(self._version, version)
+
+    def collect(self, k: int, timeout: Optional[float] = None) -> list[Trajectory]:
+        if k not in self._batches:
+            raise ValueError(f"iteration {k} is outside this executor's range "
+                             f"{self.first_iteration}..{self.last_iteration}")
+        return self._batches[k].result(timeout)
+
+    def stop(self) -> None:
+        if self._main is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._main.cancel)
+        self._thread.join(timeout=30)
+
+    # ----- the background loop ---------------------------------------------------------------------
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._version_changed = asyncio.Event()
+        self._main = self._loop.create_task(self._produce())
+        try:
+            self._loop.run_until_complete(self._main)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            for fut in self._batches.values():
+                if not fut.done():
+                    fut.set_exception(RuntimeError("the asynchronous rollout executor was stopped"))
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
+    async def _produce(self) -> None:
+        in_flight = asyncio.Semaphore(max(1, self.max_concurrent_rollouts // max(1, self.samples_per_episode)))
+        iterations = []
+        async with self.engine_factory() as engine:
+            for k in range(self.first_iteration, self.last_iteration + 1):
+                while k - 1 > self._version + self.eta:  # admission control: bounded staleness
+                    self._version_changed.clear()
+                    await self._version_changed.wait()
+                logger.info("async rollout: admitting iteration %d at policy version %d (eta %d)",
+                            k, self._version, self.eta)
+                iterations.append(asyncio.create_task(self._iteration(k, engine, in_flight)))
+            await asyncio.gather(*iterations)
+
+    async def _iteration(self, k: int, engine, in_flight: asyncio.Semaphore) -> None:
+        async def episode(data):
+            async with in_flight:
+                return await self.workflow.arun_episode(engine, data)
+        try:
+            groups = await asyncio.gather(*(episode(d) for d in self.batch_for(k)))
+            self._batches[k].set_result([t for group in groups for t in group])
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # surfaces in collect(k), i.e. in iteration k's rollout node
+            logger.exception("async rollout of iteration %d failed", k)
+            self._batches[k].set_exception(e)
