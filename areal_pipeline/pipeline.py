@@ -32,13 +32,13 @@ from typing import Any, Iterator, Optional
 
 from areal_pipeline.config import ExperimentConfig, save_config, to_dict
 from areal_pipeline.data.datasets import load_records
-from areal_pipeline.data.shards import is_complete, read_manifest, read_table
+from areal_pipeline.data.shards import is_complete, read_manifest
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.inference.launcher import ServerProcess, launch_servers
 from areal_pipeline.model import load_tokenizer, resolve_model_path
 from areal_pipeline.rewards.pool import RewardPool
 from areal_pipeline.rollout.executor import episode_seed, rollout_to_shards, select_batch, write_rollout_shards
-from areal_pipeline.training.client import TrainerClient, TrainerError, launch_trainer
+from areal_pipeline.training.client import TrainerClient, launch_trainer
 from areal_pipeline.training.ppo import write_batch
 from areal_pipeline.utils import atomic_write_text, find_free_port, get_logger
 

@@ -13,39 +13,23 @@ do for the other workflows; both raw rewards are kept in the metadata.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import uuid
-from typing import Any, Callable
+from typing import Any
 
-from areal_pipeline.config import GenerationConfig
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.inference.types import ModelRequest
-from areal_pipeline.rewards.pool import RewardPool
-from areal_pipeline.workflows.rlvr import chat_prompt_ids, sample_seed, single_turn_trajectory
+from areal_pipeline.workflows.rlvr import RLVRWorkflow, single_turn_trajectory
 
 
-class ReMaxWorkflow:
-    def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: GenerationConfig, tokenizer,
-                 reward_pool: RewardPool):
-        self.reward_fn = reward_fn
-        self.gconfig = gconfig
-        self.tokenizer = tokenizer
-        self.reward_pool = reward_pool
-
+class ReMaxWorkflow(RLVRWorkflow):
     async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
-        input_ids = chat_prompt_ids(self.tokenizer, data["messages"])
-        single = dataclasses.replace(self.gconfig, n_samples=1)
-        requests = [ModelRequest(rid=uuid.uuid4().hex, input_ids=input_ids, gconfig=single,
-                                 extra_sampling_params=sample_seed(data, i))
-                    for i in range(self.gconfig.n_samples)]
+        requests = self.group_requests(data)
         # With greedy sampling (evaluation) the samples are their own baseline.
         if not self.gconfig.greedy:
-            requests.append(ModelRequest(rid=uuid.uuid4().hex, input_ids=input_ids,
-                                         gconfig=dataclasses.replace(single, greedy=True)))
-        responses = await asyncio.gather(*(engine.agenerate(r) for r in requests))
-        texts = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in responses]
-        rewards = await asyncio.gather(*(self.reward_pool.ascore(self.reward_fn, t, data["answer"]) for t in texts))
+            greedy = dataclasses.replace(requests[0].gconfig, greedy=True)
+            requests.append(ModelRequest(rid=uuid.uuid4().hex, input_ids=requests[0].input_ids, gconfig=greedy))
+        responses, texts, rewards = await self.generate_and_score(engine, data, requests)
         n = self.gconfig.n_samples
         greedy_text, greedy_reward = (texts[n], rewards[n]) if len(texts) > n else (texts[0], rewards[0])
         trajectories = []

@@ -59,15 +59,23 @@ class RLVRWorkflow:
         self.tokenizer = tokenizer
         self.reward_pool = reward_pool
 
-    async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
+    def group_requests(self, data: dict[str, Any]) -> list[ModelRequest]:
+        """One request per sample of the prompt's group, each its own trajectory (rid) and seed."""
         input_ids = chat_prompt_ids(self.tokenizer, data["messages"])
         single = dataclasses.replace(self.gconfig, n_samples=1)
-        requests = [ModelRequest(rid=uuid.uuid4().hex, input_ids=input_ids, gconfig=single,
-                                 extra_sampling_params=sample_seed(data, i))
-                    for i in range(self.gconfig.n_samples)]
+        return [ModelRequest(rid=uuid.uuid4().hex, input_ids=input_ids, gconfig=single,
+                             extra_sampling_params=sample_seed(data, i))
+                for i in range(self.gconfig.n_samples)]
+
+    async def generate_and_score(self, engine, data: dict[str, Any], requests: list[ModelRequest]):
+        """Responses, decoded completions and their rewards (scored in the reward pool)."""
         responses = await asyncio.gather(*(engine.agenerate(r) for r in requests))
         completions = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in responses]
         rewards = await asyncio.gather(*(self.reward_pool.ascore(self.reward_fn, c, data["answer"])
                                          for c in completions))
+        return responses, completions, rewards
+
+    async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
+        responses, completions, rewards = await self.generate_and_score(engine, data, self.group_requests(data))
         return [single_turn_trajectory(data, i, resp, reward, completion)
                 for i, (resp, reward, completion) in enumerate(zip(responses, rewards, completions))]
