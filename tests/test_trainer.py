@@ -258,3 +258,23 @@ def test_reinforce_update_through_the_same_engine(tiny_model_dir, tmp_path):
     assert {"logprob", "advantage", "grad_norm", "lr", "entropy", "tokens_per_s"} <= set(stats)
     a, b = weights(tiny_model_dir), weights(tmp_path / "after")
     assert not torch.equal(a["model.norm.weight"], b["model.norm.weight"])
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(single_process_group, tiny_model_dir, tmp_path):
+    cfg = trainer_config(tmp_path, "trainer.mb_max_tokens=100000")
+    batch_dir = make_batch(tiny_model_dir, tmp_path, seed=3, cfg=cfg)
+    loss_fn, _, columns = make_loss(cfg.ppo)
+    batch = read_batch(batch_dir, ("input_ids",) + columns)
+    results = []
+    for checkpointing in (False, True):
+        cfg.trainer.gradient_checkpointing = checkpointing
+        engine = TrainEngine(str(tiny_model_dir), cfg.trainer, total_steps=4)
+        engine.initialize()
+        (mb,) = engine._micro_batches(list(range(len(batch["input_ids"]))), batch, columns)
+        logp, _ = engine._forward(mb)
+        loss, _ = loss_fn(logp, None, mb)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.full_tensor().clone() for n, p in engine.model.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.allclose(loss_a, loss_b, atol=1e-6)
+    assert all(torch.allclose(grads_a[n], grads_b[n], atol=1e-6) for n in grads_a)

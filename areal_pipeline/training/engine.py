@@ -91,7 +91,10 @@ class TrainEngine:
                                                      trust_remote_code=self.trust_remote_code)
         model.config.use_cache = False
         if self.cfg.gradient_checkpointing and self.trainable:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(self.device)
         param_dtype = self.cfg.param_dtype
         if param_dtype == "auto":
