@@ -21,3 +21,10 @@ PREFECT_DEFAULTS = {
 }
 for _name, _value in PREFECT_DEFAULTS.items():
     os.environ.setdefault(_name, _value)
+
+# Prefect gives the extra logger its API handler, not a level: without one it inherits the root logger's
+# (WARNING in deployment runs), and the library's INFO records would never reach the run logs.
+import logging  # noqa: E402
+
+if logging.getLogger("areal_pipeline").level == logging.NOTSET:
+    logging.getLogger("areal_pipeline").setLevel(logging.INFO)

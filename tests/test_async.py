@@ -18,8 +18,9 @@ def async_config(tmp_path, model_dir, eta: int, iterations: int = 4):
     return load_config(None, [
         f"output_dir={tmp_path}", f"model.path={model_dir}", f"rollout.max_head_offpolicyness={eta}",
         f"total_iterations={iterations}", "rollout.batch_size=8", "rollout.gconfig.n_samples=4",
-        # long generations (the random tiny model rarely stops early), so that updates land in the middle
-        "rollout.gconfig.max_new_tokens=320", "trainer.optimizer.lr=1e-3", "ppo.recompute_logprob=true",
+        # generation is the bottleneck (few trajectories in flight, long generations: the random tiny model
+        # rarely stops early), so admitted episodes are still generating whenever a weight update lands
+        "rollout.max_concurrent_rollouts=8", "rollout.gconfig.max_new_tokens=200", "trainer.optimizer.lr=1e-3", "ppo.recompute_logprob=true",
         f"keep_checkpoints={iterations + 1}", "dataset.arithmetic_train_size=64"])
 
 

@@ -81,6 +81,16 @@ async def _artifacts(key: str):
         return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
 
 
+async def _library_logs():
+    """Records of the project's own loggers (not Prefect's) that reached the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter
+
+    async with get_client() as client:
+        logs = await client.read_logs(log_filter=LogFilter(), limit=200)
+    return [log for log in logs if log.name.startswith("areal_pipeline")]
+
+
 def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir, tmp_path):
     from flows.train import train
 
@@ -104,6 +114,8 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
         assert artifacts, what
     curve = asyncio.run(_artifacts("e2e-reward-curve"))[0]
     assert "data:image/png;base64," in curve.data
+    library_logs = wait_until(lambda: asyncio.run(_library_logs()), 30, "library logs in the Prefect API")
+    assert any("inference servers ready" in log.message for log in library_logs)
     assert {p.pid for p in our_service_processes(os.getpid())} == before  # teardown left nothing behind
 
     # a second call with the same run id finds every iteration finished: nothing is redone
