@@ -445,9 +445,15 @@ class Pipeline:
     def broadcast_weights(self, k: int) -> dict[str, Any]:
         return self.sync_servers(k)
 
+    def wants_checkpoint(self, k: int) -> bool:
+        return k % self.cfg.save_freq == 0 or k == self.cfg.total_iterations
+
+    def wants_evaluation(self, k: int) -> bool:
+        return self.cfg.eval_freq > 0 and (k % self.cfg.eval_freq == 0 or k == self.cfg.total_iterations)
+
     @_timed
     def checkpoint(self, k: int) -> dict[str, Any]:
-        if not (k % self.cfg.save_freq == 0 or k == self.cfg.total_iterations):
+        if not self.wants_checkpoint(k):
             return {"saved": False}
         path = self.paths.checkpoint(k)
         if (path / "trainer_state.json").is_file():
@@ -461,7 +467,7 @@ class Pipeline:
 
     @_timed
     def evaluate(self, k: int, force: bool = False) -> Optional[dict[str, Any]]:
-        if not force and not (self.cfg.eval_freq > 0 and (k % self.cfg.eval_freq == 0 or k == self.cfg.total_iterations)):
+        if not (force or self.wants_evaluation(k)):
             return None
         record = _read_json(self.paths.evaluation(k))
         if record is not None:
@@ -473,7 +479,7 @@ class Pipeline:
 
     def record_metrics(self, k: int, nodes: dict[str, Optional[dict]]) -> dict[str, Any]:
         """The iteration's metrics: one flat record in `iter_<k>/metrics.json` and `metrics.jsonl`."""
-        rollout, batch, update = nodes["rollout"], nodes["advantages"], nodes["ppo_update"]
+        rollout, batch, update = nodes["rollout"], nodes["advantages"], nodes["ppo_update"]  # always present
         evaluation = nodes.get("evaluate")
         record = {
             "iteration": k,

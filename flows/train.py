@@ -28,7 +28,10 @@ from tasks import registry
 def iteration(run_id: str, k: int) -> dict[str, Any]:
     """One RL iteration of run `run_id`: policy k - 1 -> k."""
     pipeline = registry.get(run_id)
-    results = {name: getattr(tasks, name)(run_id, k) for name in NODES}
+    # checkpoint and evaluate run as nodes only on the iterations that save or evaluate (save_freq,
+    # eval_freq): a task run costs ~10 ms of API writes even when it has nothing to do
+    due = {"checkpoint": pipeline.wants_checkpoint(k), "evaluate": pipeline.wants_evaluation(k)}
+    results = {name: getattr(tasks, name)(run_id, k) for name in NODES if due.get(name, True)}
     record = pipeline.record_metrics(k, results)
     if pipeline.cfg.tensorboard:
         write_tensorboard([record], pipeline.paths.run_dir / "tensorboard")
