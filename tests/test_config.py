@@ -13,7 +13,9 @@ def test_defaults_file_and_overrides_layer():
     assert isinstance(cfg, ExperimentConfig)
     assert cfg.rollout.gconfig.n_samples == 3 and cfg.seed == 7
     assert cfg.dataset.arithmetic_operators == ["+", "-"]
-    assert cfg.rollout.batch_size == 16  # from the file
+    from omegaconf import OmegaConf
+
+    assert cfg.rollout.batch_size == OmegaConf.load(REPO / "configs/tiny_cpu.yaml").rollout.batch_size  # the file's
     assert cfg.inference.setup_timeout == 300.0  # a default
     assert cfg.run_dir == Path("runs") / "tiny-cpu"
 

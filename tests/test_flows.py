@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -268,3 +269,18 @@ def test_scheduled_deployment_registers_and_a_triggered_run_completes(prefect_ap
             os.killpg(serve.pid, signal.SIGKILL)
     lines = (tmp_path / "served" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["iteration"] for line in lines] == [1, 2]
+
+
+@pytest.mark.parametrize("config", ["gsm8k_reflection", "gsm8k_multi_turn", "remax", "search_agent"])
+def test_every_agent_config_trains_through_the_train_flow(prefect_api, tiny_model_dir, tmp_path, config):
+    """Each tutorial agent trains with its own config through the same `train` flow (shrunk to stay fast)."""
+    from flows.train import train
+
+    result = train(config_path=str(REPO / "configs" / f"{config}.yaml"), overrides=[
+        f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", "total_iterations=2", "eval_freq=0",
+        "rollout.batch_size=2", "rollout.gconfig.n_samples=2", "rollout.gconfig.max_new_tokens=8"])
+    run_dir = Path(result["run_dir"])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert (run_dir / "checkpoints" / "step_2" / "model" / "config.json").is_file()
