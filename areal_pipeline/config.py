@@ -40,6 +40,14 @@ class TinyModelConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 1024
+    # Warm start ("pretraining") on the arithmetic train split, so that RL starts from a base model that
+    # answers in the right format but is often wrong. 0 steps: random weights (what the unit tests use).
+    pretrain_steps: int = 0
+    pretrain_batch_size: int = 32
+    pretrain_lr: float = 3e-3
+    # Share of pretraining answers written one too high: a habit the base model picks up (greedy answers
+    # are mostly wrong, sampled ones right about 1 - this share of the time) and RL has to unlearn.
+    pretrain_off_by_one: float = 0.7
 
 
 @dataclass

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
+import pytest
 import torch
 
 from areal_pipeline.config import load_config
@@ -12,6 +14,8 @@ from areal_pipeline.data.shards import read_trajectories
 from areal_pipeline.model import load_model
 from areal_pipeline.pipeline import run_plain
 from areal_pipeline.training.losses import gather_logprobs
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def async_config(tmp_path, model_dir, eta: int, iterations: int = 4):
@@ -69,3 +73,14 @@ def test_staleness_bound_and_trajectories_spanning_updates(tiny_model_dir, tmp_p
     # and it trained with the decoupled loss: behaviour weights exp(prox - old) differ from 1 for stale tokens
     update = json.loads((cfg.run_dir / f"iter_{k}" / "update.json").read_text())
     assert update["behave_imp_weight"] != 1.0 and math.isfinite(update["loss"])
+
+
+@pytest.mark.parametrize("eta", [0, 1])
+def test_the_default_task_learns_synchronously_and_asynchronously(tmp_path, eta):
+    """configs/tiny_cpu.yaml, shortened: the batch reward of the last iterations is clearly above the first."""
+    cfg = load_config(REPO / "configs/tiny_cpu.yaml", [
+        f"output_dir={tmp_path}", f"rollout.max_head_offpolicyness={eta}", "total_iterations=30", "eval_freq=0"])
+    rewards = [r["reward_mean"] for r in run_plain(cfg)]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.15, rewards
+    assert max(r["staleness"] for r in map(json.loads, (cfg.run_dir / "metrics.jsonl").read_text().splitlines())) <= eta
