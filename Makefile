@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 run: $(STAMP)
-	$(BIN)/areal-pipeline rollout --config $(CONFIG) $(ARGS)
+	$(BIN)/areal-pipeline train --config $(CONFIG) $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q $(ARGS)

@@ -1,7 +1,8 @@
 """The yardstick: TRL's GRPOTrainer on the same model, data, reward and group size as the pipeline, and the
 time each takes to reach a reward.
 
-    python bench/trl_yardstick.py [--config configs/tiny_cpu.yaml] [--thresholds 0.5 0.7] [--skip-ours] [key=value ...]
+    python bench/trl_yardstick.py [--config configs/tiny_cpu.yaml] [--thresholds 0.5 0.7] [--skip-ours]
+                                  [--trl-threads N] [key=value ...]
 
 Both start from the same warm-started embedded model (built before the clock starts) and run the config's
 `total_iterations` steps of `rollout.batch_size` prompts x `rollout.gconfig.n_samples` samples, at the same
@@ -29,6 +30,7 @@ def reward(completions, answer, **_) -> list[float]:
 
 
 def measure_trl(cfg, out_dir: Path, thresholds) -> dict:
+    started = time.perf_counter()  # importing TRL counts, as the pipeline's start-up counts its processes'
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -36,7 +38,6 @@ def measure_trl(cfg, out_dir: Path, thresholds) -> dict:
     from areal_pipeline.data.datasets import load_records
     from areal_pipeline.model import load_model, load_tokenizer, resolve_model_path
 
-    started = time.perf_counter()
     model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
     records = load_records(cfg.dataset, cfg.dataset.train_split, cfg.seed)
     data = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in records])
@@ -46,7 +47,8 @@ def measure_trl(cfg, out_dir: Path, thresholds) -> dict:
         logging_steps=1, disable_tqdm=True, max_steps=cfg.total_iterations,
         per_device_train_batch_size=cfg.rollout.batch_size * g.n_samples, gradient_accumulation_steps=1,
         num_generations=g.n_samples, max_completion_length=g.max_new_tokens, temperature=g.temperature,
-        learning_rate=cfg.trainer.optimizer.lr, lr_scheduler_type="constant", warmup_steps=0,
+        learning_rate=cfg.trainer.optimizer.lr, lr_scheduler_type="constant_with_warmup",
+        warmup_steps=int(cfg.trainer.optimizer.warmup_steps_proportion * cfg.total_iterations),
         weight_decay=cfg.trainer.optimizer.weight_decay, max_grad_norm=cfg.trainer.optimizer.gradient_clipping,
         beta=0.0, loss_type="dapo",  # token-level loss over the batch, as the pipeline's PPO loss
     )
@@ -77,6 +79,8 @@ def main() -> None:
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7])
     p.add_argument("--skip-ours", action="store_true", help="only the TRL run")
+    p.add_argument("--trl-threads", type=int, default=0,
+                   help="torch threads of the TRL process (0: torch's default); on a busy machine 1 is faster")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = p.parse_args()
 
@@ -86,8 +90,12 @@ def main() -> None:
     cfg = load_config(args.config, overrides)
     started = time.perf_counter()
     resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
-    figures = {"model_build_seconds": round(time.perf_counter() - started, 2),
-               **measure_trl(cfg, work / "trl", args.thresholds)}
+    figures = {"model_build_seconds": round(time.perf_counter() - started, 2)}
+    if args.trl_threads:
+        import torch
+
+        torch.set_num_threads(args.trl_threads)
+    figures.update(measure_trl(cfg, work / "trl", args.thresholds))
     if not args.skip_ours:
         figures.update(measure_pipeline(args.config, overrides, args.thresholds))
         for t in args.thresholds:
