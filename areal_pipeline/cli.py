@@ -167,6 +167,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     _exit_on_sigterm()
     if args.command != "inference-server":
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
     from areal_pipeline.config import ConfigError
 
     from areal_pipeline.pipeline import RunLockedError
