@@ -73,6 +73,17 @@ def single_process_group():
     dist.destroy_process_group()
 
 
+def whole_batch_loss_and_grads(cfg, model_dir, batch, columns, loss_fn):
+    """One micro-batch holding the whole batch through a fresh engine: (micro-batch, loss, gradients)."""
+    engine = TrainEngine(str(model_dir), cfg.trainer, total_steps=4)
+    engine.initialize()
+    (mb,) = engine._micro_batches(list(range(len(batch["input_ids"]))), batch, columns)
+    logp, _ = engine._forward(mb)
+    loss, _ = loss_fn(logp, None, mb)
+    loss.backward()
+    return mb, loss.detach(), {n: p.grad.full_tensor().clone() for n, p in engine.model.named_parameters()}
+
+
 def test_packed_and_padded_batches_give_same_loss_and_gradients(single_process_group, tiny_model_dir, tmp_path):
     cfg = trainer_config(tmp_path, "trainer.mb_max_tokens=100000")  # one micro-batch holds the whole batch
     batch_dir = make_batch(tiny_model_dir, tmp_path, seed=0, cfg=cfg)
@@ -81,14 +92,8 @@ def test_packed_and_padded_batches_give_same_loss_and_gradients(single_process_g
     results = []
     for pack in (True, False):
         cfg.trainer.pack_sequences = pack
-        engine = TrainEngine(str(tiny_model_dir), cfg.trainer, total_steps=4)
-        engine.initialize()
-        (mb,) = engine._micro_batches(list(range(len(batch["input_ids"]))), batch, columns)
-        logp, _ = engine._forward(mb)
-        loss, _ = loss_fn(logp, None, mb)
-        loss.backward()
-        grads = {n: p.grad.full_tensor().clone() for n, p in engine.model.named_parameters()}
-        results.append((loss.detach(), grads))
+        mb, loss, grads = whole_batch_loss_and_grads(cfg, tiny_model_dir, batch, columns, loss_fn)
+        results.append((loss, grads))
     (loss_packed, g_packed), (loss_padded, g_padded) = results
     assert torch.allclose(loss_packed, loss_padded, atol=1e-6)
     for name in g_packed:
@@ -268,13 +273,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(single_process_group, t
     results = []
     for checkpointing in (False, True):
         cfg.trainer.gradient_checkpointing = checkpointing
-        engine = TrainEngine(str(tiny_model_dir), cfg.trainer, total_steps=4)
-        engine.initialize()
-        (mb,) = engine._micro_batches(list(range(len(batch["input_ids"]))), batch, columns)
-        logp, _ = engine._forward(mb)
-        loss, _ = loss_fn(logp, None, mb)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.full_tensor().clone() for n, p in engine.model.named_parameters()}))
+        results.append(whole_batch_loss_and_grads(cfg, tiny_model_dir, batch, columns, loss_fn)[1:])
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.allclose(loss_a, loss_b, atol=1e-6)
     assert all(torch.allclose(grads_a[n], grads_b[n], atol=1e-6) for n in grads_a)
