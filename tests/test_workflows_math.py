@@ -77,7 +77,7 @@ def test_reflection_retries_until_right_and_discounts(tokenizer):
                                   InlinePool(), max_turns=4, turn_discount=0.5)
     (t,) = asyncio.run(workflow.arun_episode(engine, DATA))
     prompt = chat_prompt_ids(tokenizer, DATA["messages"])
-    env = workflow.closing_ids + workflow.reflection_ids
+    env = workflow.closing_ids + workflow.message_ids
     # an EOS is inserted after "5" (the turn did not end with one), not after "6<eos>"
     assert t.input_ids == prompt + _enc(tokenizer, "5") + [eos] + env + _enc(tokenizer, "6") + [eos] + env + \
         _enc(tokenizer, "7")
@@ -182,7 +182,7 @@ def test_multi_turn_workflows_against_a_real_server(name, cpu_server, tiny_model
     workflow, engine, groups = asyncio.run(go())
     model = load_model(tiny_model_dir)
     eos = tokenizer.eos_token_id
-    message = workflow.reflection_ids if name == "reflection" else workflow.wrong_ids
+    message = workflow.message_ids
     for record, group in zip(records, groups):
         assert [t.sample_idx for t in group] == [0, 1, 2]
         prompt = chat_prompt_ids(tokenizer, record["messages"])

@@ -14,8 +14,6 @@ extra turn. Every turn's answer, success, reward, return and policy version stay
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -25,8 +23,8 @@ from areal_pipeline.data.shards import is_complete, read_trajectories
 from areal_pipeline.data.trajectory import NO_VERSION, SequenceBuilder, Trajectory
 from areal_pipeline.inference.types import ModelRequest
 from areal_pipeline.rewards.pool import RewardPool
-from areal_pipeline.workflows.reflection import next_turn_ids, turn_record, user_turn_ids
-from areal_pipeline.workflows.rlvr import chat_prompt_ids, sample_seed
+from areal_pipeline.workflows.reflection import TurnsWithFeedbackWorkflow, turn_record
+from areal_pipeline.workflows.rlvr import sample_seed
 
 WRONG_MESSAGE = "Wrong, try again."
 
@@ -40,30 +38,19 @@ def discounted_returns(rewards: list[float], discount: float) -> list[float]:
     return returns[::-1]
 
 
-class MultiTurnWorkflow:
+class MultiTurnWorkflow(TurnsWithFeedbackWorkflow):
+    user_message = WRONG_MESSAGE
+
     def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: GenerationConfig, tokenizer,
                  reward_pool: RewardPool, max_turns: int = 2, turn_level_discount: float = 0.9,
                  reward_bias: float = 0.0, reward_scaling: float = 1.0):
-        if max_turns < 1:
-            raise ValueError(f"agent.max_turns must be at least 1, got {max_turns}")
-        self.reward_fn = reward_fn
-        self.gconfig = gconfig
-        self.single = dataclasses.replace(gconfig, n_samples=1)
-        self.tokenizer = tokenizer
-        self.reward_pool = reward_pool
-        self.max_turns = max_turns
+        super().__init__(reward_fn, gconfig, tokenizer, reward_pool, max_turns)
         self.discount = turn_level_discount
         self.reward_bias = reward_bias
         self.reward_scaling = reward_scaling
-        self.closing_ids, self.wrong_ids = user_turn_ids(tokenizer, WRONG_MESSAGE)
 
     def turn_reward(self, success: bool) -> float:
         return ((float(success) - 0.5) * 2 - self.reward_bias) * self.reward_scaling
-
-    async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
-        prompt_ids = chat_prompt_ids(self.tokenizer, data["messages"])
-        return list(await asyncio.gather(*(self._episode(engine, data, prompt_ids, i)
-                                           for i in range(self.gconfig.n_samples))))
 
     async def _episode(self, engine, data: dict[str, Any], prompt_ids: list[int], sample_idx: int) -> Trajectory:
         seq = SequenceBuilder(prompt_ids)
@@ -72,7 +59,7 @@ class MultiTurnWorkflow:
         turns: list[dict[str, Any]] = []
         for turn in range(self.max_turns):
             if turn:
-                seq.add_environment(next_turn_ids(resp, self.tokenizer.eos_token_id, self.closing_ids, self.wrong_ids))
+                seq.add_environment(self.feedback_ids(resp))
                 messages.append({"role": "user", "content": WRONG_MESSAGE})
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(seq.input_ids), gconfig=self.single,
                                                        extra_sampling_params=sample_seed(data, sample_idx, turn)))

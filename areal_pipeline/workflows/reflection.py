@@ -68,9 +68,14 @@ def turn_record(resp: ModelResponse, text: str, **fields: Any) -> dict[str, Any]
             "version_start": min(versions), "version_end": max(versions), **fields}
 
 
-class ReflectionWorkflow:
+class TurnsWithFeedbackWorkflow:
+    """Reflection and multi-turn feedback: `gconfig.n_samples` concurrent episodes per prompt, each up to
+    `max_turns` model turns, separated by a fixed user message whose token ids are computed once."""
+
+    user_message = ""
+
     def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: GenerationConfig, tokenizer,
-                 reward_pool: RewardPool, max_turns: int = 2, turn_discount: float = 0.9):
+                 reward_pool: RewardPool, max_turns: int = 2):
         if max_turns < 1:
             raise ValueError(f"agent.max_turns must be at least 1, got {max_turns}")
         self.reward_fn = reward_fn
@@ -79,13 +84,28 @@ class ReflectionWorkflow:
         self.tokenizer = tokenizer
         self.reward_pool = reward_pool
         self.max_turns = max_turns
-        self.turn_discount = turn_discount
-        self.closing_ids, self.reflection_ids = user_turn_ids(tokenizer, REFLECTION_MESSAGE)
+        self.closing_ids, self.message_ids = user_turn_ids(tokenizer, self.user_message)
+
+    def feedback_ids(self, resp: ModelResponse) -> list[int]:
+        """What the environment appends after a model turn: its end (EOS inserted if missing), then the message."""
+        return next_turn_ids(resp, self.tokenizer.eos_token_id, self.closing_ids, self.message_ids)
 
     async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
         prompt_ids = chat_prompt_ids(self.tokenizer, data["messages"])
         return list(await asyncio.gather(*(self._episode(engine, data, prompt_ids, i)
                                            for i in range(self.gconfig.n_samples))))
+
+    async def _episode(self, engine, data: dict[str, Any], prompt_ids: list[int], sample_idx: int) -> Trajectory:
+        raise NotImplementedError
+
+
+class ReflectionWorkflow(TurnsWithFeedbackWorkflow):
+    user_message = REFLECTION_MESSAGE
+
+    def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: GenerationConfig, tokenizer,
+                 reward_pool: RewardPool, max_turns: int = 2, turn_discount: float = 0.9):
+        super().__init__(reward_fn, gconfig, tokenizer, reward_pool, max_turns)
+        self.turn_discount = turn_discount
 
     async def _episode(self, engine, data: dict[str, Any], prompt_ids: list[int], sample_idx: int) -> Trajectory:
         seq = SequenceBuilder(prompt_ids)
@@ -94,8 +114,7 @@ class ReflectionWorkflow:
         turns: list[dict[str, Any]] = []
         for turn in range(self.max_turns):
             if turn:
-                seq.add_environment(next_turn_ids(resp, self.tokenizer.eos_token_id, self.closing_ids,
-                                                  self.reflection_ids))
+                seq.add_environment(self.feedback_ids(resp))
                 messages.append({"role": "user", "content": REFLECTION_MESSAGE})
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(seq.input_ids), gconfig=self.single,
                                                        extra_sampling_params=sample_seed(data, sample_idx, turn)))
