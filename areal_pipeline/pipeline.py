@@ -136,10 +136,10 @@ class Services:
     """The long-lived processes of a run (inference servers, trainer, tool servers), owned by the
     orchestrating process; steps find them here and restart the ones that died."""
 
-    def __init__(self, cfg: ExperimentConfig, model_path: str):
+    def __init__(self, cfg: ExperimentConfig, model_path: str, log_dir: Path):
         self.cfg = cfg
         self.model_path = model_path
-        self.log_dir = cfg.run_dir / "logs"
+        self.log_dir = log_dir
         self.inference: list[ServerProcess] = []
         self.trainer: Optional[ServerProcess] = None
         self.trainer_client: Optional[TrainerClient] = None
@@ -214,11 +214,11 @@ def _timed(step):
 
 
 class Pipeline:
-    def __init__(self, cfg: ExperimentConfig, services: Optional[Services] = None):
+    def __init__(self, cfg: ExperimentConfig, log_dir: Optional[Path] = None):
         self.cfg = cfg
         self.paths = RunPaths(cfg.run_dir)
         self.model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
-        self.services = services or Services(cfg, self.model_path)
+        self.services = Services(cfg, self.model_path, log_dir or cfg.run_dir / "logs")
         self._tokenizer = None
         self._reward_pool: Optional[RewardPool] = None
         self._records: dict[str, list[dict]] = {}
@@ -466,8 +466,8 @@ class Pipeline:
         return {"saved": True, "path": str(path), "seconds": time.perf_counter() - started, "cached": False}
 
     @_timed
-    def evaluate(self, k: int, force: bool = False) -> Optional[dict[str, Any]]:
-        if not (force or self.wants_evaluation(k)):
+    def evaluate(self, k: int) -> Optional[dict[str, Any]]:
+        if not self.wants_evaluation(k):
             return None
         record = _read_json(self.paths.evaluation(k))
         if record is not None:
@@ -584,8 +584,7 @@ def evaluate_checkpoint(cfg: ExperimentConfig, model_dir: Path) -> dict[str, Any
     import dataclasses
 
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
-    pipeline = Pipeline(cfg)
-    pipeline.services.log_dir = cfg.run_dir / "logs" / "evaluate"  # apart from a live train run's logs
+    pipeline = Pipeline(cfg, log_dir=cfg.run_dir / "logs" / "evaluate")  # apart from a live train run's logs
     try:
         pipeline.services.start_tools()
         pipeline.services.start_inference()
