@@ -132,6 +132,10 @@ def _write_json(path: Path, record: dict) -> dict:
     return record
 
 
+class ServicesStoppedError(RuntimeError):
+    pass
+
+
 class Services:
     """The long-lived processes of a run (inference servers, trainer, tool servers), owned by the
     orchestrating process; steps find them here and restart the ones that died."""
@@ -144,18 +148,26 @@ class Services:
         self.trainer: Optional[ServerProcess] = None
         self.trainer_client: Optional[TrainerClient] = None
         self.tools: dict[str, ServerProcess] = {}
+        self.stopped = False  # after stop(), nothing is started or restarted again
+
+    def _refuse_if_stopped(self) -> None:
+        if self.stopped:
+            raise ServicesStoppedError("the run's services were stopped (the run is ending)")
 
     def start_inference(self) -> list[str]:
+        self._refuse_if_stopped()
         if not self.inference:
             self.inference = launch_servers(self.model_path, self.cfg.inference, self.cfg.seed, self.log_dir)
         return self.addresses
 
     def start_trainer(self) -> str:
+        self._refuse_if_stopped()
         if self.trainer is None:
             self.trainer, self.trainer_client = launch_trainer(self.cfg, self.model_path, self.log_dir)
         return self.trainer.address
 
     def start_tools(self) -> dict[str, str]:
+        self._refuse_if_stopped()
         if self.cfg.rollout.workflow == "search_agent" and "retrieval" not in self.tools:
             from areal_pipeline.tools.retrieval_server import launch_retrieval_server
 
@@ -168,6 +180,7 @@ class Services:
 
     def ensure_inference_alive(self) -> None:
         """Restart servers that died (they come back at version 0; the next step pushes the weights)."""
+        self._refuse_if_stopped()
         dead = [s for s in self.inference if s.popen is None or s.popen.poll() is not None or not s.is_healthy()]
         if dead:
             logger.warning("inference server(s) %s died; restarting", ", ".join(s.address for s in dead))
@@ -180,6 +193,7 @@ class Services:
                 s.wait_healthy(self.cfg.inference.setup_timeout)
 
     def ensure_trainer_alive(self) -> TrainerClient:
+        self._refuse_if_stopped()
         if self.trainer is not None and self.trainer.popen.poll() is None and self.trainer.is_healthy():
             return self.trainer_client
         logger.warning("the trainer is down; restarting it")
@@ -190,6 +204,7 @@ class Services:
         return self.trainer_client
 
     def stop(self) -> None:
+        self.stopped = True
         for process in [*self.inference, *([self.trainer] if self.trainer else []), *self.tools.values()]:
             try:
                 process.stop()

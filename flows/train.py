@@ -5,16 +5,26 @@
 Running `train` again with the same run id (or retrying a failed flow run from the UI/CLI) skips every
 finished node: each node's output is complete on disk and its Prefect cache key is derived from it, so the run
 continues from the node that failed. Servers and the trainer are stopped in every outcome.
+
+Consecutive iteration runs overlap in their bookkeeping, never in their nodes: a flow run costs ~150 ms of API
+calls to start and ~70 ms to finish (metrics, artifacts, final state) on SQLite, as much as a fifth of a
+default iteration. So iteration k+1's run starts while iteration k's ppo_update runs, and its first node waits
+until k's last node is done; iteration k reports while k+1 works. At most two iteration runs are in flight.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from prefect import flow, get_run_logger
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+from prefect.states import Cancelled
 
 import tasks
 from areal_pipeline.metrics import write_tensorboard
@@ -23,29 +33,127 @@ from areal_pipeline.utils import atomic_write_text
 from flows import artifacts
 from tasks import registry
 
+# The node during which the next iteration's run may start its bookkeeping: the longest one.
+NEXT_RUN_STARTS_DURING = "ppo_update"
+
+
+@dataclass
+class Handoff:
+    """What iteration k tells iteration k+1 of the same train run."""
+    next_may_start: threading.Event = field(default_factory=threading.Event)
+    nodes_done: threading.Event = field(default_factory=threading.Event)
+    reported: threading.Event = field(default_factory=threading.Event)
+    nodes_done_at: Optional[float] = None
+    failed: bool = False
+
+
+_HANDOFFS: dict[tuple[str, int], Handoff] = {}
+
 
 @flow(name="iteration", flow_run_name="{run_id}/iter-{k}", persist_result=True, result_serializer="json")
-def iteration(run_id: str, k: int) -> dict[str, Any]:
+def iteration(run_id: str, k: int) -> Any:
     """One RL iteration of run `run_id`: policy k - 1 -> k."""
     pipeline = registry.get(run_id)
+    handoff, previous = _HANDOFFS.get((run_id, k)), _HANDOFFS.get((run_id, k - 1))
+    try:
+        if previous is not None:
+            previous.nodes_done.wait()
+            if previous.failed:
+                return Cancelled(message=f"iteration {k - 1} failed, so iteration {k} did not run")
+        results = _run_nodes(pipeline, run_id, k, handoff)
+    except BaseException:
+        if handoff is not None:
+            handoff.failed = True
+        raise
+    finally:
+        if handoff is not None:
+            handoff.nodes_done_at = time.perf_counter()
+            handoff.next_may_start.set()
+            handoff.nodes_done.set()
+    try:
+        if previous is not None:
+            previous.reported.wait()  # metrics.jsonl and the artifacts stay in iteration order
+        record = pipeline.record_metrics(k, results)
+        if pipeline.cfg.tensorboard:
+            write_tensorboard([record], pipeline.paths.run_dir / "tensorboard")
+        artifacts.publish_iteration(pipeline, k, record)
+        get_run_logger().info("iteration %d: reward %.3f, %s", k, record["reward_mean"],
+                              ", ".join(f"{n} {s:.2f}s" for n, s in pipeline.step_seconds.get(k, {}).items()))
+        return record
+    finally:
+        if handoff is not None:
+            handoff.reported.set()
+
+
+def _run_nodes(pipeline: Pipeline, run_id: str, k: int, handoff: Optional[Handoff]) -> dict[str, Any]:
     # checkpoint and evaluate run as nodes only on the iterations that save or evaluate (save_freq,
     # eval_freq): a task run costs ~10 ms of API writes even when it has nothing to do
     due = {"checkpoint": pipeline.wants_checkpoint(k), "evaluate": pipeline.wants_evaluation(k)}
-    results = {name: getattr(tasks, name)(run_id, k) for name in NODES if due.get(name, True)}
-    record = pipeline.record_metrics(k, results)
-    if pipeline.cfg.tensorboard:
-        write_tensorboard([record], pipeline.paths.run_dir / "tensorboard")
-    artifacts.publish_iteration(pipeline, k, record)
-    get_run_logger().info("iteration %d: reward %.3f, %s", k, record["reward_mean"],
-                          ", ".join(f"{n} {s:.2f}s" for n, s in pipeline.step_seconds.get(k, {}).items()))
-    return record
+    results = {}
+    for name in NODES:
+        if not due.get(name, True):
+            continue
+        if name == NEXT_RUN_STARTS_DURING and handoff is not None:
+            handoff.next_may_start.set()
+        results[name] = getattr(tasks, name)(run_id, k)
+    return results
 
 
-def record_orchestration(pipeline: Pipeline, k: int, wall: float) -> None:
-    """What the iteration cost beyond its nodes' own work: Prefect's share (`iter_<k>/orchestration.json`)."""
+def record_orchestration(pipeline: Pipeline, k: int, period: float) -> None:
+    """What the iteration cost beyond its nodes' own work: Prefect's share (`iter_<k>/orchestration.json`).
+    `period` is the time from the previous iteration's last node to this one's."""
     work = sum(pipeline.step_seconds.get(k, {}).values())
     atomic_write_text(pipeline.paths.iteration(k) / "orchestration.json", json.dumps(
-        {"wall_seconds": wall, "node_seconds": work, "overhead_seconds": wall - work}) + "\n")
+        {"wall_seconds": period, "node_seconds": work, "overhead_seconds": period - work}) + "\n")
+
+
+def _run_iterations(pipeline: Pipeline, first: int, last: int, progress) -> None:
+    """Iterations first..last as child flow runs, each started while the one before it updates."""
+    run_id, total = pipeline.cfg.run_id, pipeline.cfg.total_iterations
+    in_flight: list[tuple[int, Future]] = []
+    failure: Optional[BaseException] = None
+
+    def finish_oldest() -> None:
+        nonlocal failure
+        k, future = in_flight.pop(0)
+        try:
+            future.result()
+        except BaseException as error:  # the later run in flight sees the failure and does not run its nodes
+            failure = failure or error
+        else:
+            handoff = _HANDOFFS[(run_id, k)]
+            before = _HANDOFFS.get((run_id, k - 1))
+            started = before.nodes_done_at if before is not None else launched_at[k]
+            record_orchestration(pipeline, k, handoff.nodes_done_at - started)
+            artifacts.update_progress(progress, total, k)
+
+    launched_at: dict[int, float] = {}
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{run_id}-iteration") as pool:
+        try:
+            for k in range(first, last + 1):
+                handoff = _HANDOFFS[(run_id, k)] = Handoff()
+                launched_at[k] = time.perf_counter()
+                # the child run needs the parent's flow run context (and the heartbeat setting) in its thread
+                in_flight.append((k, pool.submit(contextvars.copy_context().run, iteration, run_id, k)))
+                future = in_flight[-1][1]
+                while not handoff.next_may_start.wait(0.1) and not future.done():
+                    pass
+                while len(in_flight) > 1 or (in_flight and in_flight[-1][1].done()):
+                    finish_oldest()
+                if failure is not None:
+                    break
+        except BaseException:
+            # Ctrl-C or SIGTERM reached this thread: stop the services first, so that the node in flight fails
+            # at once (and is not retried) instead of being waited for
+            pipeline.services.stop()
+            raise
+        finally:
+            while in_flight:
+                finish_oldest()
+            for k in list(launched_at):
+                _HANDOFFS.pop((run_id, k), None)
+    if failure is not None:
+        raise failure
 
 
 @flow(name="train", persist_result=True, result_serializer="json")
@@ -70,11 +178,7 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
             progress = artifacts.start_progress(cfg.total_iterations, first - 1)
             # A flow waits for its heartbeat thread on exit (~1 s): too much for one child run per iteration.
             with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-                for k in range(first, cfg.total_iterations + 1):
-                    started = time.perf_counter()
-                    iteration(cfg.run_id, k)
-                    record_orchestration(pipeline, k, time.perf_counter() - started)
-                    artifacts.update_progress(progress, cfg.total_iterations, k)
+                _run_iterations(pipeline, first, cfg.total_iterations, progress)
             summary = artifacts.publish_curve(pipeline) or {}
             logger.info("run %s finished: %s", cfg.run_id, summary)
             return {"run_id": cfg.run_id, "run_dir": str(cfg.run_dir), **summary}

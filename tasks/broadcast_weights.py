@@ -3,7 +3,8 @@ from prefect import task
 from tasks import registry
 
 
-@task(name="broadcast_weights", retries=2, retry_delay_seconds=[5, 30], timeout_seconds=3600)
+@task(name="broadcast_weights", retries=2, retry_delay_seconds=[5, 30],
+      retry_condition_fn=registry.retry_while_running, timeout_seconds=3600)
 def broadcast_weights(run_id: str, k: int) -> dict:
     """Pause the servers, push version k (disk or distributed), continue. Idempotent: a retry re-pushes only
     to servers not yet at version k."""

@@ -44,3 +44,14 @@ def output_cache_key(output: Callable[[Pipeline, int], Path]) -> Callable[[Any, 
         return f"{context.task.name}-{pipeline.cfg.run_id}-{parameters['k']}-{digest}"
 
     return key
+
+
+def retry_while_running(task, task_run, state) -> bool:
+    """A `retry_condition_fn`: retry a failed node only while its run goes on. Once the run is ending (its
+    services stopped, e.g. after Ctrl-C), a node that failed because of it gives up at once."""
+    from prefect.context import TaskRunContext
+
+    context = TaskRunContext.get()
+    run_id = context.parameters.get("run_id") if context is not None and context.parameters else None
+    pipeline = _PIPELINES.get(run_id) if run_id is not None else None
+    return pipeline is not None and not pipeline.services.stopped

@@ -92,6 +92,29 @@ async def _library_logs():
     return [log for log in logs if log.name.startswith("areal_pipeline")]
 
 
+async def _task_runs(flow_run_id):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async with get_client() as client:
+        return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def assert_runs_overlap_but_nodes_do_not(child_runs) -> None:
+    """Iteration k+1's run is created while iteration k's run is still going (its bookkeeping overlaps), but
+    its first node starts only after iteration k's last node ended."""
+    def finished_nodes(run):
+        runs = asyncio.run(_task_runs(run.id))
+        return runs if runs and all(r.state.is_final() for r in runs) else None
+
+    # task-run states reach the database in batches (up to 5 s late, see flows/__init__.py)
+    nodes = [wait_until(lambda: finished_nodes(run), 60, f"the task runs of {run.name}", interval=1)
+             for run in child_runs]
+    for (run, run_nodes), (following, following_nodes) in zip(zip(child_runs, nodes), zip(child_runs[1:], nodes[1:])):
+        assert following.created < run.end_time, (run.name, following.name)
+        assert min(n.start_time for n in following_nodes) >= max(n.end_time for n in run_nodes), following.name
+
+
 def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir, tmp_path):
     from flows.train import train
 
@@ -110,6 +133,7 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     child_runs = asyncio.run(_flow_runs("e2e/iter-"))
     assert sorted(r.name for r in child_runs) == ["e2e/iter-1", "e2e/iter-2", "e2e/iter-3"]
     assert all(r.state.is_completed() for r in child_runs)
+    assert_runs_overlap_but_nodes_do_not(sorted(child_runs, key=lambda r: r.name))
     for what in ("metrics", "iteration", "reward-curve"):
         artifacts = asyncio.run(_artifacts(f"e2e-{what}"))
         assert artifacts, what
