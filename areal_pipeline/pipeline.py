@@ -24,7 +24,9 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,9 @@ logger = get_logger(__name__)
 
 
 NODES = ("rollout", "advantages", "ppo_update", "broadcast_weights", "checkpoint", "evaluate")
+# Asynchronous mode (eta > 0): iteration k+1's first nodes run while iteration k's ppo_update runs. Its episodes
+# come from the background executor, within the staleness bound, and its advantages need no new weights.
+AHEAD_NODES = ("rollout", "advantages")
 
 
 class RunLockedError(RuntimeError):
@@ -239,6 +244,8 @@ class Pipeline:
         self._records: dict[str, list[dict]] = {}
         self.step_seconds: dict[int, dict[str, float]] = {}
         self._async_rollout = None
+        # the trainer runs one command at a time, and restoring its version is a sequence of commands
+        self._trainer_lock = threading.RLock()
 
     # ----- set-up ----------------------------------------------------------------------------------
     def prepare_dataset(self) -> dict[str, Any]:
@@ -292,6 +299,10 @@ class Pipeline:
     # ----- versions --------------------------------------------------------------------------------
     def ensure_trainer_version(self, version: int) -> TrainerClient:
         """Bring the trainer to `version`: load the newest checkpoint at or below it, replay the rest."""
+        with self._trainer_lock:
+            return self._restore_trainer(version)
+
+    def _restore_trainer(self, version: int) -> TrainerClient:
         client = self.services.ensure_trainer_alive()
         current = client.call("status")["version"]
         if current == version:
@@ -314,19 +325,30 @@ class Pipeline:
             client.call("train", batch_dir=str(self.paths.batch(k)), iteration=k)
         return client
 
-    def server_versions(self) -> list[str]:
+    def server_versions(self) -> list[Optional[int]]:
+        """The policy version each server serves (None: not one of ours, e.g. SGLang's initial "default")."""
         async def versions():
             async with self._engine() as engine:
                 return [str((await engine.get_model_info(a))["weight_version"]) for a in engine.addresses]
-        return asyncio.run(versions())
+        return [int(v) if v.lstrip("-").isdigit() else None for v in asyncio.run(versions())]
 
-    def sync_servers(self, version: int) -> dict[str, Any]:
-        """Make every inference server serve `version` (pause -> update -> continue); a no-op when it does."""
+    def sync_servers(self, version: int, or_newer: bool = False) -> dict[str, Any]:
+        """Make every inference server serve `version` (pause -> update -> continue); a no-op when it does.
+        `or_newer`: servers past `version` are fine too, and stale ones get the trainer's newest version
+        (asynchronous mode, where iteration k+1's rollout runs while the trainer moves to version k)."""
         self.services.ensure_inference_alive()
-        if all(v == str(version) for v in self.server_versions()):
-            self._notify_version(version)
-            return {"version": version, "pushed": False, "seconds": 0.0}
+        served = self.server_versions()
+        if all(v is not None and (v == version or (or_newer and v > version)) for v in served):
+            self._notify_version(min(served))
+            return {"version": min(served), "pushed": False, "seconds": 0.0}
         started = time.perf_counter()
+        with self._trainer_lock:
+            return self._push_weights(version, or_newer, started)
+
+    def _push_weights(self, version: int, or_newer: bool, started: float) -> dict[str, Any]:
+        if or_newer:
+            current = self.services.ensure_trainer_alive().call("status")["version"]
+            version = max(version, 0 if current is None else current)
         client = self.ensure_trainer_version(version)
         if self.cfg.trainer.weight_sync == "distributed":
             async def push():
@@ -377,9 +399,10 @@ class Pipeline:
         out = self.paths.rollout(k)
         if is_complete(out):
             return {**read_manifest(out)["stats"], "cached": True}
+        if self.runs_ahead:
+            served = self.sync_servers(k - 1 - self.cfg.rollout.max_head_offpolicyness, or_newer=True)["version"]
+            return self._collect_async(k, served)
         self.sync_servers(k - 1)
-        if self.cfg.rollout.max_head_offpolicyness > 0:
-            return self._collect_async(k)
         batch = self._episodes(k)
         workflow = self._workflow()
 
@@ -404,7 +427,7 @@ class Pipeline:
 
         return build_workflow(self.cfg, self.tokenizer, self.reward_pool, **self._tool_kwargs())
 
-    def _collect_async(self, k: int) -> dict[str, Any]:
+    def _collect_async(self, k: int, served_version: int) -> dict[str, Any]:
         """Asynchronous mode: iteration k's episodes from the background executor (started on first use,
         from this iteration on), written as the iteration's shards."""
         from areal_pipeline.rollout.async_executor import AsyncRolloutExecutor
@@ -412,7 +435,7 @@ class Pipeline:
         if self._async_rollout is None:
             self._async_rollout = AsyncRolloutExecutor(
                 first_iteration=k, last_iteration=self.cfg.total_iterations,
-                eta=self.cfg.rollout.max_head_offpolicyness, version=k - 1, batch_for=self._episodes,
+                eta=self.cfg.rollout.max_head_offpolicyness, version=served_version, batch_for=self._episodes,
                 workflow=self._workflow(), engine_factory=self._engine,
                 max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
                 samples_per_episode=self.cfg.rollout.gconfig.n_samples)
@@ -437,9 +460,10 @@ class Pipeline:
         started = time.perf_counter()
         extra = None
         if self.cfg.ppo.kl_ctl != 0:
-            client = self.services.ensure_trainer_alive()
             ref_path = self.paths.iteration(k) / "ref_logprobs.parquet"
-            client.call("compute_logp", shard_dir=str(self.paths.rollout(k)), out_path=str(ref_path), model="ref")
+            with self._trainer_lock:
+                client = self.services.ensure_trainer_alive()
+                client.call("compute_logp", shard_dir=str(self.paths.rollout(k)), out_path=str(ref_path), model="ref")
             import pyarrow.parquet as pq
 
             extra = {"ref_logprobs": pq.read_table(ref_path).column("logprobs").to_pylist()}
@@ -452,13 +476,24 @@ class Pipeline:
         record = _read_json(self.paths.update(k))
         if record is not None:
             return {**record, "cached": True}
-        client = self.ensure_trainer_version(k - 1)
-        reply = client.call("train", batch_dir=str(self.paths.batch(k)), iteration=k)
+        with self._trainer_lock:
+            client = self.ensure_trainer_version(k - 1)
+            reply = client.call("train", batch_dir=str(self.paths.batch(k)), iteration=k)
         return {**_write_json(self.paths.update(k), {"version": reply["version"], **reply["stats"]}), "cached": False}
 
     @_timed
     def broadcast_weights(self, k: int) -> dict[str, Any]:
         return self.sync_servers(k)
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Asynchronous mode: iteration k+1's AHEAD_NODES run during iteration k's ppo_update."""
+        return self.cfg.rollout.max_head_offpolicyness > 0
+
+    def due_nodes(self, k: int) -> list[str]:
+        """The nodes iteration k runs: checkpoint and evaluate only on the iterations that save or evaluate."""
+        due = {"checkpoint": self.wants_checkpoint(k), "evaluate": self.wants_evaluation(k)}
+        return [name for name in NODES if due.get(name, True)]
 
     def wants_checkpoint(self, k: int) -> bool:
         return k % self.cfg.save_freq == 0 or k == self.cfg.total_iterations
@@ -474,8 +509,9 @@ class Pipeline:
         if (path / "trainer_state.json").is_file():
             return {"saved": True, "path": str(path), "cached": True}
         started = time.perf_counter()
-        client = self.ensure_trainer_version(k)
-        client.call("save", path=str(path), extra={"iteration": k, "run_id": self.cfg.run_id})
+        with self._trainer_lock:
+            client = self.ensure_trainer_version(k)
+            client.call("save", path=str(path), extra={"iteration": k, "run_id": self.cfg.run_id})
         for old in self.paths.saved_checkpoints()[: -self.cfg.keep_checkpoints]:
             shutil.rmtree(self.paths.checkpoint(old), ignore_errors=True)
         return {"saved": True, "path": str(path), "seconds": time.perf_counter() - started, "cached": False}
@@ -518,8 +554,26 @@ class Pipeline:
 
     def run_iteration(self, k: int) -> dict[str, Any]:
         """The plain (orchestrator-free) iteration: the same nodes in the same order."""
-        nodes = {name: getattr(self, name)(k) for name in NODES}
-        return self.record_metrics(k, nodes)
+        return self.record_metrics(k, self._run_nodes(k, NODES))
+
+    def run_iterations(self, first: int, last: int) -> list[dict[str, Any]]:
+        """The plain loop over iterations first..last; in asynchronous mode iteration k+1's AHEAD_NODES run
+        (in a thread) while iteration k updates, as in the train flow."""
+        if not self.runs_ahead:
+            return [self.run_iteration(k) for k in range(first, last + 1)]
+        records = []
+        rest = [name for name in NODES if name not in AHEAD_NODES]
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-iteration") as pool:
+            ahead: Optional[Future] = None
+            for k in range(first, last + 1):
+                nodes = ahead.result() if ahead is not None else self._run_nodes(k, AHEAD_NODES)
+                ahead = pool.submit(self._run_nodes, k + 1, AHEAD_NODES) if k < last else None
+                nodes.update(self._run_nodes(k, rest))
+                records.append(self.record_metrics(k, nodes))
+        return records
+
+    def _run_nodes(self, k: int, names) -> dict[str, Any]:
+        return {name: getattr(self, name)(k) for name in names}
 
     def start(self) -> None:
         save_config(self.cfg, self.paths.run_dir / "config.yaml")
@@ -618,12 +672,10 @@ def newest_completed_iteration(run_dir: Path) -> int:
 def run_plain(cfg: ExperimentConfig, first: int = 1, last: Optional[int] = None) -> list[dict[str, Any]]:
     """The train loop without an orchestrator (the baseline of bench/orchestration_overhead.py)."""
     pipeline = Pipeline(cfg)
-    records = []
     with run_lock(cfg.run_dir):
         try:
             pipeline.start()
-            for k in range(first, (last or cfg.total_iterations) + 1):
-                records.append(pipeline.run_iteration(k))
+            records = pipeline.run_iterations(first, last or cfg.total_iterations)
         finally:
             pipeline.close()
             pipeline.services.stop()

@@ -16,6 +16,8 @@ PREFECT_DEFAULTS = {
     # batching them shows task runs in the UI up to 5 s late
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "1000",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "5",
+    # the background rollout executor's thread logs outside any run: to the console only, without a warning
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
     # the ephemeral (no server configured) API server takes 15-25 s to start on a loaded 2-core machine
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
 }

@@ -55,18 +55,22 @@ def iteration(run_id: str, k: int) -> Any:
     """One RL iteration of run `run_id`: policy k - 1 -> k."""
     pipeline = registry.get(run_id)
     handoff, previous = _HANDOFFS.get((run_id, k)), _HANDOFFS.get((run_id, k - 1))
+    # the first node that needs iteration k - 1 to be done: the rollout, or in asynchronous mode the update
+    # (the rollout and advantages of k run while k - 1 updates, as AHEAD_NODES says)
+    waits_before = "ppo_update" if pipeline.runs_ahead else "rollout"
+    results: dict[str, Any] = {}
     try:
-        if previous is not None:
-            previous.nodes_done.wait()
-            if previous.failed:
-                return Cancelled(message=f"iteration {k - 1} failed, so iteration {k} did not run")
-        results = _run_nodes(pipeline, run_id, k, handoff)
-    except BaseException:
-        if handoff is not None:
-            handoff.failed = True
-        raise
+        for name in pipeline.due_nodes(k):
+            if name == waits_before and previous is not None:
+                previous.nodes_done.wait()
+                if previous.failed:
+                    return Cancelled(message=f"iteration {k - 1} failed, so iteration {k} did not finish")
+            if name == NEXT_RUN_STARTS_DURING and handoff is not None:
+                handoff.next_may_start.set()
+            results[name] = getattr(tasks, name)(run_id, k)
     finally:
         if handoff is not None:
+            handoff.failed = len(results) < len(pipeline.due_nodes(k))
             handoff.nodes_done_at = time.perf_counter()
             handoff.next_may_start.set()
             handoff.nodes_done.set()
@@ -83,20 +87,6 @@ def iteration(run_id: str, k: int) -> Any:
     finally:
         if handoff is not None:
             handoff.reported.set()
-
-
-def _run_nodes(pipeline: Pipeline, run_id: str, k: int, handoff: Optional[Handoff]) -> dict[str, Any]:
-    # checkpoint and evaluate run as nodes only on the iterations that save or evaluate (save_freq,
-    # eval_freq): a task run costs ~10 ms of API writes even when it has nothing to do
-    due = {"checkpoint": pipeline.wants_checkpoint(k), "evaluate": pipeline.wants_evaluation(k)}
-    results = {}
-    for name in NODES:
-        if not due.get(name, True):
-            continue
-        if name == NEXT_RUN_STARTS_DURING and handoff is not None:
-            handoff.next_may_start.set()
-        results[name] = getattr(tasks, name)(run_id, k)
-    return results
 
 
 def record_orchestration(pipeline: Pipeline, k: int, period: float) -> None:

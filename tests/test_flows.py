@@ -115,6 +115,42 @@ def assert_runs_overlap_but_nodes_do_not(child_runs) -> None:
         assert min(n.start_time for n in following_nodes) >= max(n.end_time for n in run_nodes), following.name
 
 
+def test_async_iterations_roll_out_during_the_previous_update(prefect_api, tiny_model_dir, tmp_path,
+                                                              monkeypatch):
+    """eta = 1: iteration k+1's rollout and advantages run while iteration k's ppo_update runs, and its own
+    update waits until iteration k's last node is done."""
+    from areal_pipeline.pipeline import Pipeline
+    from flows.train import train
+
+    real_update = Pipeline.ppo_update
+
+    def slow_update(self, k):  # long enough that the next iteration's run start and rollout fit inside it
+        time.sleep(3)
+        return real_update(self, k)
+
+    monkeypatch.setattr(Pipeline, "ppo_update", slow_update)
+    train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
+          overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="asy", iterations=3)
+          + ["rollout.max_head_offpolicyness=1"])
+    child_runs = sorted(asyncio.run(_flow_runs("asy/iter-")), key=lambda r: r.name)
+    assert [r.name for r in child_runs] == ["asy/iter-1", "asy/iter-2", "asy/iter-3"]
+    assert all(r.state.is_completed() for r in child_runs)
+
+    def finished_nodes(run):
+        runs = {r.name.rsplit("-", 1)[0]: r for r in asyncio.run(_task_runs(run.id))}
+        return runs if len(runs) >= 5 and all(r.state.is_final() for r in runs.values()) else None
+
+    # task-run states reach the database in batches (up to 5 s late, see flows/__init__.py)
+    nodes = [wait_until(lambda: finished_nodes(run), 60, f"the task runs of {run.name}", interval=1)
+             for run in child_runs]
+    for before, after in zip(nodes, nodes[1:]):
+        assert after["rollout"].start_time >= before["advantages"].end_time
+        assert after["advantages"].end_time <= before["ppo_update"].end_time  # ran during the update
+        assert after["ppo_update"].start_time >= max(n.end_time for n in before.values())
+    records = [json.loads(line) for line in (tmp_path / "asy" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3] and max(r["staleness"] for r in records) <= 1
+
+
 def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir, tmp_path):
     from flows.train import train
 
