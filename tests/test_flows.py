@@ -279,6 +279,25 @@ def test_killed_run_reruns_to_bitwise_equal_weights(prefect_api, tiny_model_dir,
     assert "mean reward" in out and "reward curve:" in out
 
 
+def test_sigterm_mid_update_stops_the_run_and_its_services_promptly(prefect_api, tiny_model_dir, tmp_path):
+    """SIGTERM (a cancelled deployment run, `kill`) while an iteration's update runs in its worker thread:
+    the services are stopped at once, nothing is retried, and the process exits non-zero."""
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    overrides = fast_overrides(tmp_path, tiny_model_dir, run_id="term", iterations=50)
+    run = cli("train", "--config", "configs/tiny_cpu.yaml", *overrides, "rollout.batch_size=16", env=env,
+              start_new_session=True)
+    marker = tmp_path / "term" / "iter_2" / "batch" / "manifest.json"
+    wait_until(lambda: marker.exists() or run.poll() is not None, 600, "iteration 2's update", interval=0.02)
+    assert run.poll() is None, run.stdout.read()
+    assert our_service_processes(run.pid)
+    run.send_signal(signal.SIGTERM)
+    out, _ = run.communicate(timeout=60)
+    assert run.returncode != 0, out
+    assert our_service_processes(run.pid) == []
+    assert "Retrying" not in out, out
+    assert not (tmp_path / "term" / "iter_3" / "rollout" / "manifest.json").exists()
+
+
 def test_same_run_id_twice_is_refused(prefect_api, tiny_model_dir, tmp_path):
     from areal_pipeline.pipeline import RunLockedError, run_lock
     from flows.train import train
