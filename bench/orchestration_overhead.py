@@ -3,8 +3,11 @@ one task per node, artifacts) and through a plain loop calling the same library 
 
     python bench/orchestration_overhead.py [--iterations 10] [overrides ...]
 
-Overhead per iteration = the iteration's wall time minus the library work of its nodes (each node times its
-own work), so noise in the work itself (sampling, load from other processes) does not count as overhead.
+Overhead per iteration = the time from the previous iteration's last node to this one's last node, minus the
+library work of its nodes (each node times its own work), so noise in the work itself (sampling, load from other
+processes) does not count as overhead. Consecutive iteration runs overlap in their bookkeeping (flows/train.py).
+`flow_vs_plain_wall` compares whole wall times instead: it also counts the nodes slowed down by the Prefect
+server's and client's work on the same cores.
 Prefect runs on its embedded SQLite backend (ephemeral mode) unless PREFECT_API_URL is set.
 Targets (issue 4): median overhead <= 150 ms per iteration and < 5% of the iteration on the default config.
 The last line is one JSON object of the figures.

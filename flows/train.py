@@ -9,7 +9,9 @@ continues from the node that failed. Servers and the trainer are stopped in ever
 Consecutive iteration runs overlap in their bookkeeping, never in their nodes: a flow run costs ~150 ms of API
 calls to start and ~70 ms to finish (metrics, artifacts, final state) on SQLite, as much as a fifth of a
 default iteration. So iteration k+1's run starts while iteration k's ppo_update runs, and its first node waits
-until k's last node is done; iteration k reports while k+1 works. At most two iteration runs are in flight.
+until k's last node is done; iteration k reports while k+1 works. At most two iteration runs are in flight. In
+asynchronous mode (eta > 0) iteration k+1's rollout and advantages also run during k's update (AHEAD_NODES), and
+its own update is the node that waits.
 """
 
 from __future__ import annotations
