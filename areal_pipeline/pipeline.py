@@ -300,30 +300,27 @@ class Pipeline:
     def ensure_trainer_version(self, version: int) -> TrainerClient:
         """Bring the trainer to `version`: load the newest checkpoint at or below it, replay the rest."""
         with self._trainer_lock:
-            return self._restore_trainer(version)
-
-    def _restore_trainer(self, version: int) -> TrainerClient:
-        client = self.services.ensure_trainer_alive()
-        current = client.call("status")["version"]
-        if current == version:
+            client = self.services.ensure_trainer_alive()
+            current = client.call("status")["version"]
+            if current == version:
+                return client
+            saved = [c for c in self.paths.saved_checkpoints() if c <= version]
+            start = saved[-1] if saved else 0
+            if current is not None and start <= current <= version:
+                start = current  # already on the way: replay only what is missing
+            elif saved:
+                client.call("load", path=str(self.paths.checkpoint(start)))
+            else:
+                client.call("reinitialize")
+            if start < version:
+                logger.info("trainer at version %s: replaying updates %d..%d from their batch shards",
+                            current, start + 1, version)
+            for k in range(start + 1, version + 1):
+                if not is_complete(self.paths.batch(k)):
+                    raise RuntimeError(f"cannot restore the trainer to version {version}: iteration {k}'s batch "
+                                       f"shards at {self.paths.batch(k)} are missing")
+                client.call("train", batch_dir=str(self.paths.batch(k)), iteration=k)
             return client
-        saved = [c for c in self.paths.saved_checkpoints() if c <= version]
-        start = saved[-1] if saved else 0
-        if current is not None and start <= current <= version:
-            start = current  # already on the way: replay only what is missing
-        elif saved:
-            client.call("load", path=str(self.paths.checkpoint(start)))
-        else:
-            client.call("reinitialize")
-        if start < version:
-            logger.info("trainer at version %s: replaying updates %d..%d from their batch shards",
-                        current, start + 1, version)
-        for k in range(start + 1, version + 1):
-            if not is_complete(self.paths.batch(k)):
-                raise RuntimeError(f"cannot restore the trainer to version {version}: iteration {k}'s batch "
-                                   f"shards at {self.paths.batch(k)} are missing")
-            client.call("train", batch_dir=str(self.paths.batch(k)), iteration=k)
-        return client
 
     def server_versions(self) -> list[Optional[int]]:
         """The policy version each server serves (None: not one of ours, e.g. SGLang's initial "default")."""
@@ -343,9 +340,13 @@ class Pipeline:
             return {"version": min(served), "pushed": False, "seconds": 0.0}
         started = time.perf_counter()
         with self._trainer_lock:
-            return self._push_weights(version, or_newer, started)
+            version = self._push_weights(version, or_newer)
+        self._notify_version(version)
+        self._prune_weights(keep=version)
+        return {"version": version, "pushed": True, "seconds": time.perf_counter() - started}
 
-    def _push_weights(self, version: int, or_newer: bool, started: float) -> dict[str, Any]:
+    def _push_weights(self, version: int, or_newer: bool) -> int:
+        """Push `version` (`or_newer`: the trainer's newest, if newer) to every server; returns what was pushed."""
         if or_newer:
             current = self.services.ensure_trainer_alive().call("status")["version"]
             version = max(version, 0 if current is None else current)
@@ -370,9 +371,7 @@ class Pipeline:
                 async with self._engine() as engine:
                     await engine.update_weights(str(path), version)
         asyncio.run(push())
-        self._notify_version(version)
-        self._prune_weights(keep=version)
-        return {"version": version, "pushed": True, "seconds": time.perf_counter() - started}
+        return version
 
     def _notify_version(self, version: int) -> None:
         if self._async_rollout is not None:
@@ -399,7 +398,7 @@ class Pipeline:
         out = self.paths.rollout(k)
         if is_complete(out):
             return {**read_manifest(out)["stats"], "cached": True}
-        if self.runs_ahead:
+        if self.cfg.rollout.max_head_offpolicyness > 0:
             served = self.sync_servers(k - 1 - self.cfg.rollout.max_head_offpolicyness, or_newer=True)["version"]
             return self._collect_async(k, served)
         self.sync_servers(k - 1)
@@ -486,9 +485,10 @@ class Pipeline:
         return self.sync_servers(k)
 
     @property
-    def runs_ahead(self) -> bool:
-        """Asynchronous mode: iteration k+1's AHEAD_NODES run during iteration k's ppo_update."""
-        return self.cfg.rollout.max_head_offpolicyness > 0
+    def ahead_nodes(self) -> tuple[str, ...]:
+        """The nodes of iteration k+1 that need not wait for iteration k's last node: in asynchronous mode
+        AHEAD_NODES, which run during iteration k's ppo_update."""
+        return AHEAD_NODES if self.cfg.rollout.max_head_offpolicyness > 0 else ()
 
     def due_nodes(self, k: int) -> list[str]:
         """The nodes iteration k runs: checkpoint and evaluate only on the iterations that save or evaluate."""
@@ -559,15 +559,15 @@ class Pipeline:
     def run_iterations(self, first: int, last: int) -> list[dict[str, Any]]:
         """The plain loop over iterations first..last; in asynchronous mode iteration k+1's AHEAD_NODES run
         (in a thread) while iteration k updates, as in the train flow."""
-        if not self.runs_ahead:
+        if not self.ahead_nodes:
             return [self.run_iteration(k) for k in range(first, last + 1)]
         records = []
-        rest = [name for name in NODES if name not in AHEAD_NODES]
+        rest = [name for name in NODES if name not in self.ahead_nodes]
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-iteration") as pool:
             ahead: Optional[Future] = None
             for k in range(first, last + 1):
-                nodes = ahead.result() if ahead is not None else self._run_nodes(k, AHEAD_NODES)
-                ahead = pool.submit(self._run_nodes, k + 1, AHEAD_NODES) if k < last else None
+                nodes = ahead.result() if ahead is not None else self._run_nodes(k, self.ahead_nodes)
+                ahead = pool.submit(self._run_nodes, k + 1, self.ahead_nodes) if k < last else None
                 nodes.update(self._run_nodes(k, rest))
                 records.append(self.record_metrics(k, nodes))
         return records

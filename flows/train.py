@@ -30,7 +30,7 @@ from prefect.states import Cancelled
 
 import tasks
 from areal_pipeline.metrics import write_tensorboard
-from areal_pipeline.pipeline import NODES, Pipeline, newest_completed_iteration, resolve_run_config, run_lock
+from areal_pipeline.pipeline import Pipeline, newest_completed_iteration, resolve_run_config, run_lock
 from areal_pipeline.utils import atomic_write_text
 from flows import artifacts
 from tasks import registry
@@ -45,6 +45,7 @@ class Handoff:
     next_may_start: threading.Event = field(default_factory=threading.Event)
     nodes_done: threading.Event = field(default_factory=threading.Event)
     reported: threading.Event = field(default_factory=threading.Event)
+    launched_at: float = field(default_factory=time.perf_counter)
     nodes_done_at: Optional[float] = None
     failed: bool = False
 
@@ -57,12 +58,12 @@ def iteration(run_id: str, k: int) -> Any:
     """One RL iteration of run `run_id`: policy k - 1 -> k."""
     pipeline = registry.get(run_id)
     handoff, previous = _HANDOFFS.get((run_id, k)), _HANDOFFS.get((run_id, k - 1))
+    due = pipeline.due_nodes(k)
     # the first node that needs iteration k - 1 to be done: the rollout, or in asynchronous mode the update
-    # (the rollout and advantages of k run while k - 1 updates, as AHEAD_NODES says)
-    waits_before = "ppo_update" if pipeline.runs_ahead else "rollout"
+    waits_before = next(name for name in due if name not in pipeline.ahead_nodes)
     results: dict[str, Any] = {}
     try:
-        for name in pipeline.due_nodes(k):
+        for name in due:
             if name == waits_before and previous is not None:
                 previous.nodes_done.wait()
                 if previous.failed:
@@ -72,7 +73,7 @@ def iteration(run_id: str, k: int) -> Any:
             results[name] = getattr(tasks, name)(run_id, k)
     finally:
         if handoff is not None:
-            handoff.failed = len(results) < len(pipeline.due_nodes(k))
+            handoff.failed = len(results) < len(due)
             handoff.nodes_done_at = time.perf_counter()
             handoff.next_may_start.set()
             handoff.nodes_done.set()
@@ -115,19 +116,17 @@ def _run_iterations(pipeline: Pipeline, first: int, last: int, progress) -> None
         else:
             handoff = _HANDOFFS[(run_id, k)]
             before = _HANDOFFS.get((run_id, k - 1))
-            started = before.nodes_done_at if before is not None else launched_at[k]
+            started = before.nodes_done_at if before is not None else handoff.launched_at
             record_orchestration(pipeline, k, handoff.nodes_done_at - started)
             artifacts.update_progress(progress, total, k)
 
-    launched_at: dict[int, float] = {}
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{run_id}-iteration") as pool:
         try:
             for k in range(first, last + 1):
                 handoff = _HANDOFFS[(run_id, k)] = Handoff()
-                launched_at[k] = time.perf_counter()
                 # the child run needs the parent's flow run context (and the heartbeat setting) in its thread
-                in_flight.append((k, pool.submit(contextvars.copy_context().run, iteration, run_id, k)))
-                future = in_flight[-1][1]
+                future = pool.submit(contextvars.copy_context().run, iteration, run_id, k)
+                in_flight.append((k, future))
                 while not handoff.next_may_start.wait(0.1) and not future.done():
                     pass
                 while len(in_flight) > 1 or (in_flight and in_flight[-1][1].done()):
@@ -142,8 +141,8 @@ def _run_iterations(pipeline: Pipeline, first: int, last: int, progress) -> None
         finally:
             while in_flight:
                 finish_oldest()
-            for k in list(launched_at):
-                _HANDOFFS.pop((run_id, k), None)
+            for key in [key for key in _HANDOFFS if key[0] == run_id]:
+                del _HANDOFFS[key]
     if failure is not None:
         raise failure
 

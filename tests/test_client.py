@@ -13,6 +13,7 @@ from areal_pipeline.inference.client import RID_CACHE_SIZE, InferenceServerError
 from areal_pipeline.inference.launcher import launch_servers
 from areal_pipeline.inference.types import ModelRequest
 from areal_pipeline.utils import find_free_port
+from _http_helpers import serve_on_loopback
 
 CONTEXT = 1024
 PROMPT = [10, 20, 30, 40]
@@ -173,13 +174,8 @@ async def _fake_server(statuses: list[int]):
                 "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]]}
         return web.json_response({"text": "", "output_ids": [7, 8], "meta_info": meta})
 
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = find_free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"127.0.0.1:{port}", calls
+    runner, address = await serve_on_loopback("/generate", generate)
+    return runner, address, calls
 
 
 def test_5xx_is_retried_4xx_is_not():

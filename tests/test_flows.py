@@ -100,18 +100,24 @@ async def _task_runs(flow_run_id):
         return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
 
+def recorded_nodes(child_runs, min_nodes: int = 5) -> list[dict]:
+    """Each iteration run's task runs by node name, once the API has them all finished (task-run states reach
+    the database in batches, up to 5 s late: see flows/__init__.py)."""
+    def finished_nodes(run):
+        runs = {r.name.rsplit("-", 1)[0]: r for r in asyncio.run(_task_runs(run.id))}
+        return runs if len(runs) >= min_nodes and all(r.state.is_final() for r in runs.values()) else None
+
+    return [wait_until(lambda: finished_nodes(run), 60, f"the task runs of {run.name}", interval=1)
+            for run in child_runs]
+
+
 def assert_nodes_do_not_overlap(child_runs) -> None:
     """Iteration k+1's run may start while iteration k's run is still going (their bookkeeping overlaps), but
     its first node starts only after iteration k's last node ended."""
-    def finished_nodes(run):
-        runs = asyncio.run(_task_runs(run.id))
-        return runs if runs and all(r.state.is_final() for r in runs) else None
-
-    # task-run states reach the database in batches (up to 5 s late, see flows/__init__.py)
-    nodes = [wait_until(lambda: finished_nodes(run), 60, f"the task runs of {run.name}", interval=1)
-             for run in child_runs]
+    nodes = recorded_nodes(child_runs)
     for following, run_nodes, following_nodes in zip(child_runs[1:], nodes, nodes[1:]):
-        assert min(n.start_time for n in following_nodes) >= max(n.end_time for n in run_nodes), following.name
+        assert (min(n.start_time for n in following_nodes.values())
+                >= max(n.end_time for n in run_nodes.values())), following.name
 
 
 def test_async_iterations_roll_out_during_the_previous_update(prefect_api, tiny_model_dir, tmp_path,
@@ -135,13 +141,7 @@ def test_async_iterations_roll_out_during_the_previous_update(prefect_api, tiny_
     assert [r.name for r in child_runs] == ["asy/iter-1", "asy/iter-2", "asy/iter-3"]
     assert all(r.state.is_completed() for r in child_runs)
 
-    def finished_nodes(run):
-        runs = {r.name.rsplit("-", 1)[0]: r for r in asyncio.run(_task_runs(run.id))}
-        return runs if len(runs) >= 5 and all(r.state.is_final() for r in runs.values()) else None
-
-    # task-run states reach the database in batches (up to 5 s late, see flows/__init__.py)
-    nodes = [wait_until(lambda: finished_nodes(run), 60, f"the task runs of {run.name}", interval=1)
-             for run in child_runs]
+    nodes = recorded_nodes(child_runs)
     for run, following in zip(child_runs, child_runs[1:]):
         assert following.created < run.end_time, (run.name, following.name)  # started during run's update
     for before, after in zip(nodes, nodes[1:]):

@@ -24,6 +24,7 @@ from areal_pipeline.tools.retrieval_server import (
     load_corpus,
 )
 from areal_pipeline.utils import find_free_port
+from _http_helpers import serve_on_loopback
 from conftest import http
 
 HOTPOTQA = Path(__file__).resolve().parents[2] / "shared/data/hotpotqa"
@@ -238,13 +239,8 @@ async def _flaky_server(failures: int, status: int, calls: list):
             return web.json_response({"error": {"message": "busy"}}, status=status)
         return web.json_response({"result": [[{"id": "1", "title": "t", "contents": "c"}]]})
 
-    app = web.Application()
-    app.router.add_post("/retrieve", retrieve)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = find_free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"127.0.0.1:{port}"
+    runner, address = await serve_on_loopback("/retrieve", retrieve)
+    return runner, address
 
 
 def test_client_retries_server_errors_but_not_bad_requests():

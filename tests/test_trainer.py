@@ -73,6 +73,14 @@ def single_process_group():
     dist.destroy_process_group()
 
 
+def whole_batch_setup(tmp_path, model_dir, seed: int):
+    """A config whose one micro-batch holds the whole batch, a batch made with `seed`, and its loss."""
+    cfg = trainer_config(tmp_path, "trainer.mb_max_tokens=100000")
+    batch_dir = make_batch(model_dir, tmp_path, seed=seed, cfg=cfg)
+    loss_fn, _, columns = make_loss(cfg.ppo)
+    return cfg, read_batch(batch_dir, ("input_ids",) + columns), columns, loss_fn
+
+
 def whole_batch_loss_and_grads(cfg, model_dir, batch, columns, loss_fn):
     """One micro-batch holding the whole batch through a fresh engine: (micro-batch, loss, gradients)."""
     engine = TrainEngine(str(model_dir), cfg.trainer, total_steps=4)
@@ -85,10 +93,7 @@ def whole_batch_loss_and_grads(cfg, model_dir, batch, columns, loss_fn):
 
 
 def test_packed_and_padded_batches_give_same_loss_and_gradients(single_process_group, tiny_model_dir, tmp_path):
-    cfg = trainer_config(tmp_path, "trainer.mb_max_tokens=100000")  # one micro-batch holds the whole batch
-    batch_dir = make_batch(tiny_model_dir, tmp_path, seed=0, cfg=cfg)
-    loss_fn, _, columns = make_loss(cfg.ppo)
-    batch = read_batch(batch_dir, ("input_ids",) + columns)
+    cfg, batch, columns, loss_fn = whole_batch_setup(tmp_path, tiny_model_dir, seed=0)
     results = []
     for pack in (True, False):
         cfg.trainer.pack_sequences = pack
@@ -266,10 +271,7 @@ def test_reinforce_update_through_the_same_engine(tiny_model_dir, tmp_path):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(single_process_group, tiny_model_dir, tmp_path):
-    cfg = trainer_config(tmp_path, "trainer.mb_max_tokens=100000")
-    batch_dir = make_batch(tiny_model_dir, tmp_path, seed=3, cfg=cfg)
-    loss_fn, _, columns = make_loss(cfg.ppo)
-    batch = read_batch(batch_dir, ("input_ids",) + columns)
+    cfg, batch, columns, loss_fn = whole_batch_setup(tmp_path, tiny_model_dir, seed=3)
     results = []
     for checkpointing in (False, True):
         cfg.trainer.gradient_checkpointing = checkpointing
