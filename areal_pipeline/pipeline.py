@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from areal_pipeline.config import ExperimentConfig, save_config, to_dict
 from areal_pipeline.data.datasets import load_records
@@ -578,9 +578,29 @@ class Pipeline:
     def start(self) -> None:
         save_config(self.cfg, self.paths.run_dir / "config.yaml")
         self.prepare_dataset()
-        self.services.start_tools()
-        self.services.start_inference()
-        self.services.start_trainer()
+        run_together([self.services.start_tools, self.services.start_inference, self.services.start_trainer,
+                      self.warm_up])
+
+    def warm_up(self) -> None:
+        """Load now what the first rollout would otherwise load on its critical path: the tokenizer, and the
+        reward workers (spawned in the background; each imports the reward module, ~1-2 s)."""
+        from areal_pipeline.workflows import pooled_reward_function
+
+        reward_fn = pooled_reward_function(self.cfg)
+        if reward_fn is not None:
+            self.reward_pool.warm_up(reward_fn)
+        self.tokenizer
+
+
+def run_together(steps: list[Callable[[], Any]]) -> list[Any]:
+    """Run the set-up steps in threads (each mostly waits for a process to come up) and wait for all of
+    them, so that no step is still starting a process when the caller cleans up; re-raise the first failure."""
+    with ThreadPoolExecutor(max_workers=len(steps), thread_name_prefix="start") as pool:
+        futures = [pool.submit(step) for step in steps]
+    for future in futures:
+        if future.exception() is not None:
+            raise future.exception()
+    return [future.result() for future in futures]
 
 
 def _staleness(k: int, rollout_stats: dict) -> int:

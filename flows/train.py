@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from prefect import flow, get_run_logger
+from prefect.futures import wait
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.states import Cancelled
 
@@ -147,6 +148,21 @@ def _run_iterations(pipeline: Pipeline, first: int, last: int, progress) -> None
         raise failure
 
 
+def _start_services(pipeline: Pipeline) -> None:
+    """The start-up nodes run together (each mostly waits for its processes to come up), and the rollout's
+    own set-up (tokenizer, reward workers) loads meanwhile. All of them end before this returns, so a failure
+    never leaves a process starting after the flow's teardown."""
+    run_id = pipeline.cfg.run_id
+    started = [node.submit(run_id) for node in (tasks.start_tool_servers, tasks.start_inference_servers,
+                                                   tasks.start_trainer)]
+    try:
+        pipeline.warm_up()
+    finally:
+        wait(started)
+    for future in started:
+        future.result()
+
+
 @flow(name="train", persist_result=True, result_serializer="json")
 def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[str]] = None,
           run_id: Optional[str] = None, iterations: Optional[int] = None) -> dict[str, Any]:
@@ -160,9 +176,7 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
         registry.register(pipeline)
         try:
             tasks.prepare_dataset(cfg.run_id)
-            tasks.start_tool_servers(cfg.run_id)
-            tasks.start_inference_servers(cfg.run_id)
-            tasks.start_trainer(cfg.run_id)
+            _start_services(pipeline)
             first = newest_completed_iteration(cfg.run_dir) + 1
             if first > 1:
                 logger.info("run %s: iterations 1..%d are finished; continuing at %d", cfg.run_id, first - 1, first)

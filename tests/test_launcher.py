@@ -199,3 +199,31 @@ def test_one_failed_server_stops_all(tiny_model, tmp_path):
     leftovers = [p for p in psutil.process_iter(["cmdline"])
                  if str(tiny_model) in (p.info["cmdline"] or []) and str(base_port) in p.info["cmdline"]]
     assert _alive([p.pid for p in leftovers]) == []
+
+
+def test_set_up_steps_start_together_and_a_failure_waits_for_the_others():
+    import threading
+
+    from areal_pipeline.pipeline import run_together
+
+    running, finished = threading.Barrier(2, timeout=10), []
+
+    def slow_start():
+        running.wait()  # only passes if the steps really run at the same time
+        time.sleep(0.3)
+        finished.append("slow")
+        return "slow"
+
+    def failing_start():
+        running.wait()
+        raise RuntimeError("could not start")
+
+    def fast_start():
+        running.wait()
+        return "fast"
+
+    assert run_together([slow_start, fast_start]) == ["slow", "fast"]
+    finished.clear()
+    with pytest.raises(RuntimeError, match="could not start"):
+        run_together([failing_start, slow_start])
+    assert finished == ["slow"]  # nothing is still starting when the caller cleans up

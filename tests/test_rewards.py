@@ -149,3 +149,10 @@ def test_pool_ascore_many_concurrent_calls(pool):
     stuck, *scores = asyncio.run(main())
     assert stuck == 0.0
     assert scores == [1.0 if i == i % 3 else 0.0 for i in range(60)]
+
+
+def test_warm_up_starts_the_workers_with_the_reward_module_imported():
+    with RewardPool(max_workers=2, timeout=TIMEOUT) as pool:
+        futures = pool.warm_up(math_reward)
+        assert [f.result(timeout=60) for f in futures] == ["areal_pipeline.rewards.math"] * 2
+        assert pool.score(math_reward, "\\boxed{7}", "#### 7") == 1.0

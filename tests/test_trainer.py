@@ -124,6 +124,40 @@ def test_packed_and_padded_batches_give_same_loss_and_gradients(single_process_g
     assert torch.allclose(loss_packed, reference, atol=1e-6)
 
 
+def test_one_minibatch_takes_proximal_logprobs_from_its_own_forward(single_process_group, tiny_model_dir, tmp_path):
+    """The decoupled loss with one minibatch: the training forward's detached logprobs are the proximal ones, so
+    the update equals the one with a separate proximal forward pass (which more minibatches still need)."""
+    cfg = trainer_config(tmp_path, "trainer.mb_max_tokens=100000", "rollout.max_head_offpolicyness=1")
+    loss_fn, weight_fn, columns = make_loss(cfg.ppo)
+    assert "prox_logprobs" in columns
+    behaviour_columns = tuple(c for c in columns if c != "prox_logprobs")
+    batch = read_batch(make_batch(tiny_model_dir, tmp_path, seed=3, cfg=cfg), ("input_ids",) + behaviour_columns)
+    rng = random.Random(0)  # stale behaviour logprobs, so that the behaviour weights are not all 1
+    batch["logprobs"] = [[v - rng.random() * m for v, m in zip(lp, mask)]
+                         for lp, mask in zip(batch["logprobs"], batch["loss_mask"])]
+
+    def update(prox_from_forward: bool):
+        engine = TrainEngine(str(tiny_model_dir), cfg.trainer, total_steps=4)
+        engine.initialize()
+        data = dict(batch)
+        if not prox_from_forward:
+            data["prox_logprobs"] = engine.compute_logp(batch)
+        stats = engine.train_batch(data, loss_fn, weight_fn, behaviour_columns if prox_from_forward else columns,
+                                   prox_from_forward=prox_from_forward)
+        return stats, {k: v.clone() for k, v in engine.full_state_dict().items()}, engine
+
+    (separate, separate_weights, _), (own, own_weights, engine) = update(False), update(True)
+    assert own["behave_imp_weight"] == pytest.approx(separate["behave_imp_weight"], rel=1e-5)
+    assert own["behave_imp_weight"] > 1.05  # the behaviour weights exp(prox - old) did act
+    assert own["importance_weight"] == pytest.approx(1.0, abs=1e-6) and own["loss"] == pytest.approx(separate["loss"], rel=1e-5)
+    for name, value in own_weights.items():
+        assert torch.allclose(value, separate_weights[name], atol=1e-6), name
+    initial = weights(tiny_model_dir)
+    assert any(not torch.equal(own_weights[name], initial[name]) for name in initial)  # it did step
+    with pytest.raises(ValueError, match="one minibatch"):
+        engine.train_batch(batch, loss_fn, weight_fn, behaviour_columns, n_minibatches=2, prox_from_forward=True)
+
+
 @pytest.fixture(scope="module")
 def batches(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("batches")

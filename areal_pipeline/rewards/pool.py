@@ -8,6 +8,7 @@ one. A call that times out or raises scores 0.0 and the rollout goes on.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import multiprocessing
 from concurrent.futures import Future
@@ -19,6 +20,11 @@ import pebble
 logger = logging.getLogger("areal_pipeline.rewards")
 
 _MAX_ARGS_CHARS = 200
+
+
+def _import(module: str) -> str:
+    importlib.import_module(module)
+    return module
 
 
 class RewardPoolError(RuntimeError):
@@ -37,12 +43,18 @@ class RewardPool:
 
     def __init__(self, max_workers: int = 1, timeout: float = 5.0):
         self.timeout = timeout
+        self.max_workers = max_workers
         # Not fork: the parent holds torch threads and an asyncio loop, which a forked child
         # would inherit in a broken state. forkserver buys nothing over spawn on Python 3.11: its
         # server never preloads __main__, so each worker re-imports the parent's script anyway.
         self._pool = pebble.ProcessPool(
             max_workers=max_workers, context=multiprocessing.get_context("spawn")
         )
+
+    def warm_up(self, fn: Callable[..., Any]) -> list[Future]:
+        """Start the workers and import `fn`'s module in them now (in the background; a spawned worker
+        importing math-verify takes ~1-2 s), so that the first scores do not wait for it."""
+        return [self._pool.schedule(_import, args=(fn.__module__,)) for _ in range(self.max_workers)]
 
     def _submit(self, fn: Callable[..., Any], args: tuple) -> Future:
         return self._pool.schedule(fn, args=args, timeout=self.timeout)

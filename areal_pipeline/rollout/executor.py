@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import random
 import time
@@ -35,10 +36,16 @@ def select_batch(records: list[dict[str, Any]], iteration: int, batch_size: int,
     start = iteration * batch_size
     for position in range(start, start + batch_size):
         epoch, index = divmod(position, len(records))
-        order = list(range(len(records)))
-        random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
-        batch.append(records[order[index]])
+        batch.append(records[_epoch_order(seed, epoch, len(records))[index]])
     return batch
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, size: int) -> tuple[int, ...]:
+    # a shuffle of a large data set costs milliseconds: once per epoch, not once per prompt
+    order = list(range(size))
+    random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
+    return tuple(order)
 
 
 async def run_episodes(workflow, engine, records: list[dict[str, Any]], *, max_concurrent_rollouts: int,

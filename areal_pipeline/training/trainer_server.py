@@ -117,10 +117,15 @@ class Trainer:
                 "version_mismatch", 409, version=actor.version)
         columns = tuple(c for c in self.token_columns if c != "prox_logprobs")
         batch = read_batch(Path(batch_dir), ("input_ids",) + columns)
-        if "prox_logprobs" in self.token_columns:
+        n_minibatches = self.cfg.ppo.ppo_n_minibatches
+        uses_prox = "prox_logprobs" in self.token_columns
+        # With one minibatch its step starts from the proximal policy, so the training forward's own
+        # (detached) logprobs are the proximal ones: no separate forward pass.
+        if uses_prox and n_minibatches > 1:
             batch["prox_logprobs"] = actor.compute_logp(batch)
-        stats = actor.train_batch(batch, self.loss_fn, self.loss_weight_fn, self.token_columns,
-                                  self.cfg.ppo.ppo_n_minibatches)
+        stats = actor.train_batch(batch, self.loss_fn, self.loss_weight_fn,
+                                  self.token_columns if n_minibatches > 1 else columns, n_minibatches,
+                                  prox_from_forward=uses_prox and n_minibatches == 1)
         actor.version = iteration
         return {"version": actor.version, "stats": stats}
 

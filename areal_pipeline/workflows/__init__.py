@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 WORKFLOWS = ("rlvr", "reflection", "multi_turn", "remax", "search_agent")
 
@@ -16,31 +16,39 @@ def build_workflow(cfg, tokenizer, reward_pool, *, tool_addresses: Optional[dict
     process, from the same index.
     """
     name = cfg.rollout.workflow
-    if name not in WORKFLOWS:
-        raise ValueError(f"unknown workflow '{name}'; valid: {', '.join(WORKFLOWS)}")
-    from areal_pipeline.rewards import math_reward
-
+    reward_fn = pooled_reward_function(cfg)
     g, agent = cfg.rollout.gconfig, cfg.rollout.agent
     if name == "rlvr":
         from areal_pipeline.workflows.rlvr import RLVRWorkflow
 
-        return RLVRWorkflow(math_reward, g, tokenizer, reward_pool)
+        return RLVRWorkflow(reward_fn, g, tokenizer, reward_pool)
     if name == "reflection":
         from areal_pipeline.workflows.reflection import ReflectionWorkflow
 
-        return ReflectionWorkflow(math_reward, g, tokenizer, reward_pool, max_turns=agent.max_turns,
+        return ReflectionWorkflow(reward_fn, g, tokenizer, reward_pool, max_turns=agent.max_turns,
                                   turn_discount=agent.turn_discount)
     if name == "multi_turn":
         from areal_pipeline.workflows.multi_turn import MultiTurnWorkflow
 
-        return MultiTurnWorkflow(math_reward, g, tokenizer, reward_pool, max_turns=agent.max_turns,
+        return MultiTurnWorkflow(reward_fn, g, tokenizer, reward_pool, max_turns=agent.max_turns,
                                  turn_level_discount=agent.turn_level_discount, reward_bias=agent.reward_bias,
                                  reward_scaling=agent.reward_scaling)
     if name == "remax":
         from areal_pipeline.workflows.remax import ReMaxWorkflow
 
-        return ReMaxWorkflow(math_reward, g, tokenizer, reward_pool)
+        return ReMaxWorkflow(reward_fn, g, tokenizer, reward_pool)
     return _search_agent(cfg, tokenizer, (tool_addresses or {}).get("retrieval"))
+
+
+def pooled_reward_function(cfg) -> Optional[Callable[[str, Any], float]]:
+    """The reward function the workflow runs in the reward pool (None: the search agent scores in process)."""
+    if cfg.rollout.workflow not in WORKFLOWS:
+        raise ValueError(f"unknown workflow '{cfg.rollout.workflow}'; valid: {', '.join(WORKFLOWS)}")
+    if cfg.rollout.workflow == "search_agent":
+        return None
+    from areal_pipeline.rewards import math_reward
+
+    return math_reward
 
 
 def _search_agent(cfg, tokenizer, address: Optional[str]) -> Any:
