@@ -18,7 +18,6 @@ rerun after a crash reaches the same final weights bit for bit.
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import hashlib
 import json
@@ -42,7 +41,8 @@ from areal_pipeline.rewards.pool import RewardPool
 from areal_pipeline.rollout.executor import episode_seed, rollout_to_shards, select_batch, write_rollout_shards
 from areal_pipeline.training.client import TrainerClient, launch_trainer
 from areal_pipeline.training.ppo import write_batch
-from areal_pipeline.utils import atomic_write_text, find_free_port, get_logger
+from areal_pipeline.utils import (atomic_write_text, find_free_port, get_logger, raise_if_deadline_passed, run_async,
+                                  time_left)
 
 logger = get_logger(__name__)
 
@@ -327,7 +327,7 @@ class Pipeline:
         async def versions():
             async with self._engine() as engine:
                 return [str((await engine.get_model_info(a))["weight_version"]) for a in engine.addresses]
-        return [int(v) if v.lstrip("-").isdigit() else None for v in asyncio.run(versions())]
+        return [int(v) if v.lstrip("-").isdigit() else None for v in run_async(versions())]
 
     def sync_servers(self, version: int, or_newer: bool = False) -> dict[str, Any]:
         """Make every inference server serve `version` (pause -> update -> continue); a no-op when it does.
@@ -370,7 +370,7 @@ class Pipeline:
             async def push():
                 async with self._engine() as engine:
                     await engine.update_weights(str(path), version)
-        asyncio.run(push())
+        run_async(push())
         return version
 
     def _notify_version(self, version: int) -> None:
@@ -412,7 +412,7 @@ class Pipeline:
                     max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
                     samples_per_episode=self.cfg.rollout.gconfig.n_samples, rows_per_shard=self.cfg.rollout.shard_rows,
                     progress=progress, extra_manifest={"policy_version": k - 1})
-        stats = asyncio.run(run())["stats"]
+        stats = run_async(run())["stats"]
         return {**stats, "cached": False}
 
     def _episodes(self, k: int) -> list[dict[str, Any]]:
@@ -440,7 +440,11 @@ class Pipeline:
                 samples_per_episode=self.cfg.rollout.gconfig.n_samples)
             self._async_rollout.start()
         started = time.perf_counter()
-        trajectories = self._async_rollout.collect(k)
+        try:
+            trajectories = self._async_rollout.collect(k, timeout=time_left())
+        except TimeoutError as error:
+            raise_if_deadline_passed(error)
+            raise
         manifest = write_rollout_shards(trajectories, self.paths.rollout(k), run_id=self.cfg.run_id, iteration=k,
                                         seconds=time.perf_counter() - started,
                                         rows_per_shard=self.cfg.rollout.shard_rows,
@@ -627,7 +631,7 @@ def evaluate_policy(cfg: ExperimentConfig, engine_factory, records: list[dict], 
         async with engine_factory() as engine:
             return await run_episodes(workflow, engine, records,
                                       max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts, progress=False)
-    trajectories = asyncio.run(run())
+    trajectories = run_async(run())
     n = max(1, len(trajectories))
     return {
         "num_prompts": len(records),

@@ -1,15 +1,20 @@
-"""Small shared helpers: atomic file writes, free ports, logging set-up."""
+"""Small shared helpers: atomic file writes, free ports, logging set-up, node deadlines."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import shutil
 import socket
+import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Coroutine, Iterator, Optional, TypeVar
+
+T = TypeVar("T")
 
 
 def _tmp_sibling(path: Path) -> Path:
@@ -116,3 +121,68 @@ def exit_when_parent_dies(poll_seconds: float = 1.0) -> None:
             time.sleep(poll_seconds)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+# ----- deadlines -----------------------------------------------------------------------------------------
+_DEADLINE: contextvars.ContextVar[Optional[tuple[float, str]]] = contextvars.ContextVar("areal_pipeline_deadline",
+                                                                                         default=None)
+
+
+class DeadlineExceeded(TimeoutError):
+    """A step ran past the time limit given by `deadline`."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: Optional[float], what: str) -> Iterator[None]:
+    """Bound the blocking calls made inside the block (trainer commands, inference requests, waits on the
+    rollout executor: each asks `time_left`) so that they end within `seconds` of entering it; past that they
+    raise DeadlineExceeded. Unlike an exception injected into a thread, this interrupts a call that is blocked,
+    and it costs no watcher thread."""
+    if not seconds:
+        yield
+        return
+    token = _DEADLINE.set((time.monotonic() + seconds, f"{what} ran past its {seconds:g} s limit"))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def _deadline_passed() -> Optional[str]:
+    current = _DEADLINE.get()
+    return current[1] if current is not None and time.monotonic() >= current[0] else None
+
+
+def time_left(limit: Optional[float] = None) -> Optional[float]:
+    """How long a blocking call may take: `limit` (None: unbounded), capped by the current deadline;
+    DeadlineExceeded once that has passed."""
+    current = _DEADLINE.get()
+    if current is None:
+        return limit
+    left = current[0] - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded(current[1])
+    return left if limit is None else min(limit, left)
+
+
+def raise_if_deadline_passed(error: BaseException) -> None:
+    """Turn a timeout that the current deadline caused into DeadlineExceeded (other errors pass through)."""
+    message = _deadline_passed()
+    if message is not None:
+        raise DeadlineExceeded(message) from error
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(coro)`, cancelled at the current deadline."""
+    left = time_left()
+    if left is None:
+        return asyncio.run(coro)
+
+    async def bounded() -> T:
+        try:
+            return await asyncio.wait_for(coro, left)
+        except TimeoutError as error:
+            raise_if_deadline_passed(error)
+            raise
+
+    return asyncio.run(bounded())

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from areal_pipeline.pipeline import Pipeline
+from areal_pipeline.utils import deadline
 
 _PIPELINES: dict[str, Pipeline] = {}
 
@@ -25,6 +26,15 @@ def get(run_id: str) -> Pipeline:
     except KeyError:
         raise RuntimeError(f"run '{run_id}' has no live pipeline in this process (tasks run inside the train "
                            "flow, which starts the servers and the trainer)") from None
+
+
+def run_node(name: str, run_id: str, k: int, limit_s: float) -> Any:
+    """`Pipeline.<name>(k)` of run `run_id`, within `limit_s` seconds: every trainer command, inference request
+    and wait inside it is bounded by what is left (`utils.deadline`), and running past the limit fails the node
+    (which its retries then handle). Not Prefect's `timeout_seconds`: iteration runs execute in worker threads,
+    where it cannot interrupt a blocked call, warns on every task run and starts a watcher thread per task."""
+    with deadline(limit_s, f"{name} of iteration {k}"):
+        return getattr(get(run_id), name)(k)
 
 
 def output_cache_key(output: Callable[[Pipeline, int], Path]) -> Callable[[Any, dict], Optional[str]]:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from areal_pipeline.config import ExperimentConfig, save_config
 from areal_pipeline.inference.launcher import ServerProcess
-from areal_pipeline.utils import find_free_port
+from areal_pipeline.utils import find_free_port, raise_if_deadline_passed, time_left
 
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes through a proxy
 
@@ -32,7 +32,7 @@ class TrainerClient:
         req = urllib.request.Request(f"http://{self.address}/command", data=data, method="POST",
                                      headers={"Content-Type": "application/json"})
         try:
-            with _opener.open(req, timeout=timeout or self.timeout) as resp:
+            with _opener.open(req, timeout=time_left(timeout or self.timeout)) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as e:
             body = e.read()
@@ -44,6 +44,7 @@ class TrainerClient:
             raise TrainerError(f"trainer {self.address} {cmd}: {error.get('message')}", error.get("code", "error"),
                                e.code, details) from None
         except OSError as e:
+            raise_if_deadline_passed(e)
             raise TrainerError(f"trainer {self.address} unreachable during {cmd}: {e}", "unreachable", 0) from e
 
     def health(self) -> dict:
