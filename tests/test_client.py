@@ -268,6 +268,36 @@ def test_generation_survives_pause_and_weight_update(one_server, perturbed_model
     assert info["weight_version"] == "1" and updater_version == 1
 
 
+def test_group_generation_matches_separate_requests_and_survives_a_weight_update(one_server, perturbed_model):
+    """A GRPO group in SGLang's batch form: the samples are those of separate requests with the same seeds, and
+    a weight update in the middle interrupts all of them, which finish together under the new version."""
+    budget = CONTEXT - len(PROMPT)
+
+    def group(max_new_tokens):
+        return [ModelRequest(input_ids=list(PROMPT), gconfig=GenerationConfig(max_new_tokens=max_new_tokens),
+                             extra_sampling_params={"ignore_eos": True, "sampling_seed": 10 + i}) for i in range(3)]
+
+    async def main():
+        async with RemoteSGLangEngine([one_server]) as engine:
+            together = await engine.agenerate_group(group(8))
+            alone = await asyncio.gather(*(engine.agenerate(r) for r in group(8)))
+            task = asyncio.create_task(engine.agenerate_group(group(budget)))
+            await _wait_until_decoding(engine, one_server, min_tokens=60)
+            await engine.pause()
+            await engine.update_weights_from_disk(str(perturbed_model), version=1)
+            await engine.resume()
+            return together, alone, await asyncio.wait_for(task, timeout=120)
+
+    together, alone, interrupted = run(main())
+    assert [r.output_tokens for r in together] == [r.output_tokens for r in alone]
+    assert len({tuple(r.output_tokens) for r in together}) == 3  # each sample its own seed
+    for resp in interrupted:
+        assert resp.output_len == budget and resp.stop_reason == "length" and resp.input_tokens == PROMPT
+        assert len(resp.output_logprobs) == budget
+        switch = resp.output_versions.index(1)
+        assert 0 < switch < budget and resp.output_versions == [0] * switch + [1] * (budget - switch)
+
+
 def test_update_weights_full_sequence_and_failure_resumes(one_server, perturbed_model):
     async def main():
         async with RemoteSGLangEngine([one_server]) as engine:

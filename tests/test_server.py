@@ -67,6 +67,18 @@ def test_batch_and_text_inputs(cpu_server):
     assert [r["meta_info"]["prompt_tokens"] for r in replies] == [1, 2]
 
 
+def test_batch_with_sampling_params_per_prompt(cpu_server):
+    """SGLang's batch form with one sampling_params dict per prompt: each prompt samples as it would alone."""
+    prompt = [5, 6, 7, 8]
+    per_prompt = [{"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 1234, "ignore_eos": True},
+                  {"max_new_tokens": 3, "temperature": 1.0, "sampling_seed": 99, "ignore_eos": True}]
+    status, replies = generate(cpu_server, input_ids=[prompt, prompt], sampling_params=per_prompt, rid=["a", "b"])
+    assert status == 200
+    alone = [generate(cpu_server, input_ids=prompt, sampling_params=p)[1]["output_ids"] for p in per_prompt]
+    assert [r["output_ids"] for r in replies] == alone
+    assert [len(r["output_ids"]) for r in replies] == [6, 3] and alone[0][:3] != alone[1]
+
+
 def test_greedy_is_deterministic_and_top_k_1_is_greedy(cpu_server):
     params = {"max_new_tokens": 12, "temperature": 0.0}
     a = generate(cpu_server, sampling_params=params)[1]["output_ids"]
@@ -147,6 +159,8 @@ def test_input_token_logprobs(cpu_server, model):
     ({"input_ids": [1], "sampling_params": {"max_tokens": 3}}, "unknown field 'max_tokens'"),
     ({"input_ids": [1], "sampling_params": {"n": 2}}, "not supported"),
     ({"input_ids": [1], "bogus": True}, "unknown field"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{"max_new_tokens": 1}]}, "one entry per prompt"),
+    ({"input_ids": [1], "sampling_params": [{"max_new_tokens": 1}]}, "one entry per prompt"),
     ({"input_ids": list(range(200)) * 6, "sampling_params": {"max_new_tokens": 8}}, "maximum context length"),
 ])
 def test_invalid_requests_get_400_and_server_keeps_serving(cpu_server, body, fragment):

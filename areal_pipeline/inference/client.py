@@ -14,6 +14,7 @@ plus the tokens so far with the remaining budget, so one trajectory can mix poli
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import threading
@@ -59,6 +60,20 @@ def _error_message(text: str) -> str:
             if value:
                 return str(value)
     return text.strip()[:2000] or "<empty body>"
+
+
+@dataclasses.dataclass
+class _Sample:
+    """One sample's progress across the rounds of `agenerate_group`."""
+    req: ModelRequest
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    stop_reason: str = "abort"  # not started counts as interrupted
+
+    @property
+    def unfinished(self) -> bool:
+        return self.stop_reason == "abort" and len(self.tokens) < self.req.gconfig.max_new_tokens
 
 
 class RemoteSGLangEngine:
@@ -206,36 +221,57 @@ class RemoteSGLangEngine:
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate one sample, resuming across interruptions until it stops or uses its whole budget."""
-        if req.gconfig.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be positive, got {req.gconfig.max_new_tokens}")
-        address = self.choose_server(req.rid)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        stop_reason = "abort"
+        return (await self.agenerate_group([req]))[0]
+
+    async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        """Generate several samples (e.g. a GRPO group) on one server, as `agenerate` does for each, in one
+        `/generate` call per round: SGLang's batch form (lists of `input_ids`, `sampling_params`, `rid`) costs
+        one HTTP request instead of one per sample. Samples interrupted by a pause resume together."""
+        for req in reqs:
+            if req.gconfig.max_new_tokens <= 0:
+                raise ValueError(f"max_new_tokens must be positive, got {req.gconfig.max_new_tokens}")
+        address = self.choose_server(reqs[0].rid)
+        self._pin([r.rid for r in reqs[1:]], address)
+        samples = [_Sample(req) for req in reqs]
         start = time.perf_counter()
-        while stop_reason == "abort" and len(tokens) < req.gconfig.max_new_tokens:
+        while pending := [s for s in samples if s.unfinished]:
             while self._paused:
                 await asyncio.sleep(_PAUSE_POLL_S)
-            reply = await self.request(address, "/generate", self._generate_payload(req, tokens))
-            meta = reply["meta_info"]
-            segment = meta.get("output_token_logprobs") or []
-            stop_reason = (meta.get("finish_reason") or {}).get("type") or "stop"
-            tokens.extend(int(t) for _, t, *_ in segment)
-            logprobs.extend(float(lp) for lp, *_ in segment)
-            versions.extend([self._segment_version(meta)] * len(segment))
-            if stop_reason == "abort" and not segment:
+            payloads = [self._generate_payload(s.req, s.tokens) for s in pending]
+            if len(payloads) == 1:
+                replies = [await self.request(address, "/generate", payloads[0])]
+            else:
+                batch = {key: [p[key] for p in payloads] for key in ("input_ids", "sampling_params", "rid")}
+                replies = await self.request(address, "/generate", {**payloads[0], **batch})
+            empty_abort = False
+            for sample, reply in zip(pending, replies):
+                meta = reply["meta_info"]
+                segment = meta.get("output_token_logprobs") or []
+                sample.stop_reason = (meta.get("finish_reason") or {}).get("type") or "stop"
+                sample.tokens.extend(int(t) for _, t, *_ in segment)
+                sample.logprobs.extend(float(lp) for lp, *_ in segment)
+                sample.versions.extend([self._segment_version(meta)] * len(segment))
+                empty_abort |= sample.stop_reason == "abort" and not segment
+            if empty_abort:
                 # Aborted before prefill (a pause raced with the send): don't spin on the server.
                 await asyncio.sleep(_PAUSE_POLL_S)
-        return ModelResponse(
-            input_tokens=list(req.input_ids),
-            output_tokens=tokens,
-            output_logprobs=logprobs,
-            output_versions=versions,
-            stop_reason="length" if stop_reason == "abort" else stop_reason,
-            latency=time.perf_counter() - start,
+        latency = time.perf_counter() - start
+        return [ModelResponse(
+            input_tokens=list(s.req.input_ids),
+            output_tokens=s.tokens,
+            output_logprobs=s.logprobs,
+            output_versions=s.versions,
+            stop_reason="length" if s.stop_reason == "abort" else s.stop_reason,
+            latency=latency,
             server=address,
-        )
+        ) for s in samples]
+
+    def _pin(self, rids: list[str], address: str) -> None:
+        with self._lock:
+            for rid in rids:
+                self._rid_to_server[rid] = address
+            while len(self._rid_to_server) > RID_CACHE_SIZE:
+                self._rid_to_server.popitem(last=False)
 
     # -- control and weight updates ---------------------------------------------------------------
 

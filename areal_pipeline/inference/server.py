@@ -109,7 +109,7 @@ class InferenceServer:
         if body.get("top_logprobs_num", 0):
             raise RequestError("top_logprobs_num > 0 is not supported by the CPU server")
         prompts, batched = self._prompts(body)
-        params = SamplingParams.from_json(body.get("sampling_params"))
+        params = self._sampling_params(body.get("sampling_params"), len(prompts), batched)
         rids = body.get("rid")
         if batched:
             rids = rids if isinstance(rids, list) else [None] * len(prompts)
@@ -119,9 +119,9 @@ class InferenceServer:
             rids = [rids]
         loop = asyncio.get_running_loop()
         gens, futures = [], []
-        for ids, rid in zip(prompts, rids):
+        for ids, rid, prompt_params in zip(prompts, rids, params):
             fut = loop.create_future()
-            gen = GenRequest(input_ids=ids, params=params, return_logprob=bool(body.get("return_logprob")),
+            gen = GenRequest(input_ids=ids, params=prompt_params, return_logprob=bool(body.get("return_logprob")),
                              logprob_start_len=int(body.get("logprob_start_len", -1)),
                              on_finish=lambda r, f=fut: loop.call_soon_threadsafe(_resolve, f, r))
             if rid is not None:
@@ -139,6 +139,16 @@ class InferenceServer:
             raise
         replies = [self._reply(g, body) for g in gens]
         return web.json_response(replies if batched else replies[0])
+
+    @staticmethod
+    def _sampling_params(raw: Any, n_prompts: int, batched: bool) -> list[SamplingParams]:
+        """One SamplingParams per prompt: a batch may give one dict for all or a list with one per prompt."""
+        if not isinstance(raw, list):
+            return [SamplingParams.from_json(raw)] * n_prompts
+        if not batched or len(raw) != n_prompts:
+            raise RequestError(f"sampling_params as a list needs one entry per prompt of a batch; got {len(raw)} "
+                               f"for {n_prompts} prompt(s){'' if batched else ' (not a batch)'}")
+        return [SamplingParams.from_json(p) for p in raw]
 
     def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
         has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
