@@ -601,9 +601,6 @@ def run_together(steps: list[Callable[[], Any]]) -> list[Any]:
     them, so that no step is still starting a process when the caller cleans up; re-raise the first failure."""
     with ThreadPoolExecutor(max_workers=len(steps), thread_name_prefix="start") as pool:
         futures = [pool.submit(step) for step in steps]
-    for future in futures:
-        if future.exception() is not None:
-            raise future.exception()
     return [future.result() for future in futures]
 
 

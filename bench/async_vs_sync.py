@@ -7,10 +7,10 @@ The time is that of the iterations themselves (services started beforehand, for 
 `Pipeline.run_iterations`: with eta > 0, iteration k+1's rollout and advantages run during iteration k's update,
 as in the train flow. By default a variant runs the config's whole `total_iterations` (100 on the default config):
 the first iteration (~1.5 s: first update, first requests) is alike in every variant, so few iterations
-understate the speed-up, and run-to-run drift of this machine (10-20%) averages out over long runs.
-`steady_speedup_eta<e>` compares the median iteration periods (iteration 2 on). This machine's speed drifts
-over minutes, so each variant runs `--rounds` times in ABBA order (etas, then reversed) and the means are
-compared: a drift that slowed the later variants otherwise shows up as a speed-up or a loss.
+understate the speed-up. `steady_speedup_eta<e>` compares the median iteration periods (iteration 2 on).
+This machine's speed drifts by up to ~30% within minutes, so each variant runs `--rounds` times in ABBA order
+(etas, then reversed) and the means are compared: a drift that slowed the later variants would otherwise show
+up as a speed-up or a loss.
 Target (issue 6): eta=1 at least 1.5x faster than eta=0 on 2 cores. The last line is one JSON object.
 """
 

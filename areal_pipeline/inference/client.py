@@ -129,10 +129,14 @@ class RemoteSGLangEngine:
             address = self.addresses[self._next_server]
             self._next_server = (self._next_server + 1) % len(self.addresses)
             if rid is not None:
-                self._rid_to_server[rid] = address
-                if len(self._rid_to_server) > RID_CACHE_SIZE:
-                    self._rid_to_server.popitem(last=False)
+                self._remember(rid, address)
             return address
+
+    def _remember(self, rid: str, address: str) -> None:
+        """Keep `rid` on `address` (least recently used rids are forgotten); call with the lock held."""
+        self._rid_to_server[rid] = address
+        if len(self._rid_to_server) > RID_CACHE_SIZE:
+            self._rid_to_server.popitem(last=False)
 
     # -- HTTP -------------------------------------------------------------------------------------
 
@@ -231,7 +235,10 @@ class RemoteSGLangEngine:
             if req.gconfig.max_new_tokens <= 0:
                 raise ValueError(f"max_new_tokens must be positive, got {req.gconfig.max_new_tokens}")
         address = self.choose_server(reqs[0].rid)
-        self._pin([r.rid for r in reqs[1:]], address)
+        if len(reqs) > 1:
+            with self._lock:
+                for req in reqs[1:]:
+                    self._remember(req.rid, address)
         samples = [_Sample(req) for req in reqs]
         start = time.perf_counter()
         while pending := [s for s in samples if s.unfinished]:
@@ -265,13 +272,6 @@ class RemoteSGLangEngine:
             latency=latency,
             server=address,
         ) for s in samples]
-
-    def _pin(self, rids: list[str], address: str) -> None:
-        with self._lock:
-            for rid in rids:
-                self._rid_to_server[rid] = address
-            while len(self._rid_to_server) > RID_CACHE_SIZE:
-                self._rid_to_server.popitem(last=False)
 
     # -- control and weight updates ---------------------------------------------------------------
 

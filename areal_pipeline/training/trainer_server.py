@@ -118,14 +118,14 @@ class Trainer:
         columns = tuple(c for c in self.token_columns if c != "prox_logprobs")
         batch = read_batch(Path(batch_dir), ("input_ids",) + columns)
         n_minibatches = self.cfg.ppo.ppo_n_minibatches
-        uses_prox = "prox_logprobs" in self.token_columns
         # With one minibatch its step starts from the proximal policy, so the training forward's own
         # (detached) logprobs are the proximal ones: no separate forward pass.
-        if uses_prox and n_minibatches > 1:
+        prox_from_forward = "prox_logprobs" in self.token_columns and n_minibatches == 1
+        if "prox_logprobs" in self.token_columns and not prox_from_forward:
             batch["prox_logprobs"] = actor.compute_logp(batch)
-        stats = actor.train_batch(batch, self.loss_fn, self.loss_weight_fn,
-                                  self.token_columns if n_minibatches > 1 else columns, n_minibatches,
-                                  prox_from_forward=uses_prox and n_minibatches == 1)
+            columns = self.token_columns
+        stats = actor.train_batch(batch, self.loss_fn, self.loss_weight_fn, columns, n_minibatches,
+                                  prox_from_forward=prox_from_forward)
         actor.version = iteration
         return {"version": actor.version, "stats": stats}
 
