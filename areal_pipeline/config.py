@@ -216,6 +216,9 @@ class TrainerConfig:
     num_threads: int = 0  # torch threads per rank (0: torch's default)
     mb_max_tokens: int = 8192  # micro-batch token budget for packed sequences
     pack_sequences: bool = True  # false: one padded row per sequence (the slower baseline)
+    # Sequences that start alike (a GRPO group's prompt) run their common prefix once, where it is at least as
+    # long as each sequence's rest; the same logprobs and gradients for fewer forward tokens (sdpa/eager attention)
+    share_prefix: bool = True
     gradient_checkpointing: bool = False
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     weight_sync: str = "disk"  # disk | distributed

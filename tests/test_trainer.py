@@ -22,15 +22,16 @@ from areal_pipeline.utils import find_free_port
 from conftest import http, start_cpu_server
 
 
-def make_batch(model_dir: Path, out: Path, seed: int, cfg, n_prompts: int = 6, group: int = 4) -> Path:
+def make_batch(model_dir: Path, out: Path, seed: int, cfg, n_prompts: int = 6, group: int = 4,
+               prompt_lengths=(3, 12), completion_lengths=(1, 20), completion_vocab: int = 256) -> Path:
     """A rollout of random completions with their behaviour logprobs, turned into a batch by the advantages step."""
     rng = random.Random(seed)
     model = load_model(model_dir)
     trajectories = []
     for p in range(n_prompts):
-        prompt = [rng.randrange(256) for _ in range(rng.randrange(3, 12))]
+        prompt = [rng.randrange(256) for _ in range(rng.randrange(*prompt_lengths))]
         for k in range(group):
-            completion = [rng.randrange(256) for _ in range(rng.randrange(1, 20))]
+            completion = [rng.randrange(completion_vocab) for _ in range(rng.randrange(*completion_lengths))]
             ids = prompt + completion
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0]
@@ -81,10 +82,11 @@ def whole_batch_setup(tmp_path, model_dir, seed: int):
     return cfg, read_batch(batch_dir, ("input_ids",) + columns), columns, loss_fn
 
 
-def whole_batch_loss_and_grads(cfg, model_dir, batch, columns, loss_fn):
+def whole_batch_loss_and_grads(cfg, model_dir, batch, columns, loss_fn, attention: str = "sdpa"):
     """One micro-batch holding the whole batch through a fresh engine: (micro-batch, loss, gradients)."""
     engine = TrainEngine(str(model_dir), cfg.trainer, total_steps=4)
     engine.initialize()
+    engine.model.set_attn_implementation(attention)
     (mb,) = engine._micro_batches(list(range(len(batch["input_ids"]))), batch, columns)
     logp, _ = engine._forward(mb)
     loss, _ = loss_fn(logp, None, mb)
@@ -122,6 +124,46 @@ def test_packed_and_padded_batches_give_same_loss_and_gradients(single_process_g
     logp[:, 1:] = gather_logprobs(logits[:, :-1], ids[:, 1:])
     reference, _ = ppo_actor_loss(logp, t["logprobs"], t["advantages"], t["loss_mask"], eps_clip=cfg.ppo.eps_clip)
     assert torch.allclose(loss_packed, reference, atol=1e-6)
+
+
+def test_shared_prefixes_give_the_same_logprobs_loss_and_gradients(single_process_group, tiny_model_dir, tmp_path):
+    """Each group's prompt laid out once, its samples as branches under an attention mask: the same logprobs,
+    loss and gradients as one row per sequence, for sdpa and eager attention, for a fraction of the forward
+    tokens. The few-token alphabet makes duplicate samples and samples that share their answer's start."""
+    cfg = trainer_config(tmp_path, "trainer.mb_max_tokens=100000")
+    batch_dir = make_batch(tiny_model_dir, tmp_path, seed=5, cfg=cfg, n_prompts=5, group=6, prompt_lengths=(14, 30),
+                           completion_lengths=(1, 4), completion_vocab=3)
+    loss_fn, _, columns = make_loss(cfg.ppo)
+    batch = read_batch(batch_dir, ("input_ids",) + columns)
+    assert len({tuple(ids) for ids in batch["input_ids"]}) < len(batch["input_ids"])  # duplicates are in
+    cfg.trainer.share_prefix = False
+    mb, loss, grads = whole_batch_loss_and_grads(cfg, tiny_model_dir, batch, columns, loss_fn)
+    assert mb.grid_attention_mask is None and mb.forward_tokens == mb.num_tokens
+    cfg.trainer.share_prefix = True
+    for attention in ("sdpa", "eager"):
+        shared_mb, shared_loss, shared_grads = whole_batch_loss_and_grads(cfg, tiny_model_dir, batch, columns,
+                                                                          loss_fn, attention)
+        assert shared_mb.grid_attention_mask is not None and shared_mb.grid_input_ids.shape[0] == 5  # a row a group
+        assert shared_mb.forward_tokens < 0.5 * shared_mb.num_tokens
+        assert torch.allclose(shared_loss, loss, atol=1e-6), attention
+        for name in grads:
+            assert torch.allclose(shared_grads[name], grads[name], atol=1e-6), (attention, name)
+
+    # compute_logp (the proximal/reference pass) and the stats of a whole update agree as well
+    def logp_and_update(share: bool):
+        cfg.trainer.share_prefix = share
+        engine = TrainEngine(str(tiny_model_dir), cfg.trainer, total_steps=4)
+        engine.initialize()
+        logp = engine.compute_logp(batch)
+        stats = engine.train_batch(batch, loss_fn, make_loss(cfg.ppo)[1], columns)
+        return logp, stats
+
+    (logp_a, stats_a), (logp_b, stats_b) = logp_and_update(False), logp_and_update(True)
+    assert len(logp_a) == len(logp_b) and all(len(a) == len(b) for a, b in zip(logp_a, logp_b))
+    assert max(abs(x - y) for a, b in zip(logp_a, logp_b) for x, y in zip(a, b)) < 1e-5
+    assert stats_b["forward_tokens"] < 0.5 * stats_a["forward_tokens"] == 0.5 * stats_a["tokens"]
+    for key in ("loss", "grad_norm", "entropy", "clip_fraction"):
+        assert stats_b[key] == pytest.approx(stats_a[key], rel=1e-4, abs=1e-6), key
 
 
 def test_one_minibatch_takes_proximal_logprobs_from_its_own_forward(single_process_group, tiny_model_dir, tmp_path):
@@ -163,7 +205,9 @@ def test_one_minibatch_takes_proximal_logprobs_from_its_own_forward(single_proce
 def batches(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("batches")
     cfg = trainer_config(root)
-    return [make_batch(tiny_model_dir, root / f"b{k}", seed=k, cfg=cfg) for k in range(4)]
+    # prompts longer than most answers: the trainer lays most groups out around their shared prompt
+    return [make_batch(tiny_model_dir, root / f"b{k}", seed=k, cfg=cfg, prompt_lengths=(10, 24),
+                       completion_lengths=(1, 12)) for k in range(4)]
 
 
 def run_updates(cfg, model_dir, batch_dirs, first_iteration, out: Path, load=None, save_at=None, nproc=1):

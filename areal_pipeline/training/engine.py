@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from areal_pipeline.model import DTYPES
 from areal_pipeline.training.losses import entropy_from_logits, gather_logprobs
-from areal_pipeline.training.packing import MicroBatch, balance, count_micro_batches, pack, unpack
+from areal_pipeline.training.packing import (MicroBatch, balance, count_micro_batches, pack, shared_prefix_units,
+                                                unit_length, unpack)
 from areal_pipeline.utils import atomic_directory, atomic_write_text, get_logger
 
 logger = get_logger(__name__)
@@ -117,28 +118,56 @@ class TrainEngine:
             self.optimizer, lr_lambda(o.lr_scheduler_type, self.total_steps, warmup, o.min_lr_ratio))
 
     # ----- data layout -----------------------------------------------------------------------------
-    def _rank_share(self, indices: list[int], batch) -> list[int]:
-        """This rank's sequences of `indices`, balanced by tokens across ranks (same split on every rank)."""
-        return balance({i: len(batch["input_ids"][i]) for i in indices}, self.world_size)[self.rank]
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether micro-batches lay out shared prefixes once: needs an attention that takes a dense mask."""
+        impl = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
+        return self.cfg.share_prefix and impl in ("sdpa", "eager")
+
+    def _units(self, indices: list[int], batch) -> list[list[int]]:
+        """`indices` grouped into the units a micro-batch lays out together (see `packing`)."""
+        if not self.shares_prefixes:
+            return [[i] for i in indices]
+        seqs = [batch["input_ids"][i] for i in indices]
+        return [[indices[j] for j in unit] for unit in shared_prefix_units(seqs, self.cfg.mb_max_tokens)]
+
+    def _rank_shares(self, indices: list[int], batch) -> list[list[list[int]]]:
+        """Every rank's units of `indices`, balanced by forward tokens (the same split on every rank)."""
+        units = self._units(indices, batch)
+        cost = {u: unit_length([batch["input_ids"][i] for i in unit]) for u, unit in enumerate(units)}
+        return [[units[u] for u in share] for share in balance(cost, self.world_size)]
 
     def _micro_batches(self, indices: list[int], batch, token_keys) -> list[MicroBatch]:
         """This rank's share of `indices`, cut by the token budget into as many micro-batches as the rank
         that needs the most (every forward/backward is a collective under FSDP)."""
-        mine = self._rank_share(indices, batch)
-        lengths = {i: len(batch["input_ids"][i]) for i in mine}
-        need = torch.tensor([count_micro_batches(list(lengths.values()), self.cfg.mb_max_tokens)], device=self.device)
+        units = self._rank_shares(indices, batch)[self.rank]
+        cost = {u: unit_length([batch["input_ids"][i] for i in unit]) for u, unit in enumerate(units)}
+        need = torch.tensor([count_micro_batches(list(cost.values()), self.cfg.mb_max_tokens)], device=self.device)
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
-        return [pack(batch, group, token_keys, self.device, self.cfg.pack_sequences)
-                for group in balance(lengths, max(1, int(need)))]
+        micro_batches = []
+        for group in balance(cost, max(1, int(need))):
+            mine = [units[u] for u in group]
+            micro_batches.append(pack(batch, sorted(i for unit in mine for i in unit), token_keys, self.device,
+                                      self.cfg.pack_sequences, units=mine))
+        return micro_batches
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token logprobs (with grad) and entropies (without) of a micro-batch, in packed [N] layout."""
-        grid = self.model(input_ids=mb.grid_input_ids, position_ids=mb.grid_position_ids, use_cache=False).logits
-        logits = grid.flatten(0, 1)[mb.grid_index].float()
+        extra = {}
+        if mb.grid_attention_mask is not None:
+            mask = mb.grid_attention_mask
+            if self.model.config._attn_implementation == "eager":  # eager attention adds its mask to the scores
+                mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+            extra["attention_mask"] = mask
+        grid = self.model(input_ids=mb.grid_input_ids, position_ids=mb.grid_position_ids, use_cache=False,
+                          **extra).logits
+        # the tokens of a shared trunk read the same slot: normalise each slot once, then gather per token
+        slots, rows = torch.unique(mb.grid_index, return_inverse=True)
+        logits = grid.flatten(0, 1)[slots]
         labels = torch.roll(mb.input_ids, -1)
-        next_logp = gather_logprobs(logits, labels, self.temperature)
+        next_logp = gather_logprobs(logits, labels, self.temperature, rows=rows)
         with torch.no_grad():
-            next_entropy = entropy_from_logits(logits / self.temperature)
+            next_entropy = entropy_from_logits(logits / self.temperature)[rows]
         first = mb.position_ids == 0
         # logits at t predict token t + 1: shift by one so that position t holds token t's values
         logp = torch.where(first, 0.0, torch.roll(next_logp, 1))
@@ -157,7 +186,7 @@ class TrainEngine:
         if self.world_size == 1:
             return [mine[i] for i in range(n)]
         # Every rank knows every rank's share, so the gathered values can be cut back into sequences.
-        shares = balance({i: len(batch["input_ids"][i]) for i in range(n)}, self.world_size)
+        shares = [sorted(i for unit in units for i in unit) for units in self._rank_shares(list(range(n)), batch)]
         parts = self._all_gather_ragged(torch.tensor([v for i in sorted(mine) for v in mine[i]],
                                                      dtype=torch.float32, device=self.device))
         out: list[list[float]] = [[] for _ in range(n)]
@@ -195,7 +224,7 @@ class TrainEngine:
             stats = self._train_minibatch(batch, list(range(bounds[m], bounds[m + 1])), loss_fn, loss_weight_fn,
                                           token_keys, prox_from_forward)
             for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v / n_minibatches
+                totals[k] = totals.get(k, 0.0) + (v if k == "forward_tokens" else v / n_minibatches)
         totals["n_minibatches"] = n_minibatches
         totals["seconds"] = time.perf_counter() - started
         totals["tokens"] = float(sum(len(s) for s in batch["input_ids"]))
@@ -235,10 +264,12 @@ class TrainEngine:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         keys = sorted(sums)
-        reduced = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        forward_tokens = sum(mb.forward_tokens for mb in mbs if mb.indices)
+        reduced = torch.tensor([sums[k] for k in keys] + [forward_tokens], dtype=torch.float64, device=self.device)
         dist.all_reduce(reduced)
-        out = {k: float(v) / global_weight for k, v in zip(keys, reduced.tolist())}
-        out.update(grad_norm=float(grad_norm), lr=lr, loss_weight=global_weight)
+        *reduced_sums, forward_tokens = reduced.tolist()
+        out = {k: float(v) / global_weight for k, v in zip(keys, reduced_sums)}
+        out.update(grad_norm=float(grad_norm), lr=lr, loss_weight=global_weight, forward_tokens=forward_tokens)
         return out
 
     # ----- weights and checkpoints -----------------------------------------------------------------

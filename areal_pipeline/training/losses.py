@@ -144,12 +144,19 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
     return _over_tokens(entropy, chunk_size, logits)
 
 
-def gather_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
+def gather_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0, chunk_size: int = 1024,
+                    rows: Optional[Tensor] = None) -> Tensor:
     """`log_softmax(logits / temperature)[label]` per token, computed as `z[label] - logsumexp(z)`.
 
     `logits` is `[..., V]`, `labels` is `logits.shape[:-1]`. Gathering instead of normalising
-    the whole row spares autograd a saved `[N, V]` log-softmax.
+    the whole row spares autograd a saved `[N, V]` log-softmax. With `rows` (`[N]`), `logits` is `[R, V]` and
+    label i is read from row `rows[i]`: rows that several labels share are normalised once.
     """
+    if rows is not None:
+        def logsumexp(chunk: Tensor) -> Tensor:
+            return (chunk.float() / temperature).logsumexp(dim=-1)
+
+        return logits[rows, labels].float() / temperature - _over_tokens(logsumexp, chunk_size, logits)[rows]
 
     def logprob(chunk: Tensor, chunk_labels: Tensor) -> Tensor:
         z = chunk.float() / temperature

@@ -6,6 +6,12 @@ are placed first-fit-decreasing into rows, several per row; without it each sequ
 one more (ignored) segment, so attention is block-diagonal per sequence without an attention mask and a
 row never costs more than `width^2` attention, unlike one long 1-D pack.
 
+Shared prefixes: the samples of a GRPO group repeat their prompt, which on short answers is most of every
+sequence. Sequences that start alike can form one *unit*: their common prefix (the trunk) laid out once,
+then each sequence's remainder (its branch), with an attention mask in which a branch sees the trunk and
+itself only, and positions that continue the trunk's. Every token's logits are then those of its own
+sequence, so the loss and its gradient are unchanged, for a fraction of the forward tokens.
+
 Per-token values are kept in the packed 1-D order (sequence after sequence) and follow the trajectory
 convention: `x[t]` belongs to token `t` of its sequence (e.g. `logprobs[t] = log p(token t | tokens < t)`).
 """
@@ -13,7 +19,7 @@ convention: `x[t]` belongs to token `t` of its sequence (e.g. `logprobs[t] = log
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -26,8 +32,10 @@ class MicroBatch:
     seq_ids: torch.Tensor  # [N] 0..len(indices)-1: which sequence each token belongs to
     grid_input_ids: torch.Tensor  # [rows, width] what the model runs on
     grid_position_ids: torch.Tensor  # [rows, width]
-    grid_index: torch.Tensor  # [N] flat grid slot of each packed token
+    grid_index: torch.Tensor  # [N] flat grid slot of each packed token (shared by the tokens of a trunk)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # per-token float values, [N]
+    # [rows, 1, width, width], True where a slot may attend; only when some unit shares a trunk
+    grid_attention_mask: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -36,6 +44,46 @@ class MicroBatch:
     @property
     def lengths(self) -> list[int]:
         return torch.bincount(self.seq_ids, minlength=len(self.indices)).tolist()
+
+    @property
+    def forward_tokens(self) -> int:
+        """Grid slots holding a token: what the model's forward pays for."""
+        return int(torch.unique(self.grid_index).numel())
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def unit_length(seqs: Sequence[Sequence[int]]) -> int:
+    """Grid slots of sequences laid out as one unit: their common prefix once, then every remainder."""
+    trunk = min((common_prefix_length(seqs[0], s) for s in seqs[1:]), default=len(seqs[0]))
+    return trunk + sum(len(s) - trunk for s in seqs)
+
+
+def shared_prefix_units(seqs: Sequence[Sequence[int]], max_width: int) -> list[list[int]]:
+    """Groups of `seqs` (positions into it) that share their common prefix; every sequence is in one group.
+
+    Sequences are taken in sorted order, so those that start alike are neighbours, and one joins the group
+    before it while the common prefix stays at least as long as every branch (beyond that a unit's row
+    attention, quadratic in its width, grows faster than its forward tokens shrink) and the unit fits in
+    `max_width` slots. Each group lists its positions in ascending order; groups are ordered by their first.
+    """
+    units: list[tuple[list[int], int]] = []  # (members, trunk length)
+    for i in sorted(range(len(seqs)), key=lambda i: (list(seqs[i]), i)):
+        if units:
+            members, trunk = units[-1]
+            shared = min(trunk, common_prefix_length(seqs[members[0]], seqs[i]))
+            branches = [len(seqs[m]) - shared for m in members] + [len(seqs[i]) - shared]
+            if shared > 0 and shared >= max(branches) and shared + sum(branches) <= max_width:
+                units[-1] = (members + [i], shared)
+                continue
+        units.append(([i], len(seqs[i])))
+    return sorted((sorted(members) for members, _ in units), key=lambda members: members[0])
 
 
 def place_in_rows(lengths: list[int], width: int, pack: bool) -> list[tuple[int, int]]:
@@ -57,29 +105,66 @@ def place_in_rows(lengths: list[int], width: int, pack: bool) -> list[tuple[int,
 
 
 def pack(batch: dict[str, Sequence], indices: list[int], token_keys: Sequence[str], device="cpu",
-         pack_rows: bool = True, pad_id: int = 0) -> MicroBatch:
-    """The micro-batch of `batch["input_ids"][i]` for i in `indices`, with the per-token columns `token_keys`."""
+         pack_rows: bool = True, pad_id: int = 0, units: Optional[list[list[int]]] = None) -> MicroBatch:
+    """The micro-batch of `batch["input_ids"][i]` for i in `indices`, with the per-token columns `token_keys`.
+    `units` (batch indices, together `indices`) lays each group of sequences out around its shared prefix;
+    by default every sequence is a unit of its own."""
     if not indices:  # a rank with no data still joins the collectives: one dummy token, weight 0
-        seqs, lengths = [[pad_id]], [1]
+        seqs, lengths, indices_ = [[pad_id]], [1], [0]
     else:
         seqs = [batch["input_ids"][i] for i in indices]
         lengths = [len(s) for s in seqs]
-    width = max(lengths)
-    where = place_in_rows(lengths, width, pack_rows)
+        indices_ = list(indices)
+    where_in = {i: j for j, i in enumerate(indices_)}
+    groups = [[where_in[i] for i in unit] for unit in units] if units and indices else [[j] for j in range(len(seqs))]
+    if sorted(j for g in groups for j in g) != list(range(len(seqs))):
+        raise ValueError("pack: the units must hold every one of the indices exactly once")
+    trunks = [min((common_prefix_length(seqs[g[0]], seqs[j]) for j in g[1:]), default=lengths[g[0]])
+              for g in groups]
+    unit_lengths = [t + sum(lengths[j] - t for j in g) for g, t in zip(groups, trunks)]
+    width = max(unit_lengths)
+    where = place_in_rows(unit_lengths, width, pack_rows)
     rows = 1 + max(r for r, _ in where)
+    shared = any(len(g) > 1 for g in groups)
+
     grid_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    # pad slots count up from 0 after the last sequence of their row: a segment of their own
     grid_pos = torch.arange(width).repeat(rows, 1)
-    grid_index = []
-    for seq, n, (row, col) in zip(seqs, lengths, where):
-        grid_ids[row, col: col + n] = torch.tensor(seq)
-        grid_pos[row, col: col + n] = torch.arange(n)
-        grid_index.extend(range(row * width + col, row * width + col + n))
-    used = torch.zeros(rows * width, dtype=torch.bool)
-    used[grid_index] = True
-    tail_start = used.view(rows, width).long().cumsum(1).max(1, keepdim=True).values
-    tail = ~used.view(rows, width)
-    grid_pos[tail] = (torch.arange(width).repeat(rows, 1) - tail_start)[tail]
+    # per slot: which unit (pad slots: -1) and which branch of it (0: the trunk)
+    slot_unit = torch.full((rows, width), -1, dtype=torch.long)
+    slot_branch = torch.zeros((rows, width), dtype=torch.long)
+    token_slots: list[list[int]] = [[] for _ in seqs]
+    for u, (g, trunk, n, (row, col)) in enumerate(zip(groups, trunks, unit_lengths, where)):
+        base = row * width + col
+        grid_ids[row, col: col + trunk] = torch.tensor(seqs[g[0]][:trunk], dtype=torch.long)
+        grid_pos[row, col: col + n] = torch.arange(n)  # the trunk's; branches are renumbered below
+        slot_unit[row, col: col + n] = u
+        offset = col + trunk
+        for b, j in enumerate(g, start=1):
+            rest = lengths[j] - trunk
+            grid_ids[row, offset: offset + rest] = torch.tensor(seqs[j][trunk:], dtype=torch.long)
+            grid_pos[row, offset: offset + rest] = torch.arange(trunk, lengths[j])
+            slot_branch[row, offset: offset + rest] = b
+            token_slots[j] = list(range(base, base + trunk)) + list(range(row * width + offset,
+                                                                        row * width + offset + rest))
+            offset += rest
+    grid_index = [slot for slots in token_slots for slot in slots]
+
+    mask = None
+    if shared:
+        # a slot sees the earlier slots of its unit that are on its trunk or its own branch; a pad slot itself
+        unit_q, unit_k = slot_unit[:, :, None], slot_unit[:, None, :]
+        branch_q, branch_k = slot_branch[:, :, None], slot_branch[:, None, :]
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        mask = causal & (((unit_q == unit_k) & (unit_q >= 0) & ((branch_k == 0) | (branch_k == branch_q)))
+                         | torch.eye(width, dtype=torch.bool))
+        mask = mask[:, None]
+    else:
+        # pad slots count up from 0 after the last sequence of their row: a segment of their own
+        used = torch.zeros(rows * width, dtype=torch.bool)
+        used[grid_index] = True
+        tail_start = used.view(rows, width).long().cumsum(1).max(1, keepdim=True).values
+        tail = ~used.view(rows, width)
+        grid_pos[tail] = (torch.arange(width).repeat(rows, 1) - tail_start)[tail]
 
     input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
     position_ids = torch.cat([torch.arange(n) for n in lengths])
@@ -90,7 +175,8 @@ def pack(batch: dict[str, Sequence], indices: list[int], token_keys: Sequence[st
         tensors = {k: torch.zeros(1) for k in token_keys}
     to = lambda t: t.to(device)  # noqa: E731
     return MicroBatch(list(indices), to(input_ids), to(position_ids), to(seq_ids), to(grid_ids), to(grid_pos),
-                      to(torch.tensor(grid_index, dtype=torch.long)), {k: to(v) for k, v in tensors.items()})
+                      to(torch.tensor(grid_index, dtype=torch.long)), {k: to(v) for k, v in tensors.items()},
+                      to(mask) if mask is not None else None)
 
 
 def unpack(values: torch.Tensor, mb: MicroBatch) -> list[list[float]]:
