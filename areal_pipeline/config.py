@@ -213,7 +213,9 @@ class TrainerConfig:
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     device: str = "auto"  # auto | cpu | cuda
     param_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (mixed precision, fp32 master weights)
-    num_threads: int = 0  # torch threads per rank (0: torch's default)
+    # torch threads per rank; 0: torch's default, or in asynchronous mode on CPU the cores the CPU inference
+    # servers leave (at least 1)
+    num_threads: int = 0
     mb_max_tokens: int = 8192  # micro-batch token budget for packed sequences
     pack_sequences: bool = True  # false: one padded row per sequence (the slower baseline)
     # Sequences that start alike (a GRPO group's prompt) run their common prefix once, where it is at least as

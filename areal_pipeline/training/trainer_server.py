@@ -253,13 +253,28 @@ class _Endpoint:
         self.server.shutdown()
 
 
+def trainer_threads(cfg: ExperimentConfig, device: torch.device, cores: Optional[int] = None) -> int:
+    """Torch threads per rank: `trainer.num_threads`, or with 0 torch's default (every core), except for
+    asynchronous training on CPU with CPU inference servers. There every update runs while the servers generate
+    on the same cores, so a rank gets only the cores they leave: a thread more only contends with them (on the
+    default run, 2 threads on 2 cores cut an update's wall time by ~15% for ~60% more CPU time)."""
+    if cfg.trainer.num_threads > 0:
+        return cfg.trainer.num_threads
+    if cfg.rollout.max_head_offpolicyness == 0 or device.type != "cpu" or cfg.inference.backend != "cpu":
+        return 0
+    cores = cores or len(os.sched_getaffinity(0))
+    serving = cfg.inference.num_servers * (cfg.inference.num_threads or cores)
+    return max(1, (cores - serving) // cfg.trainer.nproc)
+
+
 def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int) -> None:
     device = resolve_device(cfg.trainer.device)
     backend = cfg.trainer.backend if cfg.trainer.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if cfg.trainer.num_threads > 0:
-        torch.set_num_threads(cfg.trainer.num_threads)
+    threads = trainer_threads(cfg, device)
+    if threads > 0:
+        torch.set_num_threads(threads)
     dist.init_process_group(backend=backend)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     torch.manual_seed(cfg.seed)
