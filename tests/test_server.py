@@ -79,6 +79,31 @@ def test_batch_with_sampling_params_per_prompt(cpu_server):
     assert [len(r["output_ids"]) for r in replies] == [6, 3] and alone[0][:3] != alone[1]
 
 
+def test_a_prompt_shared_by_a_batch_is_prefilled_once(cpu_server, model):
+    """A GRPO group in SGLang's batch form: the prompt's KV cache is computed once and reused by every copy
+    (reported as cached tokens, as SGLang's radix cache does), and each copy samples, and scores its tokens,
+    exactly as it would alone."""
+    prompt = list(range(60, 90))
+    params = [{"max_new_tokens": 5, "temperature": 1.0, "sampling_seed": seed, "ignore_eos": True}
+              for seed in (1, 2, 3, 1)]
+    before = http(cpu_server, "/get_server_info")[1]["internal_states"][0]["prefill_tokens"]
+    status, replies = generate(cpu_server, input_ids=[prompt] * 4, sampling_params=params, return_logprob=True,
+                               logprob_start_len=0)
+    assert status == 200
+    after = http(cpu_server, "/get_server_info")[1]["internal_states"][0]["prefill_tokens"]
+    assert after - before == len(prompt)
+    assert [r["meta_info"]["cached_tokens"] for r in replies] == [0, len(prompt), len(prompt), len(prompt)]
+    alone = [generate(cpu_server, input_ids=prompt, sampling_params=p)[1]["output_ids"] for p in params]
+    assert [r["output_ids"] for r in replies] == alone
+    assert replies[0]["output_ids"] == replies[3]["output_ids"] != replies[1]["output_ids"]
+    for reply in replies:
+        served = torch.tensor([e[0] for e in reply["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(served, teacher_forced_logprobs(model, prompt, reply["output_ids"], 1.0), atol=1e-4)
+        assert [e[1] for e in reply["meta_info"]["input_token_logprobs"]] == prompt
+    assert all(r["meta_info"]["input_token_logprobs"] == replies[0]["meta_info"]["input_token_logprobs"]
+               for r in replies)
+
+
 def test_greedy_is_deterministic_and_top_k_1_is_greedy(cpu_server):
     params = {"max_new_tokens": 12, "temperature": 0.0}
     a = generate(cpu_server, sampling_params=params)[1]["output_ids"]

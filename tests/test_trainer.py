@@ -358,3 +358,21 @@ def test_gradient_checkpointing_gives_the_same_gradients(single_process_group, t
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.allclose(loss_a, loss_b, atol=1e-6)
     assert all(torch.allclose(grads_a[n], grads_b[n], atol=1e-6) for n in grads_a)
+
+
+def test_trainer_threads_leave_the_cpu_inference_servers_their_cores(tmp_path):
+    from areal_pipeline.training.trainer_server import trainer_threads
+
+    def threads(*overrides: str, cores: int = 2, device: str = "cpu") -> int:
+        cfg = load_config(None, [f"output_dir={tmp_path}", "inference.backend=cpu", *overrides])
+        return trainer_threads(cfg, torch.device(device), cores=cores)
+
+    asynchronous = "rollout.max_head_offpolicyness=1"
+    assert threads() == 0  # synchronous: the update runs alone, torch's default (every core)
+    assert threads(asynchronous, "inference.num_threads=1") == 1
+    assert threads(asynchronous, "inference.num_threads=4", "inference.num_servers=2", cores=16) == 8
+    assert threads(asynchronous, "inference.num_threads=4", "inference.num_servers=2", "trainer.nproc=2",
+                   cores=16) == 4
+    assert threads(asynchronous, "inference.num_threads=0") == 1  # servers on every core: still one thread
+    assert threads(asynchronous, "trainer.num_threads=3") == 3  # set explicitly: as set
+    assert threads(asynchronous, "inference.num_threads=1", device="cuda") == 0

@@ -118,6 +118,7 @@ class GenRequest:
     finished: float = 0.0
     abort_message: Optional[str] = None  # set from another thread to abort at the next step
     generator: Optional[torch.Generator] = None
+    cached_tokens: int = 0  # prompt tokens whose KV cache came from another request's prefill
 
     @property
     def done(self) -> bool:
@@ -176,7 +177,7 @@ class BatchEngine:
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
         self._thread: Optional[threading.Thread] = None
-        self.stats = {"decode_steps": 0, "prefill_batches": 0, "generated_tokens": 0,
+        self.stats = {"decode_steps": 0, "prefill_batches": 0, "prefill_tokens": 0, "generated_tokens": 0,
                       "finished_requests": 0, "peak_running_requests": 0, "aborted_requests": 0}
 
     # ----- lifecycle -------------------------------------------------------------------------------
@@ -372,25 +373,39 @@ class BatchEngine:
             r.on_finish(r)
 
     def _admit(self, new: list[GenRequest]) -> None:
-        """Prefill the new prompts together, sample their first token, and merge them into the batch."""
+        """Prefill the new prompts together, sample their first token, and merge them into the batch.
+        A prompt that several requests share (a GRPO group's samples) is prefilled once and its KV cache
+        copied to each of them, as SGLang's radix cache would reuse it."""
+        from transformers import DynamicCache
+
         self.stats["prefill_batches"] += 1
-        lengths = [len(r.input_ids) for r in new]
+        first_of: dict[tuple[int, ...], int] = {}
+        row_of = [first_of.setdefault(tuple(r.input_ids), len(first_of)) for r in new]
+        prompts = [list(p) for p in first_of]
+        lengths = [len(p) for p in prompts]
         width = max(lengths)
         pad = self.tokenizer.pad_token_id or 0
-        ids = torch.tensor([[pad] * (width - n) + r.input_ids for r, n in zip(new, lengths)], device=self.device)
+        ids = torch.tensor([[pad] * (width - n) + p for p, n in zip(prompts, lengths)], device=self.device)
         mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         want_input_logprobs = any(r.return_logprob and r.logprob_start_len >= 0 for r in new)
-        from transformers import DynamicCache
-
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          past_key_values=DynamicCache(), use_cache=True,
                          logits_to_keep=0 if want_input_logprobs else 1)
-        logits = out.logits.float()
+        logits, cache = out.logits.float(), out.past_key_values
+        self.stats["prefill_tokens"] += sum(lengths)
+        if len(prompts) < len(new):
+            seen: set[int] = set()
+            for r, row in zip(new, row_of):
+                r.cached_tokens = len(r.input_ids) if row in seen else 0
+                seen.add(row)
+            rows = torch.tensor(row_of, device=self.device)
+            ids, mask, positions, logits = ids[rows], mask[rows], positions[rows], logits[rows]
+            cache = DynamicCache(ddp_cache_data=[(layer.keys[rows], layer.values[rows]) for layer in cache.layers])
         if want_input_logprobs:
-            self._record_input_logprobs(new, logits, ids, lengths, width)
+            self._record_input_logprobs(new, logits, ids, [len(r.input_ids) for r in new], width)
         tokens, logprobs = self._sample(new, logits[:, -1])
-        self._merge(new, out.past_key_values, mask, positions[:, -1] + 1, tokens)
+        self._merge(new, cache, mask, positions[:, -1] + 1, tokens)
         self._append_tokens(tokens, logprobs, first_row=len(self._batch) - len(new))
 
     def _record_input_logprobs(self, new, logits, ids, lengths, width) -> None:

@@ -178,7 +178,7 @@ class InferenceServer:
             "finish_reason": g.finish_reason,
             "prompt_tokens": len(g.input_ids),
             "completion_tokens": len(g.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": g.cached_tokens,
             "weight_version": g.weight_version,
             "e2e_latency": g.finished - g.created,
         }
