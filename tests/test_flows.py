@@ -100,15 +100,16 @@ async def _task_runs(flow_run_id):
         return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
 
-def recorded_nodes(child_runs, min_nodes: int = 5) -> list[dict]:
+def recorded_nodes(child_runs) -> list[dict]:
     """Each iteration run's task runs by node name, once the API has them all finished (task-run states reach
-    the database in batches, up to 5 s late: see flows/__init__.py)."""
-    def finished_nodes(run):
+    the database in batches, up to 5 s late: see flows/__init__.py). With `fast_overrides` every iteration runs
+    rollout, advantages, ppo_update and broadcast_weights; the last one also checkpoint and evaluate."""
+    def finished_nodes(run, last: bool):
         runs = {r.name.rsplit("-", 1)[0]: r for r in asyncio.run(_task_runs(run.id))}
-        return runs if len(runs) >= min_nodes and all(r.state.is_final() for r in runs.values()) else None
+        return runs if len(runs) == 4 + 2 * last and all(r.state.is_final() for r in runs.values()) else None
 
-    return [wait_until(lambda: finished_nodes(run), 60, f"the task runs of {run.name}", interval=1)
-            for run in child_runs]
+    return [wait_until(lambda: finished_nodes(run, run is child_runs[-1]), 60, f"the task runs of {run.name}",
+                       interval=1) for run in child_runs]
 
 
 def assert_nodes_do_not_overlap(child_runs) -> None:
@@ -166,7 +167,8 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
         assert r["staleness"] == 0 and r["time_rollout"] > 0 and r["grad_norm"] >= 0 and r["lr"] > 0
     assert (run_dir / "reward_curve.png").stat().st_size > 1000 and result["curve"].endswith("reward_curve.png")
     assert (run_dir / "checkpoints" / "step_3" / "trainer_state.json").is_file()
-    assert not (run_dir / "checkpoints" / "step_1").exists()  # keep_checkpoints=2
+    # the config checkpoints every 10 iterations and after the last
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_3"]
     child_runs = asyncio.run(_flow_runs("e2e/iter-"))
     assert sorted(r.name for r in child_runs) == ["e2e/iter-1", "e2e/iter-2", "e2e/iter-3"]
     assert all(r.state.is_completed() for r in child_runs)
@@ -202,7 +204,8 @@ def test_evaluate_flow_scores_the_newest_checkpoint(prefect_api, tiny_model_dir,
 
 def test_ppo_update_failing_on_first_attempt_succeeds_on_retry(prefect_api, tiny_model_dir, tmp_path):
     """The trainer is killed in the middle of an update: the task fails, and its retry restarts the trainer,
-    restores version k - 1 from the checkpoint and trains again."""
+    restores version k - 1 (here by replaying update 1 from its batch shards: the config checkpoints every 10
+    iterations) and trains again."""
     from flows.train import train
     from tasks import registry
 
@@ -258,9 +261,11 @@ def cli(*args: str, env: dict, **kwargs) -> subprocess.Popen:
 def test_killed_run_reruns_to_bitwise_equal_weights(prefect_api, tiny_model_dir, tmp_path):
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     config = ["--config", "configs/tiny_cpu.yaml"]
-    reference = cli("train", *config, *fast_overrides(tmp_path, tiny_model_dir, run_id="ref"), env=env)
+    # a checkpoint every iteration: the rerun starts from iteration 1's (the retry test covers replaying)
+    every = ["save_freq=1"]
+    reference = cli("train", *config, *fast_overrides(tmp_path, tiny_model_dir, run_id="ref"), *every, env=env)
 
-    victim = cli("train", *config, *fast_overrides(tmp_path, tiny_model_dir, run_id="victim"), env=env)
+    victim = cli("train", *config, *fast_overrides(tmp_path, tiny_model_dir, run_id="victim"), *every, env=env)
     marker = tmp_path / "victim" / "iter_2" / "rollout" / "manifest.json"
     wait_until(lambda: marker.exists() or victim.poll() is not None, 600, "iteration 2's rollout", interval=0.05)
     assert victim.poll() is None, victim.stdout.read()
@@ -271,10 +276,11 @@ def test_killed_run_reruns_to_bitwise_equal_weights(prefect_api, tiny_model_dir,
 
     out, _ = reference.communicate(timeout=600)
     assert reference.returncode == 0, out
-    rerun = cli("train", *config, *fast_overrides(tmp_path, tiny_model_dir, run_id="victim"), env=env)
+    rerun = cli("train", *config, *fast_overrides(tmp_path, tiny_model_dir, run_id="victim"), *every, env=env)
     out, _ = rerun.communicate(timeout=600)
     assert rerun.returncode == 0, out
     assert "iterations 1..1 are finished; continuing at 2" in out
+    assert sorted(p.name for p in (tmp_path / "victim" / "checkpoints").iterdir()) == ["step_2", "step_3"]
     a, b = final_weights(tmp_path / "ref", 3), final_weights(tmp_path / "victim", 3)
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
     assert "mean reward" in out and "reward curve:" in out
