@@ -19,8 +19,10 @@ convention: `x[t]` belongs to token `t` of its sequence (e.g. `logprobs[t] = log
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 
@@ -52,11 +54,15 @@ class MicroBatch:
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    # a binary search over slice comparisons (each a C loop) beats a Python loop over the tokens
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def unit_length(seqs: Sequence[Sequence[int]]) -> int:
@@ -127,27 +133,31 @@ def pack(batch: dict[str, Sequence], indices: list[int], token_keys: Sequence[st
     rows = 1 + max(r for r, _ in where)
     shared = any(len(g) > 1 for g in groups)
 
-    grid_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    grid_pos = torch.arange(width).repeat(rows, 1)
+    # built in numpy (cheap slice assignment from lists), handed to torch once
+    grid_ids = np.full((rows, width), pad_id, dtype=np.int64)
+    grid_pos = np.tile(np.arange(width, dtype=np.int64), (rows, 1))
     # per slot: which unit (pad slots: -1) and which branch of it (0: the trunk)
-    slot_unit = torch.full((rows, width), -1, dtype=torch.long)
-    slot_branch = torch.zeros((rows, width), dtype=torch.long)
-    token_slots: list[list[int]] = [[] for _ in seqs]
+    slot_unit = np.full((rows, width), -1, dtype=np.int64)
+    slot_branch = np.zeros((rows, width), dtype=np.int64)
+    token_slots: list[range] = [range(0)] * len(seqs)
+    branch_slots: list[range] = [range(0)] * len(seqs)
     for u, (g, trunk, n, (row, col)) in enumerate(zip(groups, trunks, unit_lengths, where)):
         base = row * width + col
-        grid_ids[row, col: col + trunk] = torch.tensor(seqs[g[0]][:trunk], dtype=torch.long)
-        grid_pos[row, col: col + n] = torch.arange(n)  # the trunk's; branches are renumbered below
+        grid_ids[row, col: col + trunk] = seqs[g[0]][:trunk]
         slot_unit[row, col: col + n] = u
+        grid_pos[row, col: col + n] -= col  # the trunk's positions; branches are renumbered below
         offset = col + trunk
         for b, j in enumerate(g, start=1):
             rest = lengths[j] - trunk
-            grid_ids[row, offset: offset + rest] = torch.tensor(seqs[j][trunk:], dtype=torch.long)
-            grid_pos[row, offset: offset + rest] = torch.arange(trunk, lengths[j])
+            grid_ids[row, offset: offset + rest] = seqs[j][trunk:]
+            grid_pos[row, offset: offset + rest] = np.arange(trunk, lengths[j])
             slot_branch[row, offset: offset + rest] = b
-            token_slots[j] = list(range(base, base + trunk)) + list(range(row * width + offset,
-                                                                        row * width + offset + rest))
+            token_slots[j] = range(base, base + trunk)
+            branch_slots[j] = range(row * width + offset, row * width + offset + rest)
             offset += rest
-    grid_index = [slot for slots in token_slots for slot in slots]
+    grid_index = _flat(chain.from_iterable(chain(t, b) for t, b in zip(token_slots, branch_slots)), np.int64)
+    grid_ids, grid_pos = torch.from_numpy(grid_ids), torch.from_numpy(grid_pos)
+    slot_unit, slot_branch = torch.from_numpy(slot_unit), torch.from_numpy(slot_branch)
 
     mask = None
     if shared:
@@ -166,17 +176,22 @@ def pack(batch: dict[str, Sequence], indices: list[int], token_keys: Sequence[st
         tail = ~used.view(rows, width)
         grid_pos[tail] = (torch.arange(width).repeat(rows, 1) - tail_start)[tail]
 
-    input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
-    position_ids = torch.cat([torch.arange(n) for n in lengths])
+    input_ids = _flat(chain.from_iterable(seqs), np.int64)
     seq_ids = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lengths))
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    position_ids = torch.arange(len(input_ids)) - starts[seq_ids]
     if indices:
-        tensors = {k: torch.tensor([v for i in indices for v in batch[k][i]], dtype=torch.float32) for k in token_keys}
+        tensors = {k: _flat(chain.from_iterable(batch[k][i] for i in indices), np.float32) for k in token_keys}
     else:
         tensors = {k: torch.zeros(1) for k in token_keys}
     to = lambda t: t.to(device)  # noqa: E731
     return MicroBatch(list(indices), to(input_ids), to(position_ids), to(seq_ids), to(grid_ids), to(grid_pos),
-                      to(torch.tensor(grid_index, dtype=torch.long)), {k: to(v) for k, v in tensors.items()},
+                      to(grid_index), {k: to(v) for k, v in tensors.items()},
                       to(mask) if mask is not None else None)
+
+
+def _flat(values, dtype) -> torch.Tensor:
+    return torch.from_numpy(np.fromiter(values, dtype=dtype))
 
 
 def unpack(values: torch.Tensor, mb: MicroBatch) -> list[list[float]]:
