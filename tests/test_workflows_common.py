@@ -48,6 +48,9 @@ class ScriptedEngine:
         self.calls.append((req, resp))
         return resp
 
+    async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        return [await self.agenerate(req) for req in reqs]
+
 
 class RecordingEngine:
     """Wraps a real engine and records what each request carried and what came back."""
@@ -60,6 +63,11 @@ class RecordingEngine:
         resp = await self.engine.agenerate(req)
         self.calls.append((req, resp))
         return resp
+
+    async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        responses = await self.engine.agenerate_group(reqs)  # the real batched call
+        self.calls.extend(zip(reqs, responses))
+        return responses
 
 
 def assert_token_invariants(t: Trajectory, calls: list[tuple[ModelRequest, ModelResponse]],

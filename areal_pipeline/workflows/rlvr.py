@@ -23,15 +23,6 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
                                               return_dict=False))
 
 
-async def generate_all(engine, requests: list[ModelRequest]) -> list[ModelResponse]:
-    """The responses to `requests`: in one group call where the engine has one (one HTTP request per round
-    instead of one per sample), else concurrently one by one."""
-    group = getattr(engine, "agenerate_group", None)
-    if group is not None:
-        return await group(requests)
-    return list(await asyncio.gather(*(engine.agenerate(r) for r in requests)))
-
-
 def sample_seed(data: dict[str, Any], sample_idx: int, turn: int = 0) -> dict[str, int]:
     """`sampling_seed` for one generation, when the rollout gave the episode a seed: the same iteration then
     samples the same tokens however the server batches it (so a rerun reproduces its shards)."""
@@ -78,7 +69,8 @@ class RLVRWorkflow:
 
     async def generate_and_score(self, engine, data: dict[str, Any], requests: list[ModelRequest]):
         """Responses, decoded completions and their rewards (scored in the reward pool)."""
-        responses = await generate_all(engine, requests)
+        # the group in one call: one HTTP request per round instead of one per sample
+        responses = await engine.agenerate_group(requests)
         completions = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in responses]
         rewards = await asyncio.gather(*(self.reward_pool.ascore(self.reward_fn, c, data["answer"])
                                          for c in completions))
