@@ -124,29 +124,31 @@ class TrainEngine:
         impl = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
         return self.cfg.share_prefix and impl in ("sdpa", "eager")
 
-    def _units(self, indices: list[int], batch) -> list[list[int]]:
-        """`indices` grouped into the units a micro-batch lays out together (see `packing`)."""
+    def _units(self, indices: list[int], batch) -> list[tuple[list[int], int]]:
+        """`indices` grouped into the units a micro-batch lays out together (see `packing`), each with its
+        forward tokens."""
+        seqs = batch["input_ids"]
         if not self.shares_prefixes:
-            return [[i] for i in indices]
-        seqs = [batch["input_ids"][i] for i in indices]
-        return [[indices[j] for j in unit] for unit in shared_prefix_units(seqs, self.cfg.mb_max_tokens)]
+            return [([i], len(seqs[i])) for i in indices]
+        units = shared_prefix_units([seqs[i] for i in indices], self.cfg.mb_max_tokens)
+        return [(unit, unit_length([seqs[i] for i in unit])) for unit in ([indices[j] for j in u] for u in units)]
 
-    def _rank_shares(self, indices: list[int], batch) -> list[list[list[int]]]:
+    def _rank_shares(self, indices: list[int], batch) -> list[list[tuple[list[int], int]]]:
         """Every rank's units of `indices`, balanced by forward tokens (the same split on every rank)."""
         units = self._units(indices, batch)
-        cost = {u: unit_length([batch["input_ids"][i] for i in unit]) for u, unit in enumerate(units)}
-        return [[units[u] for u in share] for share in balance(cost, self.world_size)]
+        return [[units[u] for u in share] for share in balance({u: c for u, (_, c) in enumerate(units)},
+                                                                self.world_size)]
 
     def _micro_batches(self, indices: list[int], batch, token_keys) -> list[MicroBatch]:
         """This rank's share of `indices`, cut by the token budget into as many micro-batches as the rank
         that needs the most (every forward/backward is a collective under FSDP)."""
         units = self._rank_shares(indices, batch)[self.rank]
-        cost = {u: unit_length([batch["input_ids"][i] for i in unit]) for u, unit in enumerate(units)}
+        cost = {u: c for u, (_, c) in enumerate(units)}
         need = torch.tensor([count_micro_batches(list(cost.values()), self.cfg.mb_max_tokens)], device=self.device)
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
         micro_batches = []
         for group in balance(cost, max(1, int(need))):
-            mine = [units[u] for u in group]
+            mine = [units[u][0] for u in group]
             micro_batches.append(pack(batch, sorted(i for unit in mine for i in unit), token_keys, self.device,
                                       self.cfg.pack_sequences, units=mine))
         return micro_batches
@@ -186,7 +188,7 @@ class TrainEngine:
         if self.world_size == 1:
             return [mine[i] for i in range(n)]
         # Every rank knows every rank's share, so the gathered values can be cut back into sequences.
-        shares = [sorted(i for unit in units for i in unit) for units in self._rank_shares(list(range(n)), batch)]
+        shares = [sorted(i for unit, _ in units for i in unit) for units in self._rank_shares(list(range(n)), batch)]
         parts = self._all_gather_ragged(torch.tensor([v for i in sorted(mine) for v in mine[i]],
                                                      dtype=torch.float32, device=self.device))
         out: list[list[float]] = [[] for _ in range(n)]
