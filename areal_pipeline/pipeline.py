@@ -445,6 +445,12 @@ class Pipeline:
         except TimeoutError as error:
             raise_if_deadline_passed(error)
             raise
+        except Exception:
+            # The executor keeps iteration k's failure for good: drop it, so that this node's retry starts a
+            # fresh one at iteration k (the later iterations it had admitted are generated again).
+            self._async_rollout.stop()
+            self._async_rollout = None
+            raise
         manifest = write_rollout_shards(trajectories, self.paths.rollout(k), run_id=self.cfg.run_id, iteration=k,
                                         seconds=time.perf_counter() - started,
                                         rows_per_shard=self.cfg.rollout.shard_rows,

@@ -84,3 +84,66 @@ def test_the_default_task_learns_synchronously_and_asynchronously(tmp_path, eta)
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.15, rewards
     assert max(r["staleness"] for r in map(json.loads, (cfg.run_dir / "metrics.jsonl").read_text().splitlines())) <= eta
+
+
+def test_a_failed_iteration_cancels_its_episodes_and_a_retry_starts_afresh(tiny_model_dir, tmp_path, caplog):
+    """One episode of iteration 1 fails: collect(1) raises its error, the iteration's other episodes are
+    cancelled rather than left running into the closed loop, and the rollout node's retry (a fresh executor)
+    produces iteration 1 with real servers."""
+    import asyncio
+    import contextlib
+    import logging
+    import time
+
+    from areal_pipeline.pipeline import Pipeline, run_lock
+    from areal_pipeline.rollout.async_executor import AsyncRolloutExecutor
+
+    cancelled = []
+
+    class FailingWorkflow:
+        async def arun_episode(self, engine, data):
+            if data["n"] == 0:
+                await asyncio.sleep(0.05)
+                raise ValueError("reward server gone")
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.append(data["n"])
+                raise
+
+    @contextlib.asynccontextmanager
+    async def no_engine():
+        yield None
+
+    executor = AsyncRolloutExecutor(first_iteration=1, last_iteration=2, eta=0, version=0,
+                                    batch_for=lambda k: [{"n": n} for n in range(4)], workflow=FailingWorkflow(),
+                                    engine_factory=no_engine, max_concurrent_rollouts=8, samples_per_episode=1)
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    executor.start()
+    with pytest.raises(ValueError, match="reward server gone"):
+        executor.collect(1, timeout=10)
+    deadline = time.monotonic() + 5
+    while sorted(cancelled) != [1, 2, 3] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(cancelled) == [1, 2, 3]
+    executor.stop()
+    assert not executor._thread.is_alive()
+    with pytest.raises(RuntimeError, match="was stopped"):
+        executor.collect(2, timeout=1)
+    assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
+
+    cfg = async_config(tmp_path, tiny_model_dir, eta=1, iterations=2)
+    pipeline = Pipeline(cfg)
+    with run_lock(cfg.run_dir):
+        try:
+            pipeline.start()
+            real_episodes = pipeline._episodes
+            pipeline._episodes = lambda k: [{**real_episodes(k)[0], "answer": None, "messages": None}]
+            with pytest.raises(Exception):
+                pipeline.rollout(1)
+            pipeline._episodes = real_episodes
+            stats = pipeline.rollout(1)  # the retry
+        finally:
+            pipeline.close()
+            pipeline.services.stop()
+    assert stats["cached"] is False and stats["num_trajectories"] == cfg.rollout.batch_size * 4

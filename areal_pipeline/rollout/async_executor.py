@@ -69,8 +69,11 @@ class AsyncRolloutExecutor:
         return self._batches[k].result(timeout)
 
     def stop(self) -> None:
-        if self._main is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._main.cancel)
+        if self._main is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._main.cancel)
+            except RuntimeError:  # the loop is already closed: nothing left to cancel
+                pass
         self._thread.join(timeout=30)
 
     # ----- the background loop ---------------------------------------------------------------------
@@ -86,6 +89,11 @@ class AsyncRolloutExecutor:
             for fut in self._batches.values():
                 if not fut.done():
                     fut.set_exception(RuntimeError("the asynchronous rollout executor was stopped"))
+            # episodes still in flight end here, cancelled, rather than being destroyed with the closed loop
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self._loop.run_until_complete(self._loop.shutdown_asyncgens())
             self._loop.close()
 
@@ -106,11 +114,14 @@ class AsyncRolloutExecutor:
         async def episode(data):
             async with in_flight:
                 return await self.workflow.arun_episode(engine, data)
+        episodes = [asyncio.ensure_future(episode(d)) for d in self.batch_for(k)]
         try:
-            groups = await asyncio.gather(*(episode(d) for d in self.batch_for(k)))
+            groups = await asyncio.gather(*episodes)
             self._batches[k].set_result([t for group in groups for t in group])
         except asyncio.CancelledError:
             raise
         except Exception as e:  # surfaces in collect(k), i.e. in iteration k's rollout node
+            for task in episodes:  # the iteration is lost: its other episodes need not finish
+                task.cancel()
             logger.exception("async rollout of iteration %d failed", k)
             self._batches[k].set_exception(e)
