@@ -174,7 +174,11 @@ def raise_if_deadline_passed(error: BaseException) -> None:
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     """`asyncio.run(coro)`, cancelled at the current deadline."""
-    left = time_left()
+    try:
+        left = time_left()
+    except DeadlineExceeded:
+        coro.close()  # never started: close it, or Python warns that it was never awaited
+        raise
     if left is None:
         return asyncio.run(coro)
 

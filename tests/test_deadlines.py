@@ -43,6 +43,11 @@ def test_async_work_is_cancelled_at_the_deadline():
         with deadline(0.01, "late"):
             time.sleep(0.02)
             time_left()
+    never_started = stuck()
+    with pytest.raises(DeadlineExceeded), deadline(0.01, "late"):
+        time.sleep(0.02)
+        run_async(never_started)
+    assert never_started.cr_frame is None  # closed, not left to warn that it was never awaited
 
 
 def test_a_timeout_of_the_work_itself_is_not_reported_as_the_deadline():
