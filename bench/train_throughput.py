@@ -28,34 +28,37 @@ from areal_pipeline.training.ppo import write_batch
 
 
 def synthetic_batch(out: Path, n: int, min_len: int, max_len: int, cfg, seed: int = 0) -> Path:
+    """Groups of 8 trajectories of random tokens, each with its own prompt and length."""
     rng = random.Random(seed)
-    trajectories = []
-    for i in range(n):
+    samples = []
+    for _ in range(n):
         prompt_len = rng.randrange(8, 32)
-        length = rng.randrange(min_len, max_len + 1)
-        gen = max(1, length - prompt_len)
-        trajectories.append(Trajectory(
-            prompt_id=f"p{i // 8}", group_id=f"p{i // 8}", sample_idx=i % 8,
-            input_ids=[rng.randrange(256) for _ in range(prompt_len + gen)],
-            loss_mask=[0] * prompt_len + [1] * gen, logprobs=[0.0] * prompt_len + [-5.5] * gen,
-            versions=[-1] * prompt_len + [0] * gen, reward=float(rng.random() < 0.5), stop_reason="stop"))
-    write_shards(trajectories, out / "rollout", run_id="bench", iteration=0)
-    write_batch(out / "rollout", out / "batch", cfg.ppo, run_id="bench", iteration=0)
-    return out / "batch"
+        gen = max(1, rng.randrange(min_len, max_len + 1) - prompt_len)
+        samples.append(([rng.randrange(256) for _ in range(prompt_len + gen)], prompt_len, rng.random() < 0.5))
+    return _write_batch(out, samples, 8, cfg)
 
 
 def grpo_batch(out: Path, n: int, group: int, prompt_len: int, answer_len: int, cfg, seed: int = 0) -> Path:
+    """Groups of `group` trajectories that share their random prompt, with answers of 1..answer_len tokens."""
     rng = random.Random(seed)
-    trajectories = []
-    for g in range(n // group):
+    samples = []
+    for _ in range(n // group):
         prompt = [rng.randrange(256) for _ in range(prompt_len)]
-        for k in range(group):
-            gen = rng.randrange(1, answer_len + 1)
-            trajectories.append(Trajectory(
-                prompt_id=f"p{g}", group_id=f"p{g}", sample_idx=k,
-                input_ids=prompt + [rng.randrange(256) for _ in range(gen)],
-                loss_mask=[0] * prompt_len + [1] * gen, logprobs=[0.0] * prompt_len + [-5.5] * gen,
-                versions=[-1] * prompt_len + [0] * gen, reward=float(rng.random() < 0.5), stop_reason="stop"))
+        for _ in range(group):
+            answer = [rng.randrange(256) for _ in range(rng.randrange(1, answer_len + 1))]
+            samples.append((prompt + answer, prompt_len, rng.random() < 0.5))
+    return _write_batch(out, samples, group, cfg)
+
+
+def _write_batch(out: Path, samples: list[tuple[list[int], int, bool]], group: int, cfg) -> Path:
+    """(tokens, prompt length, rewarded) samples, `group` to a prompt id -> rollout and batch shards."""
+    trajectories = []
+    for i, (ids, n, rewarded) in enumerate(samples):
+        gen = len(ids) - n
+        trajectories.append(Trajectory(
+            prompt_id=f"p{i // group}", group_id=f"p{i // group}", sample_idx=i % group, input_ids=ids,
+            loss_mask=[0] * n + [1] * gen, logprobs=[0.0] * n + [-5.5] * gen, versions=[-1] * n + [0] * gen,
+            reward=float(rewarded), stop_reason="stop"))
     write_shards(trajectories, out / "rollout", run_id="bench", iteration=0)
     write_batch(out / "rollout", out / "batch", cfg.ppo, run_id="bench", iteration=0)
     return out / "batch"
