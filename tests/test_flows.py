@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -202,39 +201,31 @@ def test_evaluate_flow_scores_the_newest_checkpoint(prefect_api, tiny_model_dir,
     assert asyncio.run(_artifacts("ev-evaluation"))
 
 
-def test_ppo_update_failing_on_first_attempt_succeeds_on_retry(prefect_api, tiny_model_dir, tmp_path):
-    """The trainer is killed in the middle of an update: the task fails, and its retry restarts the trainer,
-    restores version k - 1 (here by replaying update 1 from its batch shards: the config checkpoints every 10
+def test_ppo_update_failing_on_first_attempt_succeeds_on_retry(prefect_api, tiny_model_dir, tmp_path, monkeypatch):
+    """The trainer dies during an update node: the task fails, and its retry restarts the trainer, restores
+    version k - 1 (here by replaying update 1 from its batch shards: the config checkpoints every 10
     iterations) and trains again."""
+    from areal_pipeline.training.client import TrainerClient
     from flows.train import train
     from tasks import registry
 
     killed = {}
+    real_call = TrainerClient.call
 
-    def kill_trainer_during_second_update():
-        def trainer_busy():
-            pipeline = registry._PIPELINES.get("retry")
-            if pipeline is None or pipeline.services.trainer is None:
-                return None
-            if not (tmp_path / "retry" / "iter_1" / "update.json").exists():
-                return None
-            try:
-                health = pipeline.services.trainer_client.health()
-            except OSError:
-                return None
-            return pipeline.services.trainer if health.get("busy_with") == "train" else None
+    def call(self, cmd, *args, **kwargs):
+        # An update takes ~0.1 s: killing the rank when the trainer reports itself busy races with its end.
+        # So the rank dies as iteration 2's train command is sent, which then finds no trainer.
+        if cmd == "train" and kwargs.get("iteration") == 2 and not killed:
+            trainer = registry.get("retry").services.trainer
+            (rank,) = psutil.Process(trainer.popen.pid).children()  # torchrun starts ranks in their own sessions
+            killed["pid"] = rank.pid
+            rank.kill()
+            rank.wait(10)
+        return real_call(self, cmd, *args, **kwargs)
 
-        trainer = wait_until(trainer_busy, 300, "the second update", interval=0.01)
-        # a crash of the rank itself (torchrun starts ranks in sessions of their own)
-        (rank,) = psutil.Process(trainer.popen.pid).children()
-        killed["pid"] = rank.pid
-        rank.kill()
-
-    killer = threading.Thread(target=kill_trainer_during_second_update, daemon=True)
-    killer.start()
+    monkeypatch.setattr(TrainerClient, "call", call)
     train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
           overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="retry", iterations=2))
-    killer.join(5)
     assert "pid" in killed
     update = json.loads((tmp_path / "retry" / "iter_2" / "update.json").read_text())
     assert update["version"] == 2
