@@ -10,3 +10,12 @@ def hang(*_args: object) -> float:
 
 def fail(*_args: object) -> float:
     raise ValueError("bad reward")
+
+
+def hang_or_fail_on_marker(completion: str, answer: str) -> float:
+    """Hangs on "hang", raises on "fail", else 1.0 when the completion is the answer."""
+    if completion == "hang":
+        time.sleep(60)
+    if completion == "fail":
+        raise ValueError("bad reward")
+    return float(completion == answer)

@@ -220,3 +220,37 @@ def test_compute_advantages_grpo_defaults():
     assert (out["advantages"][~mask.bool()] == 0).all()
     with pytest.raises(ValueError, match="ref_logprobs"):
         compute_advantages(batch, PPOConfig(kl_ctl=0.1))
+
+
+def test_compute_batch_lays_ragged_rows_out_as_compute_advantages_sees_them():
+    """The batch table's per-token columns are compute_advantages' output row by row, cut to each row's
+    length; groups are numbered in order of first appearance and only "stop" ends count as EOS."""
+    import pyarrow as pa
+
+    from areal_pipeline.training.ppo import compute_batch, pad
+
+    rows = [  # (group, input_ids, loss_mask, logprobs, reward, stop_reason)
+        ("b", [1, 2, 3], [0, 1, 1], [0.0, -0.5, -1.0], 1.0, "stop"),
+        ("a", [1, 2, 3, 4, 5], [0, 0, 1, 1, 1], [0.0, 0.0, -0.2, -0.3, -0.4], 0.0, "length"),
+        ("b", [1, 2], [0, 1], [0.0, -2.0], 0.0, "stop"),
+        ("a", [7], [0], [0.0], 1.0, "stop"),
+    ]
+    group, ids, mask, logp, reward, stop = (list(c) for c in zip(*rows))
+    rollout = pa.table({"group_id": group, "input_ids": ids, "loss_mask": mask,
+                        "logprobs": pa.array(logp, type=pa.list_(pa.float32())), "reward": reward,
+                        "stop_reason": stop})
+    cfg = PPOConfig(mask_no_eos_with_zero=True)
+    table, stats = compute_batch(rollout, cfg)
+
+    expected = compute_advantages({
+        "rewards": torch.tensor(reward), "loss_mask": pad(mask, 5), "logprobs": pad(logp, 5),
+        "group_ids": torch.tensor([0, 1, 0, 1]), "no_eos": torch.tensor([False, True, False, False])}, cfg)
+    for name in ("advantages", "returns", "token_rewards", "kl"):
+        got = table.column(name).to_pylist()
+        assert [len(r) for r in got] == [3, 5, 2, 1]
+        for i, row in enumerate(got):
+            assert row == pytest.approx(expected[name][i, : len(row)].tolist(), abs=1e-7), (name, i)
+    assert table.column("task_reward").to_pylist() == pytest.approx(expected["task_rewards"].tolist(), abs=1e-7)
+    assert stats == pytest.approx(advantage_stats(expected))
+    # the no-EOS row's reward was masked to zero: its advantages are those of a zero reward
+    assert table.column("token_rewards").to_pylist()[1] == [0.0] * 5

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _reward_helpers import fail, hang
+from _reward_helpers import fail, hang, hang_or_fail_on_marker
 
 from areal_pipeline.rewards import RewardPool, extract_answer, extract_reference, math_reward
 
@@ -149,6 +149,30 @@ def test_pool_ascore_many_concurrent_calls(pool):
     stuck, *scores = asyncio.run(main())
     assert stuck == 0.0
     assert scores == [1.0 if i == i % 3 else 0.0 for i in range(60)]
+
+
+def test_pool_ascore_many_scores_a_group_in_one_job_with_failures_scored_zero(pool, caplog):
+    calls = [("7", "7"), ("fail", "7"), ("3", "7"), ("7", "7")]
+    with caplog.at_level(logging.WARNING, logger="areal_pipeline.rewards"):
+        assert asyncio.run(pool.ascore_many(hang_or_fail_on_marker, calls)) == [1.0, 0.0, 0.0, 1.0]
+    [record] = caplog.records
+    assert "hang_or_fail_on_marker" in record.message and "bad reward" in record.message
+    assert asyncio.run(pool.ascore_many(hang_or_fail_on_marker, [])) == []
+    assert asyncio.run(pool.ascore_many(hang_or_fail_on_marker, [("5", "5")])) == [1.0]
+
+
+def test_pool_ascore_many_with_a_hanging_call_rescores_the_others_one_by_one(pool, caplog):
+    calls = [("1", "1"), ("hang", "1"), ("2", "1")]
+    pool.score(math_reward, "1", "1")  # worker start-up is not part of the timeout
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="areal_pipeline.rewards"):
+        assert asyncio.run(pool.ascore_many(hang_or_fail_on_marker, calls)) == [1.0, 0.0, 0.0]
+    # the job's timeout (3 calls' worth), then the hanging call's own one
+    assert time.monotonic() - start < 4 * TIMEOUT + 3.0
+    messages = [r.message for r in caplog.records]
+    assert any("one by one" in m for m in messages)
+    assert sum("timed out" in m and "'hang'" in m for m in messages) == 1
+    assert pool.score(math_reward, "\\boxed{18}", "#### 18") == 1.0
 
 
 def test_warm_up_starts_the_workers_with_the_reward_module_imported():

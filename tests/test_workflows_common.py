@@ -27,6 +27,9 @@ class InlinePool:
     async def ascore(self, fn, *args) -> float:
         return float(fn(*args))
 
+    async def ascore_many(self, fn, calls) -> list[float]:
+        return [float(fn(*args)) for args in calls]
+
 
 class ScriptedEngine:
     """An engine whose outputs come from `respond(request, turn)` (turn counted per rid), with made-up

@@ -27,6 +27,17 @@ def _import(module: str) -> str:
     return module
 
 
+def _score_each(fn: Callable[..., Any], calls: list[tuple]) -> list[Any]:
+    """In a worker: `fn(*args)` for each call, as a float, or the error it raised as a string."""
+    scores: list[Any] = []
+    for args in calls:
+        try:
+            scores.append(float(fn(*args)))
+        except Exception as error:
+            scores.append(repr(error))
+    return scores
+
+
 class RewardPoolError(RuntimeError):
     """The pool itself failed (its workers could not start or died): not a score, an error to surface."""
 
@@ -89,6 +100,29 @@ class RewardPool:
         except Exception as error:
             self._warn(fn, args, error)
             return 0.0
+
+    async def ascore_many(self, fn: Callable[..., Any], calls: list[tuple]) -> list[float]:
+        """`ascore` for each args tuple of `calls` (e.g. a GRPO group's completions), sent to one worker as
+        one job: a group pays for one round trip to the pool instead of one per sample. The job's timeout is
+        the per-call timeout times the number of calls; if it runs past it, each call is scored again on its
+        own, so that only a call that hangs by itself scores 0.0."""
+        if len(calls) <= 1:
+            return [await self.ascore(fn, *args) for args in calls]
+        try:
+            future = self._pool.schedule(_score_each, args=(fn, list(calls)), timeout=self.timeout * len(calls))
+            results = await asyncio.wrap_future(future)
+        except BrokenProcessPool as error:
+            raise RewardPoolError(fn, error) from error
+        except Exception as error:  # the job timed out (or could not be sent): score the calls one by one
+            logger.warning("reward job of %d calls failed (%r); scoring them one by one", len(calls), error)
+            return list(await asyncio.gather(*(self.ascore(fn, *args) for args in calls)))
+        scores = []
+        for args, result in zip(calls, results):
+            if isinstance(result, str):
+                self._warn(fn, args, RuntimeError(result))
+                result = 0.0
+            scores.append(result)
+        return scores
 
     def close(self) -> None:
         """Waits for the calls already submitted (each bounded by the timeout), then stops."""

@@ -26,14 +26,24 @@ class TrainerClient:
     def __init__(self, address: str, timeout: float = 3600.0):
         self.address = address
         self.timeout = timeout
+        # The trainer's policy version as its last reply gave it; None after a failed call or when never told
+        # (ask with "status"). Every reply carries the version, so a run that goes well never has to ask.
+        self.version: Optional[int] = None
+
+    def forget_version(self) -> None:
+        self.version = None
 
     def call(self, cmd: str, timeout: Optional[float] = None, **args: Any) -> dict:
         data = json.dumps({"cmd": cmd, **args}).encode()
         req = urllib.request.Request(f"http://{self.address}/command", data=data, method="POST",
                                      headers={"Content-Type": "application/json"})
+        self.version = None  # a call that fails may have left the trainer anywhere
         try:
             with _opener.open(req, timeout=time_left(timeout or self.timeout)) as resp:
-                return json.loads(resp.read())
+                reply = json.loads(resp.read())
+            if isinstance(reply, dict) and isinstance(reply.get("version"), int):
+                self.version = reply["version"]
+            return reply
         except urllib.error.HTTPError as e:
             body = e.read()
             try:

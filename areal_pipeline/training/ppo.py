@@ -11,7 +11,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from areal_pipeline.config import NormConfig
@@ -30,6 +32,32 @@ def pad(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
+class _RaggedLayout:
+    """Where a list column's values sit in a [rows, width] grid (row i's values in its first len(i) slots):
+    per-token columns move between Parquet and tensors without a python loop over rows."""
+
+    def __init__(self, lengths: np.ndarray):
+        self.lengths = lengths
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        self.rows = np.repeat(np.arange(len(lengths)), lengths)
+        self.cols = np.arange(int(self.offsets[-1])) - np.repeat(self.offsets[:-1], lengths)
+        self.width = int(lengths.max(initial=1))
+
+    def pad(self, column) -> torch.Tensor:
+        """A list<number> column (with these lengths) as a zero-padded float32 [rows, width] tensor."""
+        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+        if not np.array_equal(lengths, self.lengths):
+            raise ValueError("a per-token column's lengths differ from input_ids'")
+        out = np.zeros((len(self.lengths), self.width), dtype=np.float32)
+        out[self.rows, self.cols] = column.flatten().to_numpy(zero_copy_only=False)
+        return torch.from_numpy(out)
+
+    def unpad(self, grid: torch.Tensor) -> pa.ListArray:
+        values = pa.array(grid.detach().to(torch.float32).numpy()[self.rows, self.cols], type=pa.float32())
+        return pa.ListArray.from_arrays(pa.array(self.offsets, type=pa.int32()), values)
+
+
 def compute_batch(rollout: pa.Table, ppo_cfg, extra_token_columns: Optional[dict[str, list[list[float]]]] = None,
                   eos_stop_reason: str = "stop") -> tuple[pa.Table, dict[str, float]]:
     """Advantages for one iteration's rollout table; returns the batch table and its stats.
@@ -37,21 +65,21 @@ def compute_batch(rollout: pa.Table, ppo_cfg, extra_token_columns: Optional[dict
     Rows with `token_returns` (set by workflows with per-turn rewards, or ReMax) take those returns as
     their advantages before normalisation, in place of the shaped and discounted trajectory reward.
     """
-    cols = rollout.to_pydict()
     extra = extra_token_columns or {}
-    lengths = [len(ids) for ids in cols["input_ids"]]
-    width = max(lengths, default=1)
-    group_index: dict[str, int] = {}
+    layout = _RaggedLayout(pc.list_value_length(rollout.column("input_ids")).to_numpy(zero_copy_only=False))
+    width = layout.width
+    group_ids = pc.dictionary_encode(rollout.column("group_id").combine_chunks()).indices  # in order of appearance
     batch = {
-        "rewards": torch.tensor(cols["reward"], dtype=torch.float32),
-        "loss_mask": pad(cols["loss_mask"], width),
-        "logprobs": pad(cols["logprobs"], width),
-        "group_ids": torch.tensor([group_index.setdefault(g, len(group_index)) for g in cols["group_id"]]),
-        "no_eos": torch.tensor([r != eos_stop_reason for r in cols["stop_reason"]]),
+        "rewards": torch.from_numpy(rollout.column("reward").to_numpy().astype(np.float32)),
+        "loss_mask": layout.pad(rollout.column("loss_mask")),
+        "logprobs": layout.pad(rollout.column("logprobs")),
+        "group_ids": torch.from_numpy(group_ids.to_numpy(zero_copy_only=False).astype(np.int64)),
+        "no_eos": torch.from_numpy(pc.not_equal(rollout.column("stop_reason"), eos_stop_reason)
+                                   .to_numpy(zero_copy_only=False).astype(bool)),
     }
     if "ref_logprobs" in extra:
         batch["ref_logprobs"] = pad(extra["ref_logprobs"], width)
-    token_returns = cols.get("token_returns") or []
+    token_returns = rollout.column("token_returns").to_pylist() if "token_returns" in rollout.column_names else []
     given = [r is not None for r in token_returns]
     if any(given):
         if not all(given):
@@ -62,11 +90,10 @@ def compute_batch(rollout: pa.Table, ppo_cfg, extra_token_columns: Optional[dict
         out = compute_advantages(batch, ppo_cfg)
     table = rollout
     for name in TOKEN_COLUMNS_OUT:
-        values = [out[name][i, :n].tolist() for i, n in enumerate(lengths)]
-        table = table.append_column(name, pa.array(values, type=pa.list_(pa.float32())))
+        table = table.append_column(name, layout.unpad(out[name]))
     for name, values in extra.items():
         table = table.append_column(name, pa.array(values, type=pa.list_(pa.float32())))
-    table = table.append_column("task_reward", pa.array(out["task_rewards"].tolist(), type=pa.float32()))
+    table = table.append_column("task_reward", pa.array(out["task_rewards"].float().numpy(), type=pa.float32()))
     return table, advantage_stats(out)
 
 

@@ -6,7 +6,6 @@ reward function in the reward pool, and returned as one trajectory each.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import uuid
 from typing import Any, Callable
@@ -72,8 +71,7 @@ class RLVRWorkflow:
         # the group in one call: one HTTP request per round instead of one per sample
         responses = await engine.agenerate_group(requests)
         completions = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in responses]
-        rewards = await asyncio.gather(*(self.reward_pool.ascore(self.reward_fn, c, data["answer"])
-                                         for c in completions))
+        rewards = await self.reward_pool.ascore_many(self.reward_fn, [(c, data["answer"]) for c in completions])
         return responses, completions, rewards
 
     async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
