@@ -19,6 +19,7 @@ rerun after a crash reaches the same final weights bit for bit.
 from __future__ import annotations
 
 import fcntl
+import gc
 import hashlib
 import json
 import os
@@ -656,6 +657,11 @@ class Pipeline:
         if reward_fn is not None:
             self.reward_pool.warm_up(reward_fn)
         self.tokenizer
+        self.records(self.cfg.dataset.train_split)
+        # What is loaded by now (modules, tokenizer, data set records) lives as long as the run: exempt it from
+        # the collector. Otherwise every full collection walks it all again, ~0.2 s with the orchestrating
+        # process stalled, a few times a minute (~5% of an asynchronous run's wall time).
+        gc.freeze()
 
 
 def run_together(steps: list[Callable[[], Any]]) -> list[Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import gc
 import threading
 import time
 import uuid
@@ -288,6 +289,8 @@ class BatchEngine:
             if self.on_load_failure is not None:
                 self.on_load_failure()
             return
+        # the model and the modules stay for the server's life: full collections need not walk them again
+        gc.freeze()
         self.ready.set()
         torch.set_grad_enabled(False)
         while True:

@@ -65,8 +65,13 @@ class AsyncRolloutExecutor:
     def collect(self, k: int, timeout: Optional[float] = None) -> list[Trajectory]:
         if k not in self._batches:
             raise ValueError(f"iteration {k} is outside this executor's range "
-                             f"{self.first_iteration}..{self.last_iteration}")
-        return self._batches[k].result(timeout)
+                             f"{self.first_iteration}..{self.last_iteration}, or older than one collected since")
+        trajectories = self._batches[k].result(timeout)
+        # The executor keeps what it delivered only until a later iteration is collected (a retried rollout
+        # node may collect k again), not for the whole run.
+        for old in [i for i in self._batches if i < k]:
+            self._batches.pop(old, None)
+        return trajectories
 
     def stop(self) -> None:
         if self._main is not None:
@@ -86,7 +91,7 @@ class AsyncRolloutExecutor:
         except asyncio.CancelledError:
             pass
         finally:
-            for fut in self._batches.values():
+            for fut in list(self._batches.values()):
                 if not fut.done():
                     fut.set_exception(RuntimeError("the asynchronous rollout executor was stopped"))
             # episodes still in flight end here, cancelled, rather than being destroyed with the closed loop

@@ -19,6 +19,7 @@ collective, and rank 0 answers. Commands:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -82,6 +83,7 @@ class Trainer:
     def initialize(self) -> dict:
         if self.actor is None:
             self.actor = self._engine(trainable=True)
+            gc.freeze()  # the model and the modules stay: full collections need not walk them again
         return {"version": self.actor.version}
 
     def reinitialize(self) -> dict:
