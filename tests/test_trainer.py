@@ -201,6 +201,23 @@ def test_one_minibatch_takes_proximal_logprobs_from_its_own_forward(single_proce
         engine.train_batch(batch, loss_fn, weight_fn, behaviour_columns, n_minibatches=2, prox_from_forward=True)
 
 
+def test_one_rank_full_state_dict_is_the_generic_gather(single_process_group, tiny_model_dir, tmp_path):
+    """On one rank the weights are read off the local shards; they are what torch's gather returns."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    cfg = trainer_config(tmp_path)
+    loss_fn, weight_fn, columns = make_loss(cfg.ppo)
+    engine = TrainEngine(str(tiny_model_dir), cfg.trainer, total_steps=4)
+    engine.initialize()
+    engine.train_batch(read_batch(make_batch(tiny_model_dir, tmp_path, seed=5, cfg=cfg), ("input_ids",) + columns),
+                       loss_fn, weight_fn, columns)
+    fast = engine.full_state_dict()
+    generic = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    assert fast.keys() == generic.keys()
+    for name, value in generic.items():
+        assert fast[name].dtype == value.dtype and torch.equal(fast[name], value), name
+
+
 @pytest.fixture(scope="module")
 def batches(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("batches")

@@ -275,3 +275,20 @@ def test_remax_trains_with_reinforce_on_its_advantages(cpu_server, tiny_model_di
     finally:
         process.stop()
     assert stats["loss"] == pytest.approx(float(expected), abs=1e-4)
+
+
+def test_rlvr_remembers_prompt_ids_within_a_bounded_cache(tokenizer, monkeypatch):
+    import areal_pipeline.workflows.rlvr as rlvr
+
+    monkeypatch.setattr(rlvr, "PROMPT_CACHE_SIZE", 2)
+    workflow = rlvr.RLVRWorkflow(math_reward, GenerationConfig(n_samples=2), tokenizer, reward_pool=None)
+    prompts = [[{"role": "user", "content": f"What is {i}+1?"}] for i in range(3)]
+    first = workflow.prompt_ids(prompts[0])
+    assert first == chat_prompt_ids(tokenizer, prompts[0])
+    first.append(-1)  # a caller's copy: the remembered ids stay as they were
+    assert workflow.prompt_ids(prompts[0]) == chat_prompt_ids(tokenizer, prompts[0])
+    for messages in prompts[1:]:
+        assert workflow.prompt_ids(messages) == chat_prompt_ids(tokenizer, messages)
+    assert len(workflow._prompt_ids) == 2  # the oldest was dropped
+    requests = workflow.group_requests({"messages": prompts[2], "sampling_seed": 5})
+    assert [r.input_ids for r in requests] == [chat_prompt_ids(tokenizer, prompts[2])] * 2
