@@ -11,6 +11,9 @@ in processes is restored on demand instead of being assumed:
 - the inference servers must serve version k-1 for `rollout(k)` and version k after `broadcast_weights(k)`:
   a server at another version (restarted, or resumed run) gets the right weights pushed first.
 
+Within one process, what the services last reported (healthy, at version v) is believed until a step fails or
+a process exits: then every service is asked again (see `Services`).
+
 Rollouts are seeded per episode (seed, iteration, prompt), so a rerun of a half-finished rollout samples the
 same tokens; with `ppo.recompute_logprob` the trainer's "old" logprobs are recomputed from those tokens, so a
 rerun after a crash reaches the same final weights bit for bit.
