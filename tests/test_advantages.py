@@ -254,3 +254,7 @@ def test_compute_batch_lays_ragged_rows_out_as_compute_advantages_sees_them():
     assert stats == pytest.approx(advantage_stats(expected))
     # the no-EOS row's reward was masked to zero: its advantages are those of a zero reward
     assert table.column("token_rewards").to_pylist()[1] == [0.0] * 5
+    # rollouts read from several shards come as several chunks: the same batch
+    chunked, _ = compute_batch(pa.concat_tables([rollout.slice(0, 1), rollout.slice(1)]), cfg)
+    for name in ("advantages", "returns", "token_rewards", "kl", "task_reward"):
+        assert chunked.column(name).to_pylist() == table.column(name).to_pylist(), name
