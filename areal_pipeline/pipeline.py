@@ -348,7 +348,7 @@ class Pipeline:
         """Bring the trainer to `version`: load the newest checkpoint at or below it, replay the rest."""
         with self._trainer_lock:
             client = self.services.ensure_trainer_alive()
-            current = client.version if client.version is not None else client.call("status")["version"]
+            current = client.current_version()
             if current == version:
                 return client
             saved = [c for c in self.paths.saved_checkpoints() if c <= version]
@@ -402,8 +402,7 @@ class Pipeline:
     def _push_weights(self, version: int, or_newer: bool) -> int:
         """Push `version` (`or_newer`: the trainer's newest, if newer) to every server; returns what was pushed."""
         if or_newer:
-            client = self.services.ensure_trainer_alive()
-            current = client.version if client.version is not None else client.call("status")["version"]
+            current = self.services.ensure_trainer_alive().current_version()
             version = max(version, 0 if current is None else current)
         client = self.ensure_trainer_version(version)
         if self.cfg.trainer.weight_sync == "distributed":

@@ -277,18 +277,24 @@ def test_remax_trains_with_reinforce_on_its_advantages(cpu_server, tiny_model_di
     assert stats["loss"] == pytest.approx(float(expected), abs=1e-4)
 
 
-def test_rlvr_remembers_prompt_ids_within_a_bounded_cache(tokenizer, monkeypatch):
+def test_chat_prompt_ids_are_remembered_within_a_bounded_cache(tokenizer):
     import areal_pipeline.workflows.rlvr as rlvr
 
-    monkeypatch.setattr(rlvr, "PROMPT_CACHE_SIZE", 2)
+    def render(messages):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+
+    rlvr._templated_ids.cache_clear()
     workflow = rlvr.RLVRWorkflow(math_reward, GenerationConfig(n_samples=2), tokenizer, reward_pool=None)
     prompts = [[{"role": "user", "content": f"What is {i}+1?"}] for i in range(3)]
-    first = workflow.prompt_ids(prompts[0])
-    assert first == chat_prompt_ids(tokenizer, prompts[0])
+    first = chat_prompt_ids(tokenizer, prompts[0])
+    assert first == render(prompts[0])
     first.append(-1)  # a caller's copy: the remembered ids stay as they were
-    assert workflow.prompt_ids(prompts[0]) == chat_prompt_ids(tokenizer, prompts[0])
+    assert chat_prompt_ids(tokenizer, prompts[0]) == render(prompts[0])
     for messages in prompts[1:]:
-        assert workflow.prompt_ids(messages) == chat_prompt_ids(tokenizer, messages)
-    assert len(workflow._prompt_ids) == 2  # the oldest was dropped
+        assert chat_prompt_ids(tokenizer, messages) == render(messages)
+    info = rlvr._templated_ids.cache_info()
+    assert (info.hits, info.currsize, info.maxsize) == (1, 3, rlvr.PROMPT_CACHE_SIZE)  # rendered once each, bounded
     requests = workflow.group_requests({"messages": prompts[2], "sampling_seed": 5})
-    assert [r.input_ids for r in requests] == [chat_prompt_ids(tokenizer, prompts[2])] * 2
+    assert [r.input_ids for r in requests] == [render(prompts[2])] * 2
+    assert rlvr._templated_ids.cache_info().hits == 2  # the group's prompt came from the cache

@@ -33,6 +33,10 @@ class TrainerClient:
     def forget_version(self) -> None:
         self.version = None
 
+    def current_version(self) -> Optional[int]:
+        """The trainer's version: as its last reply gave it, else asked with "status"."""
+        return self.version if self.version is not None else self.call("status")["version"]
+
     def call(self, cmd: str, timeout: Optional[float] = None, **args: Any) -> dict:
         data = json.dumps({"cmd": cmd, **args}).encode()
         req = urllib.request.Request(f"http://{self.address}/command", data=data, method="POST",

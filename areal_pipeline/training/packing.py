@@ -65,9 +65,14 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-def unit_length(seqs: Sequence[Sequence[int]]) -> int:
+def unit_trunk(seqs: Sequence[Sequence[int]]) -> int:
+    """The common prefix of sequences laid out as one unit (a lone sequence is all trunk)."""
+    return min((common_prefix_length(seqs[0], s) for s in seqs[1:]), default=len(seqs[0]))
+
+
+def unit_length(seqs: Sequence[Sequence[int]], trunk: Optional[int] = None) -> int:
     """Grid slots of sequences laid out as one unit: their common prefix once, then every remainder."""
-    trunk = min((common_prefix_length(seqs[0], s) for s in seqs[1:]), default=len(seqs[0]))
+    trunk = unit_trunk(seqs) if trunk is None else trunk
     return trunk + sum(len(s) - trunk for s in seqs)
 
 
@@ -125,9 +130,8 @@ def pack(batch: dict[str, Sequence], indices: list[int], token_keys: Sequence[st
     groups = [[where_in[i] for i in unit] for unit in units] if units and indices else [[j] for j in range(len(seqs))]
     if sorted(j for g in groups for j in g) != list(range(len(seqs))):
         raise ValueError("pack: the units must hold every one of the indices exactly once")
-    trunks = [min((common_prefix_length(seqs[g[0]], seqs[j]) for j in g[1:]), default=lengths[g[0]])
-              for g in groups]
-    unit_lengths = [t + sum(lengths[j] - t for j in g) for g, t in zip(groups, trunks)]
+    trunks = [unit_trunk([seqs[j] for j in g]) for g in groups]
+    unit_lengths = [unit_length([seqs[j] for j in g], t) for g, t in zip(groups, trunks)]
     width = max(unit_lengths)
     where = place_in_rows(unit_lengths, width, pack_rows)
     rows = 1 + max(r for r, _ in where)
