@@ -251,7 +251,6 @@ class Services:
 
     def stop(self) -> None:
         self.stopped = True
-        self.forget_served()
         for process in [*self.inference, *([self.trainer] if self.trainer else []), *self.tools.values()]:
             try:
                 process.stop()

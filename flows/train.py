@@ -16,13 +16,15 @@ its own update is the node that waits.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
+import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from prefect import flow, get_run_logger
 from prefect.futures import wait
@@ -99,6 +101,31 @@ def record_orchestration(pipeline: Pipeline, k: int, period: float) -> None:
     work = sum(pipeline.step_seconds.get(k, {}).values())
     atomic_write_text(pipeline.paths.iteration(k) / "orchestration.json", json.dumps(
         {"wall_seconds": period, "node_seconds": work, "overhead_seconds": period - work}) + "\n")
+
+
+@contextlib.contextmanager
+def _services_stop_on_sigterm(pipeline: Pipeline) -> Iterator[None]:
+    """SIGTERM stops the services in the signal handler itself, then goes on to the handler it replaces (Prefect's,
+    which raises in the main thread). That exception alone can be lost: raised while the main thread runs a
+    finalizer, Python prints "Exception ignored" and the run went on to its end with exit code 0. With the
+    services stopped, the node in flight and every later one fail, and are not retried, whatever the exception
+    does."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def stop(signum, frame):
+        pipeline.services.stop()
+        if callable(previous):
+            previous(signum, frame)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_iterations(pipeline: Pipeline, first: int, last: int, progress) -> None:
@@ -183,7 +210,8 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
             progress = artifacts.start_progress(cfg.total_iterations, first - 1)
             # A flow waits for its heartbeat thread on exit (~1 s): too much for one child run per iteration.
             with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-                _run_iterations(pipeline, first, cfg.total_iterations, progress)
+                with _services_stop_on_sigterm(pipeline):
+                    _run_iterations(pipeline, first, cfg.total_iterations, progress)
             summary = artifacts.publish_curve(pipeline) or {}
             logger.info("run %s finished: %s", cfg.run_id, summary)
             return {"run_id": cfg.run_id, "run_dir": str(cfg.run_dir), **summary}

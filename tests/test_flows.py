@@ -282,7 +282,11 @@ def test_sigterm_mid_update_stops_the_run_and_its_services_promptly(prefect_api,
     the services are stopped at once, nothing is retried, and the process exits non-zero."""
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     overrides = fast_overrides(tmp_path, tiny_model_dir, run_id="term", iterations=50)
-    run = cli("train", "--config", "configs/tiny_cpu.yaml", *overrides, "rollout.batch_size=16", env=env,
+    # Updates long enough (~1 s: 256 unshared sequences in micro-batches of ~2) that the signal, sent when this
+    # test sees iteration 2's batch, lands during iteration 2's update even when the busy machine delays the test
+    # by a few tenths of a second: iteration 3's rollout must not have started by then.
+    slow_update = ["rollout.batch_size=64", "trainer.share_prefix=false", "trainer.mb_max_tokens=128"]
+    run = cli("train", "--config", "configs/tiny_cpu.yaml", *overrides, *slow_update, env=env,
               start_new_session=True)
     marker = tmp_path / "term" / "iter_2" / "batch" / "manifest.json"
     wait_until(lambda: marker.exists() or run.poll() is not None, 600, "iteration 2's update", interval=0.02)
