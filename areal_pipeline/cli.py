@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from typing import Optional
 
 
@@ -57,13 +58,26 @@ def cmd_rollout(args) -> None:
 
 
 def cmd_train(args) -> None:
+    from flows.api_server import TemporaryAPIServer, configured_api_url, prefect_api
     from flows.train import train
 
     from areal_pipeline.metrics import read_metrics, summarize
+    from areal_pipeline.model import resolve_model_path
     from areal_pipeline.pipeline import resolve_run_config
 
-    cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)  # config errors first
-    result = train(config_path=args.config, overrides=args.overrides, run_id=args.run_id, iterations=args.iterations)
+    # Prefect's API server (when none is configured) starts now and comes up while the config is checked and
+    # the embedded model is built
+    api_server = None if configured_api_url() else TemporaryAPIServer()
+    try:
+        cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)  # config errors first
+        resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
+    except BaseException:
+        if api_server is not None:
+            api_server.stop()
+        raise
+    with prefect_api(api_server):
+        result = train(config_path=args.config, overrides=args.overrides, run_id=args.run_id,
+                       iterations=args.iterations)
     records = read_metrics(cfg.run_dir / "metrics.jsonl")
     summary = summarize(records)
     print(f"\nrun {cfg.run_id}: {summary.get('iterations', 0)} iterations in {cfg.run_dir}")
@@ -77,10 +91,12 @@ def cmd_train(args) -> None:
 
 
 def cmd_evaluate(args) -> None:
+    from flows.api_server import prefect_api
     from flows.evaluate import evaluate
 
-    result = evaluate(config_path=args.config, overrides=args.overrides, run_id=args.run_id,
-                      checkpoint=args.checkpoint)
+    with prefect_api():
+        result = evaluate(config_path=args.config, overrides=args.overrides, run_id=args.run_id,
+                          checkpoint=args.checkpoint)
     print(json.dumps(result, indent=2))
 
 
@@ -152,19 +168,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _exit_on_sigterm() -> None:
-    """SIGTERM (a cancelled deployment run, `kill`) unwinds like Ctrl-C, so servers and trainer are stopped."""
+def _interrupted_message(args) -> str:
     import signal
 
-    def stop(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+    from areal_pipeline import shutdown
 
-    signal.signal(signal.SIGTERM, stop)
+    signum = shutdown.requested_by() or signal.SIGINT
+    message = f"interrupted by {signal.Signals(signum).name}: servers and trainer were stopped"
+    if args.command == "train":
+        again = " ".join(["areal-pipeline train", f"--config {args.config}",
+                          *([f"--run-id {args.run_id}"] if args.run_id else []), *args.overrides])
+        message += f". To continue the run from its last finished step: {again}"
+    return message
+
+
+FLOW_COMMANDS = ("train", "evaluate")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    from areal_pipeline import shutdown
+
     args = build_parser().parse_args(argv)
-    _exit_on_sigterm()
+    # Ctrl-C and SIGTERM (`kill`, `timeout`, a cancelled deployment run) stop the run's processes at once, then
+    # unwind; the process ends within seconds whatever happens next (see areal_pipeline/shutdown.py)
+    shutdown.install_handlers()
     if args.command != "inference-server":
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
@@ -178,8 +205,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(f"config error: {e}")
     except RunLockedError as e:
         sys.exit(str(e))
+    except Exception as error:
+        if args.command not in FLOW_COMMANDS:  # a flow run has logged the traceback already
+            traceback.print_exc()
+        # the cause, as the last line the user sees
+        sys.exit(f"{args.command} failed: {type(error).__name__}: {error}")
     except KeyboardInterrupt:
-        sys.exit("interrupted: servers and trainer were stopped")
+        import signal
+
+        print(_interrupted_message(args), file=sys.stderr)
+        sys.exit(shutdown.exit_status(shutdown.requested_by() or signal.SIGINT))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from areal_pipeline import shutdown
 from areal_pipeline.config import ExperimentConfig, save_config, to_dict
 from areal_pipeline.data.datasets import load_records
 from areal_pipeline.data.shards import is_complete, read_manifest
@@ -169,6 +170,8 @@ class Services:
         self._served: Optional[list[Optional[int]]] = None
         self._served_epoch = 0
         self._served_lock = threading.Lock()
+        # Ctrl-C or SIGTERM stops them at once, wherever the orchestrator's threads are
+        self._on_stop_signal = shutdown.register(f"the services of run {cfg.run_id}", self.stop)
 
     def distrust(self) -> None:
         """A step failed: the next steps ask every service whether it is healthy, and what it serves."""
@@ -251,6 +254,7 @@ class Services:
 
     def stop(self) -> None:
         self.stopped = True
+        shutdown.unregister(self._on_stop_signal)
         for process in [*self.inference, *([self.trainer] if self.trainer else []), *self.tools.values()]:
             try:
                 process.stop()

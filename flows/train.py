@@ -32,6 +32,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 from prefect.states import Cancelled
 
 import tasks
+from areal_pipeline import shutdown
 from areal_pipeline.metrics import write_tensorboard
 from areal_pipeline.pipeline import Pipeline, newest_completed_iteration, resolve_run_config, run_lock
 from areal_pipeline.utils import atomic_write_text
@@ -51,6 +52,13 @@ class Handoff:
     launched_at: float = field(default_factory=time.perf_counter)
     nodes_done_at: Optional[float] = None
     failed: bool = False
+
+    def finish_unrun(self, failed: bool) -> None:
+        """The iteration's call returned without running its body: Prefect handed back the iteration's earlier
+        finished run (a retried train run calls its finished iterations again, see `planned_iterations`)."""
+        self.failed = failed
+        for event in (self.next_may_start, self.nodes_done, self.reported):
+            event.set()
 
 
 _HANDOFFS: dict[tuple[str, int], Handoff] = {}
@@ -104,22 +112,22 @@ def record_orchestration(pipeline: Pipeline, k: int, period: float) -> None:
 
 
 @contextlib.contextmanager
-def _services_stop_on_sigterm(pipeline: Pipeline) -> Iterator[None]:
-    """SIGTERM stops the services in the signal handler itself, then goes on to the handler it replaces (Prefect's,
-    which raises in the main thread). That exception alone can be lost: raised while the main thread runs a
-    finalizer, Python prints "Exception ignored" and the run went on to its end with exit code 0. With the
-    services stopped, the node in flight and every later one fail, and are not retried, whatever the exception
-    does."""
+def _stop_everything_on_sigterm() -> Iterator[None]:
+    """During a flow run Prefect's own SIGTERM handler replaces the command's (it raises TerminationSignal, so
+    that the run is recorded as crashed). Ahead of it, stop the run's processes in the handler itself: that
+    exception alone can be lost (raised while the main thread runs a finalizer, Python prints "Exception
+    ignored" and a run went on to its end with exit code 0), and with the services stopped the node in flight
+    and every later one fail at once and are not retried, whatever the exception does."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
         yield
         return
     previous = signal.getsignal(signal.SIGTERM)
 
     def stop(signum, frame):
-        pipeline.services.stop()
+        shutdown.on_stop_signal(signum)
         if callable(previous):
             previous(signum, frame)
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, stop)
     try:
@@ -137,12 +145,18 @@ def _run_iterations(pipeline: Pipeline, first: int, last: int, progress) -> None
     def finish_oldest() -> None:
         nonlocal failure
         k, future = in_flight.pop(0)
+        handoff = _HANDOFFS[(run_id, k)]
         try:
             future.result()
         except BaseException as error:  # the later run in flight sees the failure and does not run its nodes
             failure = failure or error
+            if not handoff.nodes_done.is_set():
+                handoff.finish_unrun(failed=True)
         else:
-            handoff = _HANDOFFS[(run_id, k)]
+            if not handoff.nodes_done.is_set():
+                handoff.finish_unrun(failed=False)
+                artifacts.update_progress(progress, total, k)
+                return
             before = _HANDOFFS.get((run_id, k - 1))
             started = before.nodes_done_at if before is not None else handoff.launched_at
             record_orchestration(pipeline, k, handoff.nodes_done_at - started)
@@ -175,6 +189,29 @@ def _run_iterations(pipeline: Pipeline, first: int, last: int, progress) -> None
         raise failure
 
 
+def planned_iterations(cfg) -> tuple[int, int]:
+    """The iterations this flow run trains, (first, last), fixed when it first runs.
+
+    A retry of a failed train run (the UI's Retry button, `prefect flow-run retry`) runs the same flow run again,
+    and Prefect matches the retried run's child-flow calls to the earlier child runs by the order of the calls:
+    its n-th `iteration` call gets the n-th earlier child run (a finished one is handed back without running).
+    So a retry must call the same iterations as the first attempt, from the same first one, and must not
+    recompute the end of a run started with `iterations=N` from the iterations finished since."""
+    from prefect.context import FlowRunContext
+
+    flow_run = FlowRunContext.get().flow_run
+    plan_path = cfg.run_dir / "flow_runs" / f"{flow_run.id}.json"
+    if plan_path.is_file():
+        plan = json.loads(plan_path.read_text())
+        if flow_run.run_count > 1:
+            get_run_logger().info("retry %d of flow run %s: iterations %d..%d as first planned",
+                                  flow_run.run_count - 1, flow_run.name, plan["first"], plan["last"])
+    else:
+        plan = {"first": newest_completed_iteration(cfg.run_dir) + 1, "last": cfg.total_iterations}
+        atomic_write_text(plan_path, json.dumps(plan) + "\n")
+    return plan["first"], plan["last"]
+
+
 def _start_services(pipeline: Pipeline) -> None:
     """The start-up nodes run together (each mostly waits for its processes to come up), and the rollout's
     own set-up (tokenizer, reward workers) loads meanwhile. All of them end before this returns, so a failure
@@ -204,13 +241,13 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
         try:
             tasks.prepare_dataset(cfg.run_id)
             _start_services(pipeline)
-            first = newest_completed_iteration(cfg.run_dir) + 1
+            first, cfg.total_iterations = planned_iterations(cfg)
             if first > 1:
                 logger.info("run %s: iterations 1..%d are finished; continuing at %d", cfg.run_id, first - 1, first)
             progress = artifacts.start_progress(cfg.total_iterations, first - 1)
             # A flow waits for its heartbeat thread on exit (~1 s): too much for one child run per iteration.
             with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-                with _services_stop_on_sigterm(pipeline):
+                with _stop_everything_on_sigterm():
                     _run_iterations(pipeline, first, cfg.total_iterations, progress)
             summary = artifacts.publish_curve(pipeline) or {}
             logger.info("run %s finished: %s", cfg.run_id, summary)

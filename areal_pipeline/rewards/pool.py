@@ -11,6 +11,7 @@ import asyncio
 import importlib
 import logging
 import multiprocessing
+import signal
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
@@ -20,6 +21,12 @@ import pebble
 logger = logging.getLogger("areal_pipeline.rewards")
 
 _MAX_ARGS_CHARS = 200
+
+
+def _ignore_ctrl_c() -> None:
+    """Workers share the terminal's process group: Ctrl-C would kill them mid-score with a traceback each. The
+    parent process decides what an interrupt means and closes the pool."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _import(module: str) -> str:
@@ -59,7 +66,7 @@ class RewardPool:
         # would inherit in a broken state. forkserver buys nothing over spawn on Python 3.11: its
         # server never preloads __main__, so each worker re-imports the parent's script anyway.
         self._pool = pebble.ProcessPool(
-            max_workers=max_workers, context=multiprocessing.get_context("spawn")
+            max_workers=max_workers, context=multiprocessing.get_context("spawn"), initializer=_ignore_ctrl_c
         )
 
     def warm_up(self, fn: Callable[..., Any]) -> list[Future]:

@@ -1,0 +1,104 @@
+"""Stopping a run on Ctrl-C or SIGTERM: at once, completely, and within a bounded time.
+
+A stop signal (Ctrl-C sends SIGINT to the whole foreground process group; `timeout`, a scheduler or a supervisor
+send SIGTERM to the process or its group) first stops everything the process registered here (inference servers,
+trainer, tool servers, a temporary Prefect API): the step in flight then fails at once instead of being waited
+for, and no retry starts anything again. The main thread then unwinds (KeyboardInterrupt) so that the
+orchestrator can record the run as crashed. Unwinding normally takes a second or two; if it has not ended the
+process `FORCED_EXIT_AFTER_S` seconds after the signal (an API that no longer answers, a thread that does not
+notice), the process exits then with the signal's status. A repeated signal changes nothing: Prefect re-sends
+SIGTERM to its own process once it has recorded the crash, so a repeat is not a user asking twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+logger = logging.getLogger("areal_pipeline.shutdown")
+
+FORCED_EXIT_AFTER_S = 8.0
+
+_cleanups: dict[int, tuple[str, Callable[[], None]]] = {}
+_ids = itertools.count()
+_lock = threading.Lock()
+_first_signal: Optional[int] = None
+
+
+def register(what: str, stop: Callable[[], None]) -> int:
+    """Run `stop` when a stop signal arrives (until `unregister`); `what` names it in messages."""
+    with _lock:
+        handle = next(_ids)
+        _cleanups[handle] = (what, stop)
+    return handle
+
+
+def unregister(handle: int) -> None:
+    with _lock:
+        _cleanups.pop(handle, None)
+
+
+def exit_status(signum: int) -> int:
+    """The shell's convention for a process ended by a signal: 128 + its number (130 for Ctrl-C)."""
+    return 128 + signum
+
+
+def requested_by() -> Optional[int]:
+    """The signal that asked this process to stop, if one did."""
+    return _first_signal
+
+
+def stop_everything() -> None:
+    """Run every registered clean-up once (each failure is logged; the others still run)."""
+    with _lock:
+        cleanups = list(_cleanups.values())
+        _cleanups.clear()
+    for what, stop in cleanups:
+        try:
+            stop()
+        except Exception:
+            logger.exception("could not stop %s", what)
+
+
+def on_stop_signal(signum: int) -> None:
+    """What a stop signal does before the main thread unwinds: stop the run's processes, and make sure the
+    process ends within `FORCED_EXIT_AFTER_S` seconds whatever happens next."""
+    global _first_signal
+    if _first_signal is not None:
+        return
+    _first_signal = signum
+    name = signal.Signals(signum).name
+    logger.warning("%s received: stopping the run's servers and trainer", name)
+    stop_everything()
+    timer = threading.Thread(target=_exit_if_still_running, args=(signum, time.monotonic()),
+                             name="forced-exit", daemon=True)
+    timer.start()
+
+
+def _exit_if_still_running(signum: int, since: float) -> None:
+    time.sleep(max(0.0, FORCED_EXIT_AFTER_S - (time.monotonic() - since)))
+    _force_exit(signum, f"still running {FORCED_EXIT_AFTER_S:.0f} s after the stop signal")
+
+
+def _force_exit(signum: int, why: str) -> None:
+    stop_everything()
+    sys.stderr.write(f"\n{signal.Signals(signum).name}: {why}; exiting now (servers and trainer stopped)\n")
+    sys.stderr.flush()
+    os._exit(exit_status(signum))
+
+
+def install_handlers(signals=(signal.SIGINT, signal.SIGTERM)) -> None:
+    """In the main thread of a command: each stop signal runs `on_stop_signal`, then raises KeyboardInterrupt."""
+
+    def handle(signum, frame):
+        on_stop_signal(signum)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for signum in signals:
+        signal.signal(signum, handle)

@@ -1,0 +1,130 @@
+"""The Prefect API a command runs its flows against: the configured one (`PREFECT_API_URL`), else a temporary
+server of its own for as long as the command runs.
+
+Prefect would start such a server by itself ("ephemeral mode"), but as a plain child in the command's process
+group: Ctrl-C in a terminal reaches it together with the run, it dies first, and the run then spends minutes
+retrying API calls to a dead address and finally hangs in Prefect's at-exit log drain. This one runs in its own
+session, so a stop signal reaches only the command, which records the run as crashed and then stops the server
+(it is not among what a stop signal stops first, see areal_pipeline/shutdown.py); and like the run's services it
+exits by itself when the command is gone (kill -9, or the forced exit after a stop signal). Its database is Prefect's
+default (`$PREFECT_HOME/prefect.db`, as in ephemeral mode): `prefect server start` later shows the same runs.
+
+    python -m flows.api_server --port PORT     (what `temporary_api` starts)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Iterator, Optional
+
+from areal_pipeline.utils import PARENT_PID_ENV, exit_when_parent_dies, find_free_port, get_logger
+
+logger = get_logger(__name__)
+
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class TemporaryAPIServer:
+    """A Prefect API server process on 127.0.0.1 (no UI), started at once and waited for when first needed, so
+    that its ~5 s start overlaps the command's own set-up."""
+
+    def __init__(self, startup_timeout: float = 180.0):
+        self.port = find_free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.startup_timeout = startup_timeout
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid()),
+               # what Prefect's own ephemeral server runs with: no UI, the services an in-process run needs
+               "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        env.pop("PREFECT_API_URL", None)
+        self.popen: Optional[subprocess.Popen] = subprocess.Popen(
+            [sys.executable, "-m", "flows.api_server", "--port", str(self.port)], env=env,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_ready(self) -> str:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.popen is None or self.popen.poll() is not None:
+                raise RuntimeError(f"the temporary Prefect API server exited with code "
+                                   f"{None if self.popen is None else self.popen.returncode} before answering")
+            try:
+                with _opener.open(f"{self.url}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        return self.url
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"the temporary Prefect API server did not answer within {self.startup_timeout:.0f} s")
+
+    def stop(self) -> None:
+        popen, self.popen = self.popen, None
+        if popen is None or popen.poll() is not None:
+            return
+        popen.terminate()
+        try:
+            popen.wait(5)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
+
+
+def configured_api_url() -> Optional[str]:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or None
+
+
+@contextlib.contextmanager
+def prefect_api(server: Optional[TemporaryAPIServer] = None) -> Iterator[str]:
+    """Run the block against the configured Prefect API, else against `server` (started here if not given),
+    which is stopped when the block ends."""
+    url = configured_api_url()
+    if url is not None:
+        if server is not None:
+            server.stop()
+        yield url
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    server = server or TemporaryAPIServer()
+    try:
+        url = server.wait_ready()
+        logger.info("Prefect API: temporary server %s (set PREFECT_API_URL to use a standing one)", url)
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            try:
+                yield url
+            finally:
+                deliver_queued_logs_and_events()
+    finally:
+        server.stop()
+
+
+def deliver_queued_logs_and_events(timeout: float = 3.0) -> None:
+    """Send what Prefect's background workers still hold (run logs, state events) now, while the server is
+    there: they would otherwise do it at interpreter exit, after the server is gone, retrying for minutes."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    exit_when_parent_dies()
+    import uvicorn
+
+    uvicorn.run("prefect.server.api.server:create_app", factory=True, host="127.0.0.1", port=args.port,
+                log_level="error", lifespan="on")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Stopping a run as users do: Ctrl-C, SIGTERM, to the process or its group, with Prefect's API a temporary server
+of the run's own or a standing one; real processes, a real Prefect API server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from test_flows import (REPO, _flow_runs, cli, fast_overrides, final_weights, our_service_processes,  # noqa: F401
+                        prefect_api, wait_until)
+
+STOPPED_WITHIN_S = 10
+
+
+def _start_cli_train(tmp_path: Path, model_dir: Path, run_id: str, env: dict, *extra: str) -> subprocess.Popen:
+    # its own session, as a shell's foreground job is its own process group: signals sent to the group reach
+    # the run and every child that shares the group, and nothing of pytest's
+    return cli("train", "--config", "configs/tiny_cpu.yaml", *fast_overrides(tmp_path, model_dir, run_id=run_id,
+                                                                             iterations=50), *extra,
+               env=env, start_new_session=True)
+
+
+def _stop_and_time(run: subprocess.Popen, signum: int, to_group: bool) -> tuple[float, str]:
+    sent = time.monotonic()
+    if to_group:
+        os.killpg(run.pid, signum)
+    else:
+        run.send_signal(signum)
+    try:
+        out, _ = run.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        out, _ = run.communicate()
+        raise AssertionError(f"still running 60 s after {signal.Signals(signum).name}:\n{out[-3000:]}")
+    return time.monotonic() - sent, out
+
+
+@pytest.fixture(scope="module")
+def temporary_api_home(tmp_path_factory):
+    """A PREFECT_HOME shared by this module's runs without PREFECT_API_URL: the first one creates the temporary
+    API server's database, the others reuse it (as a user's runs do)."""
+    return tmp_path_factory.mktemp("prefect-home-temporary-api")
+
+
+@pytest.mark.parametrize("signum, to_group, api", [
+    (signal.SIGINT, True, "temporary"),  # Ctrl-C in a terminal
+    (signal.SIGINT, False, "temporary"),
+    (signal.SIGTERM, True, "temporary"),  # `timeout`, a supervisor stopping the job
+    (signal.SIGTERM, False, "temporary"),  # `kill`
+    (signal.SIGINT, True, "standing"),
+    (signal.SIGTERM, False, "standing"),
+], ids=lambda v: signal.Signals(v).name if isinstance(v, signal.Signals) else {True: "group", False: "pid"}.get(v, v))
+def test_a_stop_signal_ends_the_run_promptly_and_the_same_run_id_continues_it(
+        prefect_api, temporary_api_home, tiny_model_dir, tmp_path, signum, to_group, api):
+    """Ctrl-C (SIGINT to the foreground group) or SIGTERM (`kill`, `timeout`, a supervisor), to the run's pid or
+    its group, with Prefect's API a temporary server of the run's own or a standing one: the run stops its
+    servers and trainer, says so, and exits with the signal's status within seconds; rerunning the same run
+    id continues it."""
+    env = dict(os.environ)
+    if api == "standing":
+        env["PREFECT_API_URL"] = prefect_api
+    else:
+        env.pop("PREFECT_API_URL", None)
+        env["PREFECT_HOME"] = str(temporary_api_home)
+    run = _start_cli_train(tmp_path, tiny_model_dir, "stop", env)
+    marker = tmp_path / "stop" / "iter_2" / "rollout" / "manifest.json"
+    wait_until(lambda: marker.exists() or run.poll() is not None, 600, "iteration 2's rollout", interval=0.05)
+    assert run.poll() is None, run.stdout.read()
+    assert our_service_processes(run.pid)
+    took, out = _stop_and_time(run, signum, to_group)
+    assert took < STOPPED_WITHIN_S, out[-3000:]
+    assert run.returncode == 128 + signum, out[-3000:]
+    name = signal.Signals(signum).name
+    assert f"interrupted by {name}: servers and trainer were stopped" in out, out[-3000:]
+    assert "forcing" not in out and "still running" not in out, out[-3000:]  # it unwound, no forced exit
+    assert "Retrying" not in out, out[-3000:]
+    # servers, trainer and the temporary API server (all carry the run's pid) are gone
+    wait_until(lambda: our_service_processes(run.pid) == [], 5, "the run's processes to exit")
+
+    rerun = cli("train", "--config", "configs/tiny_cpu.yaml",
+                *fast_overrides(tmp_path, tiny_model_dir, run_id="stop", iterations=3), env=env)
+    out, _ = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, out[-3000:]
+    finished = [json.loads(line)["iteration"] for line in (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()]
+    assert finished == [1, 2, 3], out[-3000:]
+    assert "continuing at 2" in out or "continuing at 3" in out, out[-3000:]
