@@ -3,22 +3,28 @@
     cfg = load_config("configs/tiny_cpu.yaml", ["rollout.n_samples=4", "seed=3"])
 
 An unknown key anywhere (file or override) is an error that names the closest valid keys, so a
-typo never silently falls back to a default.
+typo never silently falls back to a default. A bad value (a count of 0, a negative learning rate, a NaN, a
+local path that does not exist) is an error naming its dotted key, what it is and what is allowed, raised by
+`load_config` before any process starts: the rules are the tables FIELD_RULES and CROSS_RULES at the end.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from omegaconf import OmegaConf
 
+from areal_pipeline.errors import PermanentError
 
-class ConfigError(ValueError):
+
+class ConfigError(PermanentError, ValueError):
     pass
 
 
@@ -326,9 +332,13 @@ def load_config(
         layers.append(override)
     try:
         merged = OmegaConf.merge(merged, *layers)
-        return OmegaConf.to_object(merged)
-    except Exception as e:  # omegaconf's type errors: keep its message, name our context
-        raise ConfigError(f"invalid config value: {e}") from e
+        cfg = OmegaConf.to_object(merged)
+    except Exception as e:  # omegaconf's type errors: keep its message, on one line led by the key
+        # (its first line: the rest repeats the key and names the dataclass)
+        key, message = getattr(e, "full_key", None), str(e).splitlines()[0]
+        raise ConfigError(f"{key + ': ' if key else ''}invalid config value: {message}") from e
+    validate(cfg)
+    return cfg
 
 
 def to_dict(cfg: Any) -> dict:
@@ -344,3 +354,213 @@ def save_config(cfg: Any, path: str | os.PathLike) -> Path:
     from areal_pipeline.utils import atomic_write_text
 
     return atomic_write_text(Path(path), to_yaml(cfg))
+
+
+# ---------------------------------------------------------------------------------------------- value rules
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one config value must be: `allowed` tells the user, `holds` checks a value. Rules never see None:
+    an Optional field's None means "off" or "automatic" and is always allowed. Every float must also be finite,
+    whatever its rule."""
+
+    allowed: str
+    holds: Callable[[Any], bool]
+
+
+def at_least(low: float) -> Rule:
+    return Rule(f">= {low}", lambda value: value >= low)
+
+
+def above(low: float) -> Rule:
+    return Rule(f"> {low}", lambda value: value > low)
+
+
+def within(low: float, high: float, *, open_low: bool = False, open_high: bool = False) -> Rule:
+    def holds(value) -> bool:
+        return (low < value if open_low else low <= value) and (value < high if open_high else value <= high)
+
+    return Rule(f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}", holds)
+
+
+def one_of(*choices: str) -> Rule:
+    return Rule(f"one of {', '.join(choices)}", lambda value: value in choices)
+
+
+def each(rule: Rule) -> Rule:
+    return Rule(f"a list of values {rule.allowed}", lambda values: all(rule.holds(v) for v in values))
+
+
+# A hub repo id: "name" or "namespace/name", what transformers and datasets load when it is no local path.
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
+def looks_like_local_path(location: str) -> bool:
+    """Whether a model or dataset location means a local path rather than a hub id: it starts like a path
+    (/, ./, ../, ~), cannot be a hub id or names a data file, or its first part exists here ("runs/x")."""
+    if location.startswith(("/", "./", "../", "~")) or location in (".", ".."):
+        return True
+    if not _HUB_ID.fullmatch(location) or location.endswith((".json", ".jsonl")):
+        return True
+    return "/" in location and Path(location.split("/")[0]).exists()
+
+
+def _missing_local_path(location: str) -> bool:
+    # Without this a missing directory reaches the hub as a repo id and fails there, much later and obscurely.
+    return bool(location) and looks_like_local_path(location) and not Path(location).expanduser().exists()
+
+
+def _holds_no_rows(location: str) -> bool:
+    """An existing file with nothing but whitespace; reads only up to its first non-blank chunk."""
+    path = Path(location).expanduser()
+    if not location or not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _local_path_or_hub_id(example: str) -> Rule:
+    return Rule(f"an existing local path or a hub id such as {example} (no such file or directory here)",
+                lambda location: not _missing_local_path(location))
+
+
+_EXISTING_FILE = Rule("an existing file (no such file here)",
+                      lambda location: not location or Path(location).expanduser().is_file())
+_NOT_EMPTY = Rule("a file with rows (this one is empty)", lambda location: not _holds_no_rows(location))
+_FINITE = Rule("a finite number", lambda value: True)  # the walker checks finiteness of every float
+_COUNT = at_least(1)
+_NON_NEGATIVE = at_least(0)
+_POSITIVE = above(0)
+_FRACTION = within(0, 1)
+_PORT = within(0, 65535)  # 0: a free port
+_ADAM_BETA = within(0, 1, open_high=True)
+_NORM_LEVEL = one_of("group", "batch", "none")
+_DTYPES = ("float32", "bfloat16", "float16")  # model.DTYPES
+
+# Per section type, its fields' rules (a tuple: checked in order, the first one broken is reported). Keyed by
+# type rather than dotted key: a section used twice (ppo.reward_norm, ppo.adv_norm) has one set of rules.
+FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
+    ExperimentConfig: {"seed": _NON_NEGATIVE, "total_iterations": _COUNT, "save_freq": _COUNT,
+                       "keep_checkpoints": _COUNT, "eval_freq": _NON_NEGATIVE, "eval_max_prompts": _NON_NEGATIVE},
+    ModelConfig: {"path": _local_path_or_hub_id("Qwen/Qwen2.5-1.5B-Instruct"), "dtype": one_of(*_DTYPES)},
+    TinyModelConfig: {"hidden_size": _COUNT, "intermediate_size": _COUNT, "num_hidden_layers": _COUNT,
+                      "num_attention_heads": _COUNT, "num_key_value_heads": _COUNT, "max_position_embeddings": _COUNT,
+                      "pretrain_steps": _NON_NEGATIVE, "pretrain_batch_size": _COUNT, "pretrain_lr": _POSITIVE,
+                      "pretrain_off_by_one": _FRACTION},
+    DatasetConfig: {"path": (_local_path_or_hub_id("openai/gsm8k"), _NOT_EMPTY), "max_train_size": _COUNT,
+                    "max_test_size": _NON_NEGATIVE, "arithmetic_train_size": _COUNT,
+                    "arithmetic_test_size": _NON_NEGATIVE, "arithmetic_max_operand": _NON_NEGATIVE},
+    SGLangConfig: {"tp_size": _COUNT, "dp_size": _COUNT, "mem_fraction_static": within(0, 1, open_low=True),
+                   "context_length": _COUNT},
+    InferenceConfig: {"backend": one_of("cpu", "sglang"), "num_servers": _COUNT, "base_port": _PORT,
+                      "setup_timeout": _POSITIVE, "request_timeout": _POSITIVE, "request_retries": _NON_NEGATIVE,
+                      "max_batch_size": _COUNT, "context_length": _COUNT, "num_threads": _NON_NEGATIVE},
+    GenerationConfig: {"n_samples": _COUNT, "max_new_tokens": _COUNT, "temperature": _NON_NEGATIVE,
+                       "top_p": within(0, 1, open_low=True),
+                       "top_k": Rule("-1 (no top-k) or >= 1", lambda value: value == -1 or value >= 1),
+                       "stop_token_ids": each(_NON_NEGATIVE)},
+    RetrievalConfig: {"corpus": (_EXISTING_FILE, _NOT_EMPTY),
+                      "embedding_model": _local_path_or_hub_id("sentence-transformers/all-MiniLM-L6-v2"),
+                      "port": _PORT, "topk": _COUNT, "max_topk": _COUNT, "max_query_chars": _COUNT,
+                      "request_retries": _NON_NEGATIVE, "setup_timeout": _POSITIVE},
+    AgentConfig: {"max_turns": _COUNT, "turn_discount": _FRACTION, "turn_level_discount": _FRACTION,
+                  "reward_bias": _FINITE, "reward_scaling": _FINITE, "max_tokens": _COUNT},
+    RolloutConfig: {"batch_size": _COUNT, "max_head_offpolicyness": _NON_NEGATIVE, "max_concurrent_rollouts": _COUNT,
+                    "reward_timeout": _POSITIVE, "reward_workers": _COUNT, "shard_rows": _COUNT},
+    NormConfig: {"mean_level": _NORM_LEVEL, "std_level": _NORM_LEVEL, "eps": _POSITIVE},
+    PPOConfig: {"ppo_n_minibatches": _COUNT, "eps_clip": within(0, 1, open_low=True), "eps_clip_higher": _POSITIVE,
+                "c_clip": above(1), "importance_sampling_level": one_of("token", "sequence"),
+                "behav_imp_weight_cap": at_least(1), "reward_bias": _FINITE, "reward_scaling": _FINITE,
+                "reward_clip": _POSITIVE, "kl_ctl": _NON_NEGATIVE, "kl_estimator": one_of("k1", "k2", "k3"),
+                "discount": _FRACTION, "gae_lambda": _FRACTION},
+    OptimizerConfig: {"lr": _POSITIVE, "weight_decay": _NON_NEGATIVE, "beta1": _ADAM_BETA, "beta2": _ADAM_BETA,
+                      "eps": _POSITIVE, "gradient_clipping": _POSITIVE,
+                      "lr_scheduler_type": one_of("constant", "linear", "cosine"),
+                      "warmup_steps_proportion": _FRACTION, "min_lr_ratio": _FRACTION},
+    TrainerConfig: {"nproc": _COUNT, "nnodes": _COUNT, "backend": one_of("auto", "nccl", "gloo"),
+                    "param_dtype": one_of("auto", *_DTYPES),
+                    "num_threads": _NON_NEGATIVE, "mb_max_tokens": _COUNT,
+                    "weight_sync": one_of("disk", "distributed"), "setup_timeout": _POSITIVE,
+                    "command_timeout": _POSITIVE},
+}
+
+Key = Callable[[str], str]  # a field name (or dotted path) within a section -> its dotted key in the config
+
+
+def _attention_heads_divide(tiny: TinyModelConfig, key: Key) -> Iterator[str]:
+    if tiny.hidden_size % tiny.num_attention_heads:
+        yield (f"{key('hidden_size')}={tiny.hidden_size}: must be a multiple of "
+               f"{key('num_attention_heads')}={tiny.num_attention_heads}")
+    if tiny.num_attention_heads % tiny.num_key_value_heads:
+        yield (f"{key('num_attention_heads')}={tiny.num_attention_heads}: must be a multiple of "
+               f"{key('num_key_value_heads')}={tiny.num_key_value_heads}")
+
+
+def _default_topk_within_max(retrieval: RetrievalConfig, key: Key) -> Iterator[str]:
+    if retrieval.topk > retrieval.max_topk:
+        yield f"{key('topk')}={retrieval.topk}: must be <= {key('max_topk')}={retrieval.max_topk}"
+
+
+def _generation_fits_context(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    if cfg.inference.backend == "cpu" and cfg.rollout.gconfig.max_new_tokens >= cfg.inference.context_length:
+        yield (f"{key('rollout.gconfig.max_new_tokens')}={cfg.rollout.gconfig.max_new_tokens}: must be < "
+               f"{key('inference.context_length')}={cfg.inference.context_length} (the prompt needs room too)")
+
+
+def _evaluation_has_prompts(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    d = cfg.dataset
+    empty = ("dataset.max_test_size" if d.max_test_size == 0 else
+             "dataset.arithmetic_test_size" if d.name == "arithmetic" and d.arithmetic_test_size == 0 else None)
+    if cfg.eval_freq > 0 and empty:
+        yield (f"{key('eval_freq')}={cfg.eval_freq}: must be 0 when the test split is empty "
+               f"({key(empty)}=0), or evaluation scores no prompts")
+
+
+# Rules between fields of one section, run once every field passed its own rules (they divide and compare them).
+CROSS_RULES: dict[type, tuple[Callable[[Any, Key], Iterator[str]], ...]] = {
+    TinyModelConfig: (_attention_heads_divide,),
+    RetrievalConfig: (_default_topk_within_max,),
+    ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts),
+}
+
+
+def validate(section: Any, prefix: str = "") -> None:
+    """Check a config (or one section of it, `prefix` being its dotted key and a dot) against FIELD_RULES and
+    CROSS_RULES: ConfigError lists every value broken, each as `<dotted key>=<value>: must be <what is allowed>`."""
+    sections = list(_sections(section, prefix))
+    problems = [problem for node, at in sections for problem in _field_problems(node, at)]
+    if not problems:
+        problems = [problem for node, at in sections for rule in CROSS_RULES.get(type(node), ())
+                    for problem in rule(node, lambda name, at=at: at + name)]
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _sections(node: Any, prefix: str) -> Iterator[tuple[Any, str]]:
+    """(section, its dotted prefix) for `node` and every section nested in it."""
+    yield node, prefix
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _sections(value, f"{prefix}{f.name}.")
+
+
+def _field_problems(node: Any, prefix: str) -> Iterator[str]:
+    rules = FIELD_RULES.get(type(node), {})
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if value is None or dataclasses.is_dataclass(value):
+            continue
+        setting = f"{prefix}{f.name}={value!r}"
+        if isinstance(value, float) and not math.isfinite(value):
+            yield f"{setting}: must be a finite number"
+            continue
+        rule_or_rules = rules.get(f.name, ())
+        broken = next((r for r in (rule_or_rules if isinstance(rule_or_rules, tuple) else (rule_or_rules,))
+                       if not r.holds(value)), None)
+        if broken is not None:
+            yield f"{setting}: must be {broken.allowed}"

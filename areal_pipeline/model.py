@@ -171,6 +171,10 @@ def embedded_model_dir(output_dir: str | Path, tiny: Any, seed: int) -> Path:
 
 def resolve_model_path(model_cfg: Any, output_dir: str | Path, seed: int) -> str:
     """The model directory or hub id to load: `model.path`, else the embedded model (built on first use)."""
+    from areal_pipeline.config import validate
+
+    # load_config checked this already; a config built in code (dataclasses.replace) did not pass through it.
+    validate(model_cfg, prefix="model.")
     if model_cfg.path:
         return model_cfg.path
     path = embedded_model_dir(output_dir, model_cfg.tiny, seed)

@@ -6,7 +6,6 @@ import hashlib
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from areal_pipeline.data.shards import ShardError, verify_shards
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.utils import deadline
 
@@ -39,11 +38,9 @@ def run_node(name: str, run_id: str, k: int, limit_s: float) -> Any:
 
 
 def output_cache_key(output: Callable[[Pipeline, int], Path]) -> Callable[[Any, dict], Optional[str]]:
-    """A Prefect `cache_key_fn` that exists only while the node's output is complete and intact on disk: the
-    key is the digest of the output's manifest/record, so deleting or rewriting the output invalidates the
-    cache, and a node whose output is missing, or whose shards fail their checksums, always runs (and finds
-    the corruption itself). The check (~0.2 ms for a default iteration's batch) runs only where an output
-    exists: on a rerun, not a first run."""
+    """A Prefect `cache_key_fn` that exists only while the node's output is complete on disk: the key is
+    the digest of the output's manifest/record, so deleting or rewriting the output invalidates the cache,
+    and a node whose output is missing always runs."""
 
     def key(context, parameters: dict) -> Optional[str]:
         pipeline = _PIPELINES.get(parameters["run_id"])
@@ -51,26 +48,27 @@ def output_cache_key(output: Callable[[Pipeline, int], Path]) -> Callable[[Any, 
             return None
         path = output(pipeline, parameters["k"])
         record = path / "manifest.json" if path.is_dir() else path
-        if not record.is_file() or (path.is_dir() and not _shards_intact(path)):
+        if not record.is_file():
             return None
         digest = hashlib.sha256(record.read_bytes()).hexdigest()[:16]
         return f"{context.task.name}-{pipeline.cfg.run_id}-{parameters['k']}-{digest}"
-
-    def _shards_intact(path: Path) -> bool:
-        try:
-            verify_shards(path)
-            return True
-        except ShardError:
-            return False
 
     return key
 
 
 def retry_while_running(task, task_run, state) -> bool:
-    """A `retry_condition_fn`: retry a failed node only while its run goes on. Once the run is ending (its
-    services stopped, e.g. after Ctrl-C), a node that failed because of it gives up at once."""
+    """A `retry_condition_fn`: retry a failed node only for a transient fault (`errors.is_transient`: a lost
+    connection, a timeout, a process that died, HTTP 5xx) and only while its run goes on. A deterministic error
+    (bad config or data, a missing file, a request refused as bad) fails at once, its own message last, not
+    under retry tracebacks; once the run is ending (its services stopped, e.g. after Ctrl-C), a node that failed
+    because of it gives up at once too."""
     from prefect.context import TaskRunContext
 
+    from areal_pipeline.errors import is_transient
+
+    failure = state.data  # Prefect hands the node's exception over as a Failed state's data
+    if isinstance(failure, BaseException) and not is_transient(failure):
+        return False
     context = TaskRunContext.get()
     run_id = context.parameters.get("run_id") if context is not None and context.parameters else None
     pipeline = _PIPELINES.get(run_id) if run_id is not None else None

@@ -1,3 +1,7 @@
+import resource
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,3 +58,147 @@ def test_saved_config_loads_back_equal(tmp_path):
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
     load_config(path)
+
+
+# (override, the start of the error: the dotted key and the value, what is allowed)
+BAD_VALUES = [
+    ("rollout.batch_size=0", "rollout.batch_size=0: must be >= 1"),
+    ("rollout.gconfig.n_samples=0", "rollout.gconfig.n_samples=0: must be >= 1"),
+    ("trainer.optimizer.lr=-1", "trainer.optimizer.lr=-1.0: must be > 0"),
+    ("trainer.optimizer.lr=0", "trainer.optimizer.lr=0.0: must be > 0"),
+    ("rollout.gconfig.temperature=nan", "rollout.gconfig.temperature=nan: must be a finite number"),
+    ("rollout.gconfig.temperature=-0.5", "rollout.gconfig.temperature=-0.5: must be >= 0"),
+    ("trainer.optimizer.beta2=inf", "trainer.optimizer.beta2=inf: must be a finite number"),
+    ("ppo.reward_scaling=nan", "ppo.reward_scaling=nan: must be a finite number"),
+    ("rollout.gconfig.top_p=0", "rollout.gconfig.top_p=0.0: must be in (0, 1]"),
+    ("rollout.gconfig.top_k=0", "rollout.gconfig.top_k=0: must be -1 (no top-k) or >= 1"),
+    ("rollout.gconfig.stop_token_ids=[2,-1]", "rollout.gconfig.stop_token_ids=[2, -1]: must be a list of values >= 0"),
+    ("ppo.adv_norm.std_level=prompt", "ppo.adv_norm.std_level='prompt': must be one of group, batch, none"),
+    ("ppo.c_clip=1", "ppo.c_clip=1.0: must be > 1"),
+    ("trainer.weight_sync=nccl", "trainer.weight_sync='nccl': must be one of disk, distributed"),
+    ("save_freq=0", "save_freq=0: must be >= 1"),
+    ("inference.base_port=70000", "inference.base_port=70000: must be in [0, 65535]"),
+    ("model.tiny.pretrain_off_by_one=1.5", "model.tiny.pretrain_off_by_one=1.5: must be in [0, 1]"),
+    ("model.path=/nonexistent/dir", "model.path='/nonexistent/dir': must be an existing local path or a hub id"),
+    ("model.path=./no/such/model", "model.path='./no/such/model': must be an existing local path or a hub id"),
+    ("dataset.path=/nonexistent/train.jsonl", "dataset.path='/nonexistent/train.jsonl': must be an existing local"),
+    ("rollout.agent.retrieval.corpus=/nonexistent/corpus.jsonl",
+     "rollout.agent.retrieval.corpus='/nonexistent/corpus.jsonl': must be an existing file"),
+    # rules between fields
+    ("model.tiny.num_attention_heads=3",
+     "model.tiny.hidden_size=64: must be a multiple of model.tiny.num_attention_heads=3"),
+    ("rollout.agent.retrieval.topk=60",
+     "rollout.agent.retrieval.topk=60: must be <= rollout.agent.retrieval.max_topk=50"),
+    ("rollout.gconfig.max_new_tokens=1024",
+     "rollout.gconfig.max_new_tokens=1024: must be < inference.context_length=1024"),
+    ("dataset.max_test_size=0", "eval_freq=1: must be 0 when the test split is empty (dataset.max_test_size=0)"),
+]
+
+
+@pytest.mark.parametrize("override, error", BAD_VALUES, ids=[o for o, _ in BAD_VALUES])
+def test_bad_value_is_rejected_at_load_naming_key_value_and_rule(override, error):
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/tiny_cpu.yaml", [override])
+    assert str(err.value).startswith(error)
+
+
+def test_every_broken_value_is_named_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.batch_size=0", "trainer.optimizer.lr=-1"])
+    assert str(err.value) == "rollout.batch_size=0: must be >= 1; trainer.optimizer.lr=-1.0: must be > 0"
+
+
+def test_type_error_names_its_key_on_one_line():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["seed=abc"])
+    assert str(err.value).startswith("seed: invalid config value: Value 'abc'") and "\n" not in str(err.value)
+
+
+def test_every_numeric_field_has_a_rule():
+    """A new int or float field needs its rule in FIELD_RULES (at least "finite"), or a bad value of it is only
+    found at run time."""
+    import dataclasses
+    import typing
+
+    from areal_pipeline.config import FIELD_RULES
+
+    def numeric_fields(schema, prefix=""):
+        for f in dataclasses.fields(schema):
+            hint = typing.get_type_hints(schema)[f.name]
+            if dataclasses.is_dataclass(hint):
+                yield from numeric_fields(hint, f"{prefix}{f.name}.")
+            elif {int, float} & set(typing.get_args(hint) or (hint,)):
+                yield schema, f.name, prefix + f.name
+
+    missing = [key for schema, name, key in numeric_fields(ExperimentConfig) if name not in FIELD_RULES.get(schema, {})]
+    assert not missing, f"numeric config fields without a rule: {missing}"
+    stale = [f"{schema.__name__}.{name}" for schema, rules in FIELD_RULES.items() for name in rules
+             if name not in {f.name for f in dataclasses.fields(schema)}]
+    assert not stale, f"rules for fields that do not exist: {stale}"
+
+
+def test_model_path_hub_ids_and_existing_directories_pass(tmp_path, monkeypatch):
+    assert load_config(None, ["model.path=Qwen/Qwen2.5-1.5B-Instruct"]).model.path == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert load_config(None, ["model.path=gpt2"]).model.path == "gpt2"
+    assert load_config(None, [f"model.path={tmp_path}"]).model.path == str(tmp_path)
+    # "runs/x" is a hub id in form, but ./runs exists: it means a local directory, which is missing
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ConfigError, match=r"^model.path='runs/x': must be an existing local path"):
+        load_config(None, ["model.path=runs/x"])
+
+
+def test_resolve_model_path_checks_a_config_built_in_code(tmp_path):
+    from areal_pipeline.config import ModelConfig
+    from areal_pipeline.model import resolve_model_path
+
+    with pytest.raises(ConfigError, match=r"^model.path='/nonexistent/dir'"):
+        resolve_model_path(ModelConfig(path="/nonexistent/dir"), tmp_path, seed=1)
+
+
+def test_dataset_path_must_exist_and_hold_rows(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(ConfigError, match=rf"^dataset.path='{empty}': must be a file with rows \(this one is empty\)"):
+        load_config(None, ["dataset.name=gsm8k", f"dataset.path={empty}"])
+    with pytest.raises(ConfigError, match=r"^dataset.path='data/train.jsonl': must be an existing local path"):
+        load_config(None, ["dataset.name=gsm8k", "dataset.path=data/train.jsonl"])  # a file name, not a hub id
+    rows = tmp_path / "train.jsonl"
+    rows.write_text('{"question": "q", "answer": "#### 1"}\n')
+    assert load_config(None, ["dataset.name=gsm8k", f"dataset.path={rows}"]).dataset.path == str(rows)
+    assert load_config(None, ["dataset.name=gsm8k", f"dataset.path={tmp_path}"]).dataset.path == str(tmp_path)
+    assert load_config(None, ["dataset.name=gsm8k", "dataset.path=openai/gsm8k"]).dataset.path == "openai/gsm8k"
+
+
+def test_optional_fields_none_means_off():
+    cfg = load_config(None, ["ppo.c_clip=null", "dataset.max_train_size=null", "inference.sglang.context_length=null"])
+    assert cfg.ppo.c_clip is None and cfg.dataset.max_train_size is None
+
+
+def _cli_train(*overrides: str, output_dir) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run `areal-pipeline train`; its result, wall seconds and CPU seconds (the machine may be busy with other
+    tests: the CPU time says how much work the command did, however long it waited for a core)."""
+    cpu_before, started = _children_cpu_seconds(), time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "train", "--config", "configs/tiny_cpu.yaml",
+                           f"output_dir={output_dir}", *overrides], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    return done, time.monotonic() - started, _children_cpu_seconds() - cpu_before
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.mark.parametrize("override, key", [("rollout.batch_size=0", "rollout.batch_size"),
+                                           ("model.path=/nonexistent/dir", "model.path"),
+                                           ("rollout.gconfig.temperature=nan", "rollout.gconfig.temperature")])
+def test_cli_train_rejects_a_bad_value_before_starting_anything(tmp_path, override, key):
+    done, wall_s, cpu_s = _cli_train(override, output_dir=tmp_path)
+    last_line = (done.stdout + done.stderr).strip().splitlines()[-1]
+    assert done.returncode != 0
+    assert last_line.startswith(f"config error: {key}="), last_line
+    # ~4 s (imports) on an idle machine; the model build and the flow it used to reach first took 40-80 s
+    assert cpu_s < 10, f"took {cpu_s:.1f} s of CPU ({wall_s:.1f} s wall)"
+    assert wall_s < 30, f"took {wall_s:.1f} s wall ({cpu_s:.1f} s of CPU)"
+    assert not any(tmp_path.iterdir())  # nothing made: no model, no dataset, no run directory

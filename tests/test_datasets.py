@@ -137,3 +137,17 @@ def test_missing_paths_give_clear_errors(tmp_path):
     # an empty search_qa path serves the generated questions, which have a train and a test split only
     with pytest.raises(DatasetError, match="splits 'train' and 'test', not 'dev'"):
         load_records(DatasetConfig(name="search_qa"), "dev", seed=1)
+
+
+@pytest.mark.parametrize("name", ["gsm8k", "search_qa"])
+def test_file_without_rows_is_named(tmp_path, name):
+    (tmp_path / "train.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    (tmp_path / "test.jsonl").write_text("\n\n")
+    with pytest.raises(DatasetError, match=rf"^{tmp_path / 'test.jsonl'}: no rows \(the file is empty\)$"):
+        load_records(DatasetConfig(name=name, path=str(tmp_path)), "test", seed=1)
+
+
+def test_local_looking_path_is_never_sent_to_the_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # "data/train.jsonl" is a hub id in form, but names a file
+    with pytest.raises(DatasetError, match="gsm8k: dataset path not found: data/train.jsonl"):
+        load_records(DatasetConfig(name="gsm8k", path="data/train.jsonl"), "train", seed=1)

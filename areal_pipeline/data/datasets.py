@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from areal_pipeline.config import DatasetConfig
+from areal_pipeline.config import DatasetConfig, looks_like_local_path
+from areal_pipeline.errors import PermanentError
 
 
-class DatasetError(ValueError):
+class DatasetError(PermanentError, ValueError):
     pass
 
 
@@ -144,7 +144,8 @@ def _jsonl_file(path_str: str, split: str, dataset: str) -> Path:
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Yield (location, row) with location "file, line N" for error messages."""
+    """Yield (location, row) with location "file, line N" for error messages; a file without rows is an error."""
+    rows = 0
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -156,7 +157,10 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
                 raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
                 raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            rows += 1
             yield where, row
+    if not rows:
+        raise DatasetError(f"{path}: no rows (the file is empty)")
 
 
 def _text_field(row: dict[str, Any], key: str, where: str) -> str:
@@ -175,7 +179,7 @@ def _text_field(row: dict[str, Any], key: str, where: str) -> str:
 
 def _gsm8k(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
     path = cfg.path or GSM8K_HUB_ID
-    if Path(path).expanduser().exists() or not _looks_like_hub_id(path):
+    if Path(path).expanduser().exists() or looks_like_local_path(path):
         rows: Iterator[tuple[str, dict]] = _read_jsonl(_jsonl_file(path, split, "gsm8k"))
     else:
         rows = _hub_rows(path, split)
@@ -186,10 +190,6 @@ def _gsm8k(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
         # The full solution is the reference: the reward function extracts the "#### x" answer itself.
         records.append(_record(cfg, f"gsm8k-{split}-{i:05d}", question, f"{question}\n{GSM8K_INSTRUCTION}", solution))
     return records
-
-
-def _looks_like_hub_id(path: str) -> bool:
-    return re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None and not path.endswith((".json", ".jsonl"))
 
 
 def _hub_rows(hub_id: str, split: str) -> Iterator[tuple[str, dict[str, Any]]]:
