@@ -36,15 +36,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from areal_pipeline import shutdown
+from areal_pipeline.checksums import IntegrityError, has_checksums, verify_checksums
 from areal_pipeline.config import ExperimentConfig, save_config, to_dict
 from areal_pipeline.data.datasets import load_records
-from areal_pipeline.data.shards import is_complete, read_manifest
+from areal_pipeline.data.shards import ShardError, has_manifest, keep_if_intact, read_manifest
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.inference.launcher import ServerProcess, launch_servers
 from areal_pipeline.model import load_tokenizer, resolve_model_path
 from areal_pipeline.rewards.pool import RewardPool
 from areal_pipeline.rollout.executor import episode_seed, rollout_to_shards, select_batch, write_rollout_shards
-from areal_pipeline.training.client import TrainerClient, launch_trainer
+from areal_pipeline.training.client import TrainerClient, TrainerError, launch_trainer
 from areal_pipeline.training.ppo import write_batch
 from areal_pipeline.utils import (atomic_write_text, find_free_port, get_logger, raise_if_deadline_passed, run_async,
                                   time_left)
@@ -124,10 +125,11 @@ class RunPaths:
         return self.run_dir / "metrics.jsonl"
 
     def saved_checkpoints(self) -> list[int]:
+        """The steps whose checkpoint was saved to the end: its checksums.json is written last, so a save that
+        crashed midway never counts (whether the files are still intact is checked where they are used)."""
         if not self.checkpoints.is_dir():
             return []
-        return sorted(int(p.name.split("_")[1]) for p in self.checkpoints.glob("step_*")
-                      if (p / "trainer_state.json").is_file())
+        return sorted(int(p.name.split("_")[1]) for p in self.checkpoints.glob("step_*") if has_checksums(p))
 
     def completed_iterations(self) -> list[int]:
         return sorted(int(p.parent.name.split("_")[1]) for p in self.run_dir.glob("iter_*/metrics.json"))
@@ -348,29 +350,72 @@ class Pipeline:
 
     # ----- versions --------------------------------------------------------------------------------
     def ensure_trainer_version(self, version: int) -> TrainerClient:
-        """Bring the trainer to `version`: load the newest checkpoint at or below it, replay the rest."""
+        """Bring the trainer to `version`: start from the newest state at or below it (where the trainer is, an
+        intact checkpoint, or the initial weights), then replay the updates after it from their batch shards."""
         with self._trainer_lock:
             client = self.services.ensure_trainer_alive()
             current = client.current_version()
             if current == version:
                 return client
-            saved = [c for c in self.paths.saved_checkpoints() if c <= version]
-            start = saved[-1] if saved else 0
-            if current is not None and start <= current <= version:
-                start = current  # already on the way: replay only what is missing
-            elif saved:
-                client.call("load", path=str(self.paths.checkpoint(start)))
-            else:
-                client.call("reinitialize")
+            start = self._restore_start(client, current, version)
             if start < version:
                 logger.info("trainer at version %s: replaying updates %d..%d from their batch shards",
-                            current, start + 1, version)
+                            start, start + 1, version)
             for k in range(start + 1, version + 1):
-                if not is_complete(self.paths.batch(k)):
-                    raise RuntimeError(f"cannot restore the trainer to version {version}: iteration {k}'s batch "
-                                       f"shards at {self.paths.batch(k)} are missing")
-                client.call("train", batch_dir=str(self.paths.batch(k)), iteration=k)
+                self._replay_update(client, k, version)
             return client
+
+    def _restore_start(self, client: TrainerClient, current: Optional[int], version: int) -> int:
+        """Put the trainer at the newest version at or below `version` that it can replay from, and return it:
+        where it already is, else the newest checkpoint, else the initial weights. A checkpoint that fails its
+        checksums (the trainer checks them before it loads anything) is passed over, with a warning, for the next
+        older start, provided the updates after that one can be replayed."""
+        here = {current} if current is not None and 0 <= current <= version else set()
+        starts = sorted({0, *here, *(c for c in self.paths.saved_checkpoints() if c <= version)}, reverse=True)
+        for start, older in zip(starts, starts[1:]):
+            if start in here:
+                return start
+            try:
+                client.call("load", path=str(self.paths.checkpoint(start)))
+                return start
+            except TrainerError as error:
+                if error.code != "corrupt_file":
+                    raise
+                missing = next((k for k in range(older + 1, version + 1) if not self._replayable(k)), None)
+                if missing is not None:
+                    raise RuntimeError(f"cannot restore the trainer to version {version}: {error}; and no older "
+                                       f"start helps: iteration {missing} has neither batch nor rollout shards to "
+                                       "replay") from error
+                logger.warning("passing over a corrupt checkpoint (%s): restoring version %d from version %d",
+                               error, version, older)
+        if 0 not in here:
+            client.call("reinitialize")
+        return 0
+
+    def _replayable(self, k: int) -> bool:
+        """Whether update k can be replayed: its batch shards, or the rollout shards they come from, were written."""
+        return has_manifest(self.paths.batch(k)) or has_manifest(self.paths.rollout(k))
+
+    def _replay_update(self, client: TrainerClient, k: int, version: int) -> None:
+        """Update k again from its batch shards. A batch that is missing, or that the trainer refuses as corrupt
+        (it checks every shard before training on any), is first computed again from the rollout shards."""
+        batch = self.paths.batch(k)
+        if has_manifest(batch):
+            try:
+                client.call("train", batch_dir=str(batch), iteration=k)
+                return
+            except TrainerError as error:
+                if error.code != "corrupt_file":
+                    raise
+                logger.warning("not replaying update %d on a corrupt batch (%s): computing it again from the "
+                               "rollout shards", k, error)
+        try:
+            self._write_batch(k)
+        except ShardError as error:
+            raise RuntimeError(f"cannot restore the trainer to version {version}: iteration {k}'s batch shards at "
+                               f"{batch} are missing or corrupt, and cannot be computed again from its rollout "
+                               f"shards: {error}") from error
+        client.call("train", batch_dir=str(batch), iteration=k)
 
     def server_versions(self) -> list[Optional[int]]:
         """The policy version each server serves (None: not one of ours, e.g. SGLang's initial "default"),
@@ -453,7 +498,8 @@ class Pipeline:
     @_timed
     def rollout(self, k: int, progress: bool = False) -> dict[str, Any]:
         out = self.paths.rollout(k)
-        if is_complete(out):
+        # A corrupt earlier output is cleared and generated again: episodes are seeded, so the tokens are the same.
+        if keep_if_intact(out):
             return {**read_manifest(out)["stats"], "cached": True}
         if self.cfg.rollout.max_head_offpolicyness > 0:
             served = self.sync_servers(k - 1 - self.cfg.rollout.max_head_offpolicyness, or_newer=True)["version"]
@@ -521,8 +567,13 @@ class Pipeline:
     @_timed
     def advantages(self, k: int) -> dict[str, Any]:
         out = self.paths.batch(k)
-        if is_complete(out):
+        if keep_if_intact(out):  # a corrupt earlier output is cleared and computed again
             return {**read_manifest(out)["stats"], "cached": True}
+        return self._write_batch(k)
+
+    def _write_batch(self, k: int) -> dict[str, Any]:
+        """Iteration k's rollout shards -> its batch shards (the rollout's are checked as they are read)."""
+        out = self.paths.batch(k)
         started = time.perf_counter()
         extra = None
         if self.cfg.ppo.kl_ctl != 0:
@@ -573,8 +624,12 @@ class Pipeline:
         if not self.wants_checkpoint(k):
             return {"saved": False}
         path = self.paths.checkpoint(k)
-        if (path / "trainer_state.json").is_file():
-            return {"saved": True, "path": str(path), "cached": True}
+        if has_checksums(path):
+            try:
+                verify_checksums(path)
+                return {"saved": True, "path": str(path), "cached": True}
+            except IntegrityError as error:
+                logger.warning("checkpoint %d is corrupt, saving it again: %s", k, error)
         started = time.perf_counter()
         with self._trainer_lock:
             client = self.ensure_trainer_version(k)
@@ -727,25 +782,37 @@ def resolve_run_config(config_path, overrides: Optional[list[str]] = None, run_i
 
 
 def resolve_checkpoint(cfg: ExperimentConfig, checkpoint: str) -> Path:
-    """A servable model directory: "latest" (the run's newest checkpoint), a checkpoint directory, or an HF
-    model directory."""
+    """A servable model directory, checked by `verify_model_dir`: "latest" (the run's newest checkpoint), a
+    checkpoint directory, or an HF model directory."""
     if checkpoint == "latest":
         saved = RunPaths(cfg.run_dir).saved_checkpoints()
         if not saved:
             raise FileNotFoundError(f"run '{cfg.run_id}' has no checkpoint yet in {cfg.run_dir / 'checkpoints'}")
-        return RunPaths(cfg.run_dir).checkpoint(saved[-1]) / "model"
+        return verify_model_dir(RunPaths(cfg.run_dir).checkpoint(saved[-1]) / "model")
     path = Path(checkpoint)
     if (path / "model" / "config.json").is_file():
-        return path / "model"
+        return verify_model_dir(path / "model")
     if (path / "config.json").is_file():
-        return path
+        return verify_model_dir(path)
     raise FileNotFoundError(f"{checkpoint} is neither a checkpoint directory (with model/) nor a model directory")
 
 
+def verify_model_dir(model_dir: Path) -> Path:
+    """`model_dir`, once its files match the checksums.json of the run checkpoint it belongs to (IntegrityError
+    names the first file that does not, or the missing manifest). A model directory that is no run checkpoint's
+    (a user's own model) has no checksums and is taken as it is."""
+    checkpoint = Path(model_dir).parent
+    if has_checksums(checkpoint) or (checkpoint / "trainer_state.json").is_file():
+        verify_checksums(checkpoint, under=Path(model_dir).name)
+    return Path(model_dir)
+
+
 def evaluate_checkpoint(cfg: ExperimentConfig, model_dir: Path) -> dict[str, Any]:
-    """Serve `model_dir` on fresh inference servers and score it on the test split."""
+    """Serve `model_dir` (checked by `verify_model_dir` first) on fresh inference servers and score it on the
+    test split."""
     import dataclasses
 
+    verify_model_dir(model_dir)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
     pipeline = Pipeline(cfg, log_dir=cfg.run_dir / "logs" / "evaluate")  # apart from a live train run's logs
     try:

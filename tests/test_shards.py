@@ -6,6 +6,7 @@ import pytest
 from areal_pipeline.data import shards
 from areal_pipeline.data.shards import (
     TRAJECTORY_SCHEMA,
+    CorruptShardError,
     ShardError,
     is_complete,
     part_files,
@@ -48,7 +49,7 @@ def test_round_trip(tmp_path):
     trajs = _trajectories(10)
     manifest = write_shards(trajs, tmp_path, run_id="r", iteration=3, extra_manifest={"stage": "rollout"})
     assert is_complete(tmp_path)
-    assert read_trajectories(tmp_path, verify=True) == trajs
+    assert read_trajectories(tmp_path) == trajs
     table = read_table(tmp_path)
     assert table.schema == TRAJECTORY_SCHEMA
     assert table.column("run_id").to_pylist() == ["r"] * 10
@@ -72,7 +73,7 @@ def test_empty_output_keeps_schema(tmp_path):
     manifest = write_shards([], tmp_path, run_id="r", iteration=0)
     assert manifest["num_rows"] == 0 and len(manifest["shards"]) == 1
     assert read_table(tmp_path).schema == TRAJECTORY_SCHEMA
-    assert read_trajectories(tmp_path, verify=True) == []
+    assert read_trajectories(tmp_path) == []
 
 
 def test_checksums_detect_corruption(tmp_path):
@@ -85,10 +86,13 @@ def test_checksums_detect_corruption(tmp_path):
     assert is_complete(tmp_path)  # same size: only hashing can tell
     with pytest.raises(ShardError, match="part-00001.parquet: sha256"):
         verify_shards(tmp_path)
-    with pytest.raises(ShardError, match="part-00001.parquet"):
-        read_trajectories(tmp_path, verify=True)
+    with pytest.raises(CorruptShardError, match="part-00001.parquet: sha256 mismatch"):
+        read_trajectories(tmp_path)  # every read checks
     victim.write_bytes(bytes(data[:-10]))
     assert not is_complete(tmp_path)
+    size = f"size {len(data) - 10} != manifest {len(data)}"
+    with pytest.raises(CorruptShardError, match=f"part-00001.parquet: {size}"):
+        read_table(tmp_path)
 
 
 def test_overwrite_protection(tmp_path):
@@ -98,7 +102,7 @@ def test_overwrite_protection(tmp_path):
     manifest = write_shards(_trajectories(2), tmp_path, run_id="r", iteration=0, overwrite=True)
     assert [s["file"] for s in manifest["shards"]] == ["part-00000.parquet"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "part-00000.parquet"]
-    assert len(read_trajectories(tmp_path, verify=True)) == 2
+    assert len(read_trajectories(tmp_path)) == 2
     with pytest.raises(ValueError, match="num_rows"):
         write_shards([], tmp_path / "x", run_id="r", iteration=0, extra_manifest={"num_rows": 1})
 

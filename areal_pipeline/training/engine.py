@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from areal_pipeline.checksums import verify_checksums, write_checksums
 from areal_pipeline.model import DTYPES
 from areal_pipeline.training.losses import entropy_from_logits, gather_logprobs
 from areal_pipeline.training.packing import (MicroBatch, balance, count_micro_batches, pack, shared_prefix_units,
@@ -296,7 +297,8 @@ class TrainEngine:
         dist.barrier()
 
     def save(self, path: Path, extra: Optional[dict[str, Any]] = None) -> None:
-        """Everything needed to continue exactly: weights, optimizer, LR schedule, RNG states, version."""
+        """Everything needed to continue exactly: weights, optimizer, LR schedule, RNG states, version; and,
+        last, checksums.json, which `load` (and whoever serves `model/`) verifies first."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
         from safetensors.torch import save_file
 
@@ -319,6 +321,7 @@ class TrainEngine:
                     "rng": rngs,
                     **(extra or {}),
                 }, indent=1))
+                write_checksums(tmp)
         dist.barrier()
 
     def load(self, path: Path) -> dict[str, Any]:
@@ -327,6 +330,8 @@ class TrainEngine:
                                                              set_optimizer_state_dict)
 
         path = Path(path)
+        # Every rank checks before any of them starts the collectives below, so all of them fail alike.
+        verify_checksums(path)
         state = json.loads((path / "trainer_state.json").read_text())
         model_state = read_hf_weights(path / MODEL_SUBDIR, self.model)
         options = StateDictOptions(full_state_dict=True)

@@ -125,7 +125,8 @@ def write_batch(rollout_dir: Path, out_dir: Path, ppo_cfg, *, run_id: str, itera
 
 
 def read_batch(batch_dir: Path, columns: tuple[str, ...]) -> dict[str, list]:
-    """The columns the trainer needs, as python lists (one entry per trajectory)."""
+    """The columns the trainer needs, as python lists (one entry per trajectory). A shard that does not match
+    its manifest raises CorruptShardError (read_table checks each one): a corrupt batch is never trained on."""
     table = read_table(batch_dir, schema=None)
     missing = [c for c in columns if c not in table.column_names]
     if missing:

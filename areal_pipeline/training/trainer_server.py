@@ -14,6 +14,10 @@ collective, and rank 0 answers. Commands:
     {"cmd": "save_weights", "path"}                         -> an HF directory for /update_weights_from_disk
     {"cmd": "update_weights_distributed", "servers", "master_address", "master_port", "dtype"}
     {"cmd": "status"} / {"cmd": "shutdown"}
+
+Every file a command reads is checked against its manifest first (a checkpoint's checksums.json, the shards'
+manifest.json): one that fails is refused with code "corrupt_file" (409; details: the file and what failed),
+before the trainer's state changes.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
+from areal_pipeline.checksums import IntegrityError
 from areal_pipeline.config import ExperimentConfig, load_config
 from areal_pipeline.data.shards import read_table
 from areal_pipeline.training.engine import TrainEngine, resolve_device
@@ -138,9 +143,9 @@ class Trainer:
 
     def load(self, path: str) -> dict:
         actor = self.require_actor()
-        if not (Path(path) / "trainer_state.json").is_file():
+        if not Path(path).is_dir():
             raise CommandError(f"no checkpoint at {path}", "no_checkpoint", 404)
-        actor.load(Path(path))
+        actor.load(Path(path))  # verifies the checkpoint's checksums first
         return {"path": path, "version": actor.version}
 
     def save_weights(self, path: str) -> dict:
@@ -184,6 +189,8 @@ class Trainer:
         args = {k: v for k, v in command.items() if k != "cmd"}
         try:
             return handlers[name](**args)
+        except IntegrityError as e:
+            raise CommandError(str(e), "corrupt_file", 409, file=str(e.path), problem=e.problem) from e
         except TypeError as e:
             if "argument" in str(e):
                 raise CommandError(f"bad arguments for '{name}': {e}", status=400) from e
