@@ -102,6 +102,7 @@ class InferenceConfig:
     max_batch_size: int = 128
     context_length: int = 1024
     num_threads: int = 0  # 0: torch default
+    max_body_bytes: int = 64 << 20  # largest request body the CPU server takes (413 beyond)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
@@ -130,6 +131,10 @@ class RetrievalConfig:
     topk: int = 3
     max_topk: int = 50
     max_query_chars: int = 2000
+    # A request is searched in one go by the server's single search worker: these bound how long it holds it
+    # (413 beyond)
+    max_queries: int = 256
+    max_body_bytes: int = 1 << 20
     request_retries: int = 3
     setup_timeout: float = 120.0
 

@@ -88,7 +88,7 @@ def test_cpu_server_command():
     assert build_cpu_server_command("/m", "127.0.0.1", 4000, cfg, seed=3) == [
         PY, "-m", "areal_pipeline.inference.server",
         "--model", "/m", "--host", "127.0.0.1", "--port", "4000",
-        "--max-batch-size", "64", "--context-length", "512", "--seed", "3",
+        "--max-batch-size", "64", "--context-length", "512", "--seed", "3", "--max-body-bytes", str(64 << 20),
     ]  # fmt: skip
     cfg.num_threads = 2
     assert build_cpu_server_command("/m", "127.0.0.1", 4000, cfg, seed=3)[-2:] == ["--num-threads", "2"]

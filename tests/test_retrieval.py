@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from areal_pipeline.tools.retrieval_server import (
 from areal_pipeline.utils import find_free_port
 from _http_helpers import serve_on_loopback
 from conftest import http
+from test_server import post_raw, while_polling_health
 
 HOTPOTQA = Path(__file__).resolve().parents[2] / "shared/data/hotpotqa"
 needs_hotpotqa = pytest.mark.skipif(not (HOTPOTQA / "corpus.jsonl").is_file(), reason="shared HotpotQA data not present")
@@ -43,7 +45,7 @@ def kb_service(tmp_path_factory) -> RetrievalService:
 
 @needs_hotpotqa
 def test_bm25_finds_hotpotqa_supporting_paragraphs(tmp_path):
-    service = _service(str(HOTPOTQA / "corpus.jsonl"), tmp_path)
+    service = _service(str(HOTPOTQA / "corpus.jsonl"), tmp_path, max_queries=10_000)
     qa = [json.loads(line) for line in (HOTPOTQA / "qa.jsonl").open()]
     results = service.retrieve({"queries": [q["question"] for q in qa], "topk": 10})["result"]
     titles = [{doc["title"] for doc in found} for found in results]
@@ -99,12 +101,15 @@ def test_results_hold_only_documents_sharing_a_term(kb_service):
     ({"queries": ["x" * 21]}, "query 0 has 21 characters; the limit is 20"),
     ({"queries": ["x"], "return_scores": "yes"}, "'return_scores' must be true or false"),
     ({"queries": ["x"], "top_k": 3}, "unknown field(s) ['top_k']"),
+    ({"queries": ["x"] * 7}, "7 queries in one request; the limit is 6"),
 ])
 def test_bad_requests_are_rejected(kb_service, body, message):
-    strict = RetrievalService(kb_service.rows, kb_service.retriever, topk=2, max_topk=5, max_query_chars=20)
+    strict = RetrievalService(kb_service.rows, kb_service.retriever, topk=2, max_topk=5, max_query_chars=20,
+                              max_queries=6)
     with pytest.raises(BadRequest) as err:
         strict.retrieve(body)
     assert message in str(err.value)
+    assert err.value.status == (413 if "queries in one request" in message else 400)
 
 
 def test_index_is_built_once_and_keyed_by_corpus_content(tmp_path, monkeypatch):
@@ -201,12 +206,13 @@ def test_http_errors(hotpotqa_server):
     assert status == 400 and "the limit is 2000" in body["error"]["message"]
     import urllib.request
 
-    req = urllib.request.Request(f"http://{hotpotqa_server}/retrieve", data=b"{not json", method="POST")
+    req = urllib.request.Request(f"http://{hotpotqa_server}/retrieve", data=b"{not json", method="POST",
+                                 headers={"Content-Type": "application/json"})
     try:
         urllib.request.urlopen(req, timeout=10)
         pytest.fail("invalid JSON was accepted")
     except urllib.error.HTTPError as e:
-        assert e.code == 400 and "not valid JSON" in json.loads(e.read())["error"]["message"]
+        assert e.code == 415 and "not valid JSON" in json.loads(e.read())["error"]["message"]
     assert http(hotpotqa_server, "/search", {"queries": ["x"]})[0] == 404
 
 
@@ -228,6 +234,88 @@ def test_launcher_serves_the_generated_knowledge_base(tmp_path):
         assert body["result"] == [[person]]
         assert (tmp_path / "logs" / "retrieval-server.log").is_file()
         assert len(list((tmp_path / "_indexes").glob("bm25-*"))) == 1
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def kb_server(tmp_path_factory):
+    """`areal-pipeline retrieval-server` over the generated knowledge base, started as a user would: no
+    --index-dir, in a directory of its own, with the default request limits."""
+    home = tmp_path_factory.mktemp("retrieval-user")
+    port = find_free_port()
+    command = ["/bin/sh", "-c", 'cd "$0" && exec "$@"', str(home / "cwd"), sys.executable, "-m", "areal_pipeline.cli",
+               "retrieval-server", "--host", "127.0.0.1", "--port", str(port)]
+    (home / "cwd").mkdir()
+    server = ServerProcess(command, f"127.0.0.1:{port}", home / "server.log",
+                           env={**os.environ, "XDG_CACHE_HOME": str(home / "cache")})
+    server.start()
+    server.wait_healthy(120)
+    yield server.address, home
+    server.stop()
+
+
+def test_a_server_of_its_own_keeps_its_index_in_the_user_cache(kb_server):
+    _, home = kb_server
+    assert len(list((home / "cache" / "areal-pipeline" / "indexes").glob("bm25-*"))) == 1
+    assert list((home / "cwd").iterdir()) == []  # it used to write runs/_indexes under the current directory
+
+
+def test_oversized_requests_are_413_at_once_while_health_answers(kb_server):
+    """50,000 queries in one request took 126 s and 5.3 GB while every other client waited."""
+    address, _ = kb_server
+    many = json.dumps({"queries": ["capital"] * 50_000, "topk": 3}).encode()
+    big = json.dumps({"queries": ["capital of " * 200_000]}).encode()
+    for data, fragment in [(many, "50000 queries in one request; the limit is 256"),
+                           (big, f"the request body has {len(big)} bytes; the limit is 1048576")]:
+        (status, reply), took, latencies = while_polling_health(
+            address, lambda: post_raw(address, "/retrieve", data, "application/json"))
+        assert status == 413 and fragment in reply["error"]["message"], reply
+        assert took < 5 and latencies and max(latencies) < 2, (took, latencies)
+    # the largest request taken holds the search worker for moments, not minutes
+    largest = {"queries": [" ".join(["capital", "born", "river"] * 300)[:2000]] * 256, "topk": 50}
+    (status, reply), took, latencies = while_polling_health(address, lambda: http(address, "/retrieve", largest))
+    assert status == 200 and len(reply["result"]) == 256 and took < 5, took
+    assert max(latencies) < 2, latencies
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"queries": [["capital"]]}, "'queries' must be a list of strings, got [['capital']]"),
+    ({"queries": None}, "'queries' must be a list of strings, got None"),
+    ({"queries": {"q": "capital"}}, "'queries' must be a list of strings"),
+    ({"queries": ["x"], "topk": "3"}, "'topk' must be an integer in [1, 50], got '3'"),
+    ({"queries": ["x"], "topk": 1.5}, "'topk' must be an integer in [1, 50], got 1.5"),
+    ({"queries": ["x"], "topk": float("nan")}, "'topk' must be an integer in [1, 50], got nan"),
+    ({"queries": ["x"], "return_scores": {"yes": True}}, "'return_scores' must be true or false"),
+    (["capital"], "the request body must be a JSON object"),
+])
+def test_http_wrong_typed_fields_are_400(kb_server, body, message):
+    status, reply = http(kb_server[0], "/retrieve", body)
+    assert status == 400 and message in reply["error"]["message"], reply
+
+
+@pytest.mark.parametrize("data, content_type, status, fragment", [
+    (b'{"queries": ["capital"]}', None, 415, "must be JSON (Content-Type: application/json)"),
+    (b'{"queries": ["capital"]}', "text/plain", 415, "not 'text/plain'"),
+    (b'{"queries": ["capital"]', "application/json", 415, "not valid JSON"),
+    (b"[" * 50_000 + b"]" * 50_000, "application/json", 400, "nested too deeply"),
+    (b'{"queries": ["capital"]}', "application/json", 200, ""),
+])
+def test_http_a_body_that_is_not_json_is_415(kb_server, data, content_type, status, fragment):
+    got, reply = post_raw(kb_server[0], "/retrieve", data, content_type)
+    assert got == status and (status == 200 or fragment in reply["error"]["message"]), reply
+
+
+def test_launcher_passes_the_request_limits(tmp_path):
+    cfg = load_config("configs/search_agent.yaml", [f"output_dir={tmp_path}", "rollout.agent.retrieval.max_queries=2",
+                                                    "rollout.agent.retrieval.max_body_bytes=200"])
+    server = launch_retrieval_server(cfg, tmp_path / "logs")
+    try:
+        status, reply = http(server.address, "/retrieve", {"queries": ["a", "b", "c"]})
+        assert status == 413 and "3 queries in one request; the limit is 2" in reply["error"]["message"]
+        status, reply = http(server.address, "/retrieve", {"queries": ["a" * 300]})
+        assert status == 413 and "the limit is 200" in reply["error"]["message"]
+        assert http(server.address, "/retrieve", {"queries": ["a", "b"]})[0] == 200
     finally:
         server.stop()
 

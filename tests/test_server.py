@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import random
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.utils import find_free_port
 from conftest import http, start_cpu_server
 
 PROMPT = [258, 117, 115, 101, 114, 10, 51, 43, 52, 61]
@@ -187,21 +194,164 @@ def test_input_token_logprobs(cpu_server, model):
     ({"input_ids": [[1], [2]], "sampling_params": [{"max_new_tokens": 1}]}, "one entry per prompt"),
     ({"input_ids": [1], "sampling_params": [{"max_new_tokens": 1}]}, "one entry per prompt"),
     ({"input_ids": list(range(200)) * 6, "sampling_params": {"max_new_tokens": 8}}, "maximum context length"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10 ** 30}}, "maximum context length"),
+    ({"input_ids": None, "text": "a" * 2000}, "maximum context length"),
+    # NaN, infinite and out-of-range sampling values (json.dumps writes NaN and Infinity as Python reads them)
+    ({"input_ids": [1], "sampling_params": {"temperature": float("nan")}}, "'temperature' must be a finite number"),
+    ({"input_ids": [1], "sampling_params": {"temperature": float("inf")}}, "'temperature' must be a finite number"),
+    ({"input_ids": [1], "sampling_params": {"temperature": 10 ** 400}}, "'temperature' must be a finite number"),
+    ({"input_ids": [1], "sampling_params": {"top_p": float("nan")}}, "'top_p' must be a finite number"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 1.5}}, "'top_p' must be in (0, 1]"),
+    ({"input_ids": [1], "sampling_params": {"min_p": float("-inf")}}, "'min_p' must be a finite number"),
+    ({"input_ids": [1], "sampling_params": {"min_p": 2}}, "'min_p' must be in [0, 1]"),
+    ({"input_ids": [1], "sampling_params": {"top_k": -2}}, "'top_k' must be -1"),
+    ({"input_ids": [1], "sampling_params": {"sampling_seed": 2 ** 70}}, "'sampling_seed' must be an integer in"),
+    ({"input_ids": [1], "sampling_params": {"frequency_penalty": float("nan")}}, "not supported"),
+    # wrong-typed fields
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": "8"}}, "'max_new_tokens' must be an integer >= 0"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 1.5}}, "'max_new_tokens' must be an integer"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": True}}, "'max_new_tokens' must be an integer"),
+    ({"input_ids": [1], "sampling_params": {"temperature": "0.5"}}, "'temperature' must be a finite number"),
+    ({"input_ids": [1], "sampling_params": {"top_k": 2.5}}, "'top_k' must be -1"),
+    ({"input_ids": [1], "sampling_params": {"stop": 5}}, "'stop' must be a non-empty string"),
+    ({"input_ids": [1], "sampling_params": {"stop": [["x"]]}}, "'stop' must be a non-empty string"),
+    ({"input_ids": [1], "sampling_params": {"stop_token_ids": 5}}, "'stop_token_ids' must be a list of integers"),
+    ({"input_ids": [1], "sampling_params": {"ignore_eos": "yes"}}, "'ignore_eos' must be true or false"),
+    ({"input_ids": [1], "sampling_params": {"sampling_seed": "1"}}, "'sampling_seed' must be an integer"),
+    ({"input_ids": [1], "sampling_params": "greedy"}, "sampling_params must be a JSON object"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{"max_new_tokens": 1}, 7]}, "sampling_params must be a JSON object"),
+    ({"input_ids": [1], "return_logprob": "yes"}, "'return_logprob' must be true or false"),
+    ({"input_ids": [1], "logprob_start_len": "0"}, "'logprob_start_len' must be an integer >= -1"),
+    ({"input_ids": [1], "logprob_start_len": -5}, "'logprob_start_len' must be an integer >= -1"),
+    ({"input_ids": [1], "stream": "no"}, "'stream' must be true or false"),
+    ({"input_ids": [1], "rid": {"id": 1}}, "'rid' must be a string"),
+    ({"input_ids": [[1], 2]}, "input_ids as a batch must be a list of lists"),
+    ({"input_ids": [True, 2]}, "input_ids must be integers"),
+    ({"input_ids": [1.0]}, "input_ids must be integers"),
+    ({"input_ids": {"0": 1}}, "input_ids must be a non-empty list"),
+    ({"input_ids": None, "text": 5}, "text must be a string"),
+    ({"input_ids": None, "text": []}, "text must be a string or a non-empty list"),
 ])
 def test_invalid_requests_get_400_and_server_keeps_serving(cpu_server, body, fragment):
     status, reply = http(cpu_server, "/generate", body)
-    assert status == 400
+    assert status == 400, reply
     assert fragment in reply["error"]["message"]
     assert generate(cpu_server, sampling_params={"max_new_tokens": 1})[0] == 200
 
 
-def test_malformed_json_body(cpu_server):
-    import urllib.request
+@pytest.mark.parametrize("path, body, fragment", [
+    ("/get_weights_by_name", {"name": 5}, "'name' must be a string"),
+    ("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": "ten"}, "'truncate_size' must be"),
+    ("/abort_request", {"rid": ["a"]}, "'rid' must be a string"),
+    ("/abort_request", {"abort_all": "yes"}, "'abort_all' must be true or false"),
+    ("/pause_generation", {"mode": ["abort"]}, "is not supported"),
+    ("/update_weights_from_disk", {"model_path": 5}, "'model_path' must be a string"),
+    ("/update_weights_from_disk", {"model_path": "/x", "weight_version": [1]}, "'weight_version' must be a string"),
+    ("/update_weights_from_disk", {"model_path": "/x", "abort_all_requests": "no"}, "'abort_all_requests' must be"),
+    ("/destroy_weights_update_group", {"group_name": ["g"]}, "'group_name' must be a string"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "x", "rank_offset": 1,
+                                    "world_size": 2}, "init_weights_update_group needs"),
+])
+def test_control_endpoints_reject_wrong_types_with_400(cpu_server, path, body, fragment):
+    status, reply = http(cpu_server, path, body)
+    assert status == 400 and fragment in reply["error"]["message"], reply
+    assert http(cpu_server, "/health")[0] == 200
 
-    req = urllib.request.Request(f"http://{cpu_server}/generate", data=b"{not json", method="POST")
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(req, timeout=10)
-    assert err.value.code == 400
+
+def post_raw(address: str, path: str, data: bytes, content_type: str | None) -> tuple[int, dict]:
+    """(status, JSON reply) of a POST with exactly this body and Content-Type (None: urllib's form default)."""
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    req = urllib.request.Request(f"http://{address}{path}", data=data, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("data, content_type, status, fragment", [
+    (b"{not json", "application/json", 415, "not valid JSON"),
+    (b'{"input_ids": [1]', "application/json", 415, "not valid JSON"),
+    (b'{"input_ids": [1], "rid": "\xff"}', "application/json", 415, "not valid JSON"),  # not UTF-8
+    (b'{"input_ids": [1]}', None, 415, "must be JSON (Content-Type: application/json), not 'application/x-www"),
+    (b'{"input_ids": [1]}', "text/plain", 415, "not 'text/plain'"),
+    (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "nested too deeply"),
+    (b'{"input_ids": [' + b"9" * 5000 + b"]}", "application/json", 400, "a number that cannot be read"),
+    (b"[1, 2, 3]", "application/json", 400, "must be a JSON object, not list"),
+    (b'{"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}', "application/json; charset=utf-8", 200, ""),
+    (b'{"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}', "application/vnd.api+json", 200, ""),
+])
+def test_a_body_that_is_not_json_is_415(cpu_server, data, content_type, status, fragment):
+    got, reply = post_raw(cpu_server, "/generate", data, content_type)
+    assert got == status, reply
+    assert status == 200 or fragment in reply["error"]["message"]
+
+
+def while_polling_health(address: str, call) -> tuple[object, float, list[float]]:
+    """(what `call()` returned, the seconds it took, the latencies of the /health calls made meanwhile)."""
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            started = time.perf_counter()
+            assert http(address, "/health", timeout=60)[0] == 200
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        started = time.perf_counter()
+        result = call()
+        took = time.perf_counter() - started
+    finally:
+        done.set()
+        poller.join()
+    return result, took, latencies
+
+
+def test_oversized_requests_are_refused_quickly_while_health_answers(cpu_server):
+    """A body over the limit (64 MiB) is 413 before it is read; a 40 MB text prompt (it took 114 s to tokenise,
+    with /health silent for 90 s) and 25 MB of ids are 400 at once; /health answers all along."""
+    too_big = json.dumps({"input_ids": [1000] * (20 << 20)}).encode()
+    huge_text = json.dumps({"text": "ab " * 13_400_000, "sampling_params": {"max_new_tokens": 8}}).encode()
+    huge_ids = json.dumps({"input_ids": [100] * (5 << 20)}).encode()
+    assert len(too_big) > 64 << 20 > len(huge_text) > 40_000_000 > len(huge_ids) > 25_000_000
+    for data, status, fragment in [(too_big, 413, "the limit is 67108864"),
+                                   (huge_text, 400, "exceeds the model's maximum context length"),
+                                   (huge_ids, 400, "exceeds the model's maximum context length")]:
+        (got, reply), took, latencies = while_polling_health(
+            cpu_server, lambda: post_raw(cpu_server, "/generate", data, "application/json"))
+        assert got == status and fragment in reply["error"]["message"], reply
+        assert took < 5, f"{len(data)} bytes refused after {took:.1f}s"
+        assert latencies and max(latencies) < 2, f"/health took up to {max(latencies):.2f}s"
+    assert generate(cpu_server, sampling_params={"max_new_tokens": 2})[0] == 200
+
+
+def test_body_limit_is_configurable(tiny_model_dir, tmp_path):
+    server = start_cpu_server(tiny_model_dir, tmp_path, "--max-body-bytes", "1000")
+    try:
+        status, reply = generate(server.address, input_ids=[1] * 400, sampling_params={"max_new_tokens": 1})
+        assert status == 413 and "the limit is 1000" in reply["error"]["message"]
+        assert generate(server.address, sampling_params={"max_new_tokens": 1})[0] == 200
+    finally:
+        server.stop()
+
+
+def test_server_info_from_the_command_line_server(tiny_model_dir, tmp_path):
+    """`areal-pipeline inference-server` (its args carry the CLI's dispatch function) answers /get_server_info."""
+    port = find_free_port()
+    server = ServerProcess([sys.executable, "-m", "areal_pipeline.cli", "inference-server", "--model",
+                            str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port)],
+                           f"127.0.0.1:{port}", tmp_path / "server.log").start()
+    try:
+        server.wait_healthy(120)
+        status, info = http(server.address, "/get_server_info")
+        assert status == 200 and info["port"] == port and info["model"] == str(tiny_model_dir)
+        assert info["max_body_bytes"] == 64 << 20 and "func" not in info
+    finally:
+        server.stop()
 
 
 def test_health_info_and_flush(cpu_server, tiny_model_dir):
@@ -330,3 +480,44 @@ def test_update_weights_from_disk(own_server, tiny_model_dir, tmp_path, model):
     assert status == 400 and "does not have" in reply["message"]
     assert http(own_server, "/get_model_info")[1]["weight_version"] == "2"
     assert generate(own_server, sampling_params={"max_new_tokens": 2})[0] == 200
+
+
+def test_a_bad_weight_push_is_400_and_leaves_the_served_weights_untouched(own_server, tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    greedy = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    name = "model.embed_tokens.weight"
+
+    def served():
+        return (generate(own_server, sampling_params=greedy)[1]["output_ids"],
+                http(own_server, "/get_weights_by_name", {"name": name, "truncate_size": 10})[1],
+                http(own_server, "/get_model_info")[1]["weight_version"])
+
+    before = served()
+    torch.manual_seed(0)
+    state = load_file(str(tiny_model_dir / "model.safetensors"))
+    perturbed = {k: v + 0.05 * torch.randn_like(v) for k, v in state.items()}
+
+    def checkpoint(dirname: str, state: dict) -> Path:
+        directory = tmp_path / dirname
+        directory.mkdir()
+        save_file(state, str(directory / "model.safetensors"))
+        return directory
+
+    truncated = checkpoint("truncated", perturbed)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    last = sorted(perturbed)[-1]  # a loader that checked as it copied would have taken every other tensor in
+    one_nan = perturbed[last].clone().index_fill_(0, torch.tensor([0]), float("nan"))
+    with_nan = checkpoint("nan", {**perturbed, last: one_nan})
+    with_inf = checkpoint("inf", {**perturbed, name: perturbed[name].clone().fill_(float("inf"))})
+    for directory, fragment in [(truncated, "cannot read weights"), (with_nan, f"tensor {last}"),
+                                (with_inf, f"tensor {name}")]:
+        status, reply = http(own_server, "/update_weights_from_disk", {"model_path": str(directory),
+                                                                       "weight_version": "1"})
+        assert status == 400 and reply["success"] is False and fragment in reply["message"], reply
+        assert directory.name == "truncated" or "NaN or infinite" in reply["message"]
+        assert served() == before
+    # the comparison would have seen a change: the same weights, whole and finite, change the greedy answer
+    status, reply = http(own_server, "/update_weights_from_disk", {"model_path": str(checkpoint("good", perturbed))})
+    assert status == 200 and served()[0] != before[0]

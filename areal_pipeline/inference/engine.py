@@ -26,16 +26,21 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from areal_pipeline.http_json import RequestRejected, check_bool, check_int, check_number, shown
 from areal_pipeline.model import eos_token_ids, load_model, load_tokenizer
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
 
 GREEDY_TEMPERATURE = 1e-6
+# A text prompt is tokenised whole when it has at most this many characters per token of room in the context
+# (English runs ~4 per token); a longer one first as a prefix of that length.
+PREFIX_CHARS_PER_TOKEN = 8
+PREFIX_CUT_TOKENS = 16
 
 
-class RequestError(ValueError):
-    """A request the server rejects with HTTP 400."""
+# A request the server rejects with HTTP 400 (and a message).
+RequestError = RequestRejected
 
 
 @dataclass
@@ -62,40 +67,44 @@ class SamplingParams:
                 "min_new_tokens": 0}
 
     @classmethod
-    def from_json(cls, data: Optional[dict]) -> "SamplingParams":
-        data = dict(data or {})
+    def from_json(cls, data: Any) -> "SamplingParams":
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise RequestError(f"sampling_params must be a JSON object, got {shown(data)}")
         names = {f.name for f in dataclasses.fields(cls)}
         for key in data:
             if key not in names:
                 raise RequestError(f"unknown field '{key}' in sampling_params; valid: {', '.join(sorted(names))}")
+        data = {k: v for k, v in data.items() if v is not None or k == "sampling_seed"}
         if isinstance(data.get("stop"), str):
             data["stop"] = [data["stop"]]
-        data = {k: v for k, v in data.items() if v is not None or k == "sampling_seed"}
         params = cls(**data)
         params.validate()
         return params
 
     def validate(self) -> None:
-        def fail(msg: str):
-            raise RequestError(msg)
-
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            fail(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            fail(f"temperature must be non-negative, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            fail(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            fail(f"top_k must be -1 (whole vocabulary) or at least 1, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
-            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            fail("stop must be a non-empty string or a list of them")
-        if not all(isinstance(t, int) for t in self.stop_token_ids):
-            fail("stop_token_ids must be a list of integers")
+        check_int("max_new_tokens", self.max_new_tokens, minimum=0)
+        if check_number("temperature", self.temperature) < 0:
+            raise RequestError(f"'temperature' must be non-negative, got {shown(self.temperature)}")
+        if not 0 < check_number("top_p", self.top_p) <= 1:
+            raise RequestError(f"'top_p' must be in (0, 1], got {shown(self.top_p)}")
+        if type(self.top_k) is not int or self.top_k == 0 or self.top_k < -1:
+            raise RequestError(f"'top_k' must be -1 (whole vocabulary) or at least 1, got {shown(self.top_k)}")
+        if not 0 <= check_number("min_p", self.min_p) <= 1:
+            raise RequestError(f"'min_p' must be in [0, 1], got {shown(self.min_p)}")
+        if not (isinstance(self.stop, list) and all(type(s) is str and s for s in self.stop)):
+            raise RequestError(f"'stop' must be a non-empty string or a list of them, got {shown(self.stop)}")
+        if not (isinstance(self.stop_token_ids, list) and all(type(t) is int for t in self.stop_token_ids)):
+            raise RequestError(f"'stop_token_ids' must be a list of integers, got {shown(self.stop_token_ids)}")
+        check_bool("ignore_eos", self.ignore_eos)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
+        if self.sampling_seed is not None:  # the range torch.Generator.manual_seed takes
+            check_int("sampling_seed", self.sampling_seed, minimum=-(1 << 63), maximum=(1 << 64) - 1)
         for name, neutral in self._NEUTRAL.items():
-            if getattr(self, name) != neutral:
-                fail(f"{name}={getattr(self, name)!r} is not supported by the CPU server (only {neutral!r})")
+            value = getattr(self, name)
+            if type(value) not in (int, float) or value != neutral:
+                raise RequestError(f"{name}={shown(value)} is not supported by the CPU server (only {neutral!r})")
 
     @property
     def greedy(self) -> bool:
@@ -215,15 +224,34 @@ class BatchEngine:
         ids = request.input_ids
         if not ids:
             raise RequestError("the prompt is empty: input_ids must hold at least one token")
-        if not all(isinstance(i, int) and 0 <= i < self.vocab_size for i in ids):
-            raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
+        # the length first: a prompt of millions of ids is refused without looking at each of them
         total = len(ids) + request.params.max_new_tokens
         if total > self.context_length:
-            raise RequestError(
-                f"Requested token count exceeds the model's maximum context length of {self.context_length} "
-                f"tokens. You requested a total of {total} tokens: {len(ids)} tokens from the input and "
-                f"{request.params.max_new_tokens} tokens for the completion."
-            )
+            raise RequestError(self._context_exceeded(total, len(ids), request.params.max_new_tokens))
+        if not all(type(i) is int and 0 <= i < self.vocab_size for i in ids):
+            raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
+
+    def _context_exceeded(self, total: Any, prompt_tokens: Any, max_new_tokens: int) -> str:
+        return (f"Requested token count exceeds the model's maximum context length of {self.context_length} "
+                f"tokens. You requested a total of {total} tokens: {prompt_tokens} tokens from the input and "
+                f"{max_new_tokens} tokens for the completion.")
+
+    def tokenize(self, text: str, max_new_tokens: int) -> list[int]:
+        """The token ids of a text prompt (any thread); RequestError as soon as it is known not to fit the
+        context with `max_new_tokens` more. A huge text is tokenised as growing prefixes, so that refusing it
+        costs about as much as tokenising a text just over the limit: tokenising a 40 MB prompt took 114 s."""
+        budget = self.context_length - max_new_tokens
+        chars = max(budget, 1) * PREFIX_CHARS_PER_TOKEN
+        while chars < len(text):
+            prefix_tokens = len(self.tokenizer.encode(text[:chars]))
+            # cutting a word can give its start more tokens than the whole word has: allow for it
+            if prefix_tokens > budget + PREFIX_CUT_TOKENS:
+                at_least = prefix_tokens - PREFIX_CUT_TOKENS
+                raise RequestError(self._context_exceeded(f"more than {at_least + max_new_tokens}",
+                                                          f"more than {at_least}", max_new_tokens)
+                                   + f" (The prompt's first {chars} characters alone are {prefix_tokens} tokens.)")
+            chars *= 4
+        return self.tokenizer.encode(text)
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the engine thread between two decode steps."""
@@ -250,12 +278,16 @@ class BatchEngine:
     def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> concurrent.futures.Future:
         return self.call(lambda: self._abort_where(lambda r: abort_all or r.rid == rid, "aborted by request"))
 
-    def update_weights_from_disk(self, model_path: str, weight_version: Optional[str]) -> concurrent.futures.Future:
-        def _update():
-            num_tensors = self._load_safetensors(Path(model_path))
+    def load_weights(self, state: dict[str, torch.Tensor], weight_version: Optional[str]) -> concurrent.futures.Future:
+        """Copy weights that `read_weights` checked into the model, between two decode steps."""
+        def _load():
+            own = self.model.state_dict()
+            with torch.no_grad():
+                for name, tensor in state.items():
+                    own[name].copy_(tensor.to(own[name].dtype))
             self.weight_version = weight_version if weight_version is not None else _next_version(self.weight_version)
-            return num_tensors
-        return self.call(_update)
+            return len(state)
+        return self.call(_load)
 
     def update_weights_from_group(self, group, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                   weight_version: Optional[str]) -> concurrent.futures.Future:
@@ -532,7 +564,7 @@ class BatchEngine:
         if not any(needs):
             return probs
         vocab = probs.shape[-1]
-        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in requests])
+        top_k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in requests])
         top_p = torch.tensor([float(r.params.top_p) for r in requests])
         min_p = torch.tensor([float(r.params.min_p) for r in requests])
         sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -544,30 +576,38 @@ class BatchEngine:
         filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
         return filtered
 
-    def _load_safetensors(self, path: Path) -> int:
+    def read_weights(self, model_path: str) -> dict[str, torch.Tensor]:
+        """Read a checkpoint's safetensors and check them against the model, on any thread (generation goes on
+        meanwhile): every file readable, every tensor one of the model's, of its shape, floating point and
+        finite, none missing. RequestError otherwise, so a bad checkpoint leaves the served weights as they were."""
         from safetensors.torch import load_file
 
+        path = Path(model_path)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not all(f.is_file() and f.suffix == ".safetensors" for f in files):
             raise RequestError(f"no safetensors weights found at {path}")
         state = {}
         for f in files:
-            state.update(load_file(str(f), device=str(self.device)))
+            try:
+                state.update(load_file(str(f), device=str(self.device)))
+            except Exception as e:  # truncated or not safetensors at all
+                raise RequestError(f"cannot read weights from {f}: {e}") from None
         own = self.model.state_dict()
         unknown = sorted(set(state) - set(own))
         if unknown:
             raise RequestError(f"weights at {path} hold tensors this model does not have: {unknown[:5]}")
-        for name, tensor in state.items():
-            if own[name].shape != tensor.shape:
-                raise RequestError(f"tensor {name}: shape {tuple(tensor.shape)} != model's {tuple(own[name].shape)}")
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
         missing = sorted(set(own) - set(state) - tied)
         if missing:
             raise RequestError(f"weights at {path} lack tensors: {missing[:5]}")
-        with torch.no_grad():
-            for name, tensor in state.items():
-                own[name].copy_(tensor.to(own[name].dtype))
-        return len(state)
+        for name, tensor in state.items():
+            if own[name].shape != tensor.shape:
+                raise RequestError(f"tensor {name}: shape {tuple(tensor.shape)} != model's {tuple(own[name].shape)}")
+            if not tensor.is_floating_point():
+                raise RequestError(f"tensor {name} at {path} is {tensor.dtype}, not floating point")
+            if not torch.isfinite(tensor).all():
+                raise RequestError(f"tensor {name} at {path} holds NaN or infinite values")
+        return state
 
 
 def _next_version(version: str) -> str:

@@ -69,6 +69,7 @@ def build_cpu_server_command(model_path: str, host: str, port: int, cfg: Inferen
         "--max-batch-size", str(cfg.max_batch_size),
         "--context-length", str(cfg.context_length),
         "--seed", str(seed),
+        "--max-body-bytes", str(cfg.max_body_bytes),
     ]  # fmt: skip
     if cfg.num_threads > 0:
         cmd += ["--num-threads", str(cfg.num_threads)]

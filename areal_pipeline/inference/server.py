@@ -10,18 +10,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import torch
 from aiohttp import web
 
 from areal_pipeline import __version__
+from areal_pipeline.http_json import (
+    check_bool,
+    check_int,
+    check_str,
+    error_response,
+    json_errors,
+    read_json_object,
+    shown,
+)
 from areal_pipeline.inference.engine import BatchEngine, GenRequest, RequestError, SamplingParams
 from areal_pipeline.utils import exit_when_parent_dies, get_logger
 
@@ -29,32 +38,27 @@ logger = get_logger(__name__)
 
 GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
                  "top_logprobs_num", "return_text_in_logprobs", "rid", "stream"}
+DEFAULT_MAX_BODY_BYTES = 64 << 20
 
 
-def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
-
-
-async def _json_body(request: web.Request) -> dict:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except json.JSONDecodeError as e:
-        raise RequestError(f"request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
-    return body
+def _given(body: dict, key: str, default: Any) -> Any:
+    """`body[key]`, or `default` when it is absent or null (SGLang's optional fields take null)."""
+    value = body.get(key)
+    return default if value is None else value
 
 
 class InferenceServer:
-    def __init__(self, engine: BatchEngine, server_args: dict[str, Any]):
+    def __init__(self, engine: BatchEngine, server_args: dict[str, Any], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine = engine
         self.server_args = server_args
+        self.max_body_bytes = max_body_bytes
         self.weight_groups: dict[str, Any] = {}  # group_name -> (process group, store)
+        # Text prompts are tokenised here, one at a time (a tokenizer is not safe to reconfigure from two threads),
+        # never on the event loop: a long one would hold up every other client, /health included.
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[json_errors])
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_get("/health", self.health)
@@ -74,58 +78,46 @@ class InferenceServer:
         app.on_shutdown.append(self._shutdown)
         return app
 
-    @web.middleware
-    async def _errors(self, request: web.Request, handler):
-        try:
-            return await handler(request)
-        except RequestError as e:
-            return _error(str(e))
-        except web.HTTPException:
-            raise
-        except Exception as e:
-            logger.exception("error serving %s", request.path)
-            return _error(f"internal error: {e}", status=500)
-
     async def _shutdown(self, app) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
         await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
 
     def _require_ready(self) -> Optional[web.Response]:
         if self.engine.load_error is not None:
-            return _error(f"model failed to load: {self.engine.load_error}", status=503)
+            return error_response(f"model failed to load: {self.engine.load_error}", 503)
         if not self.engine.ready.is_set():
-            return _error("the server is starting", status=503)
+            return error_response("the server is starting", 503)
         return None
 
     # ----- generation ------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
         if (not_ready := self._require_ready()) is not None:
             return not_ready
-        body = await _json_body(request)
+        body = await read_json_object(request)
         unknown = set(body) - GENERATE_KEYS
         if unknown:
             raise RequestError(f"unknown field(s) {sorted(unknown)}; valid: {sorted(GENERATE_KEYS)}")
-        if body.get("stream"):
+        if check_bool("stream", _given(body, "stream", False)):
             raise RequestError("stream=true is not supported by the CPU server; send stream=false")
-        if body.get("top_logprobs_num", 0):
+        if check_int("top_logprobs_num", _given(body, "top_logprobs_num", 0), minimum=0):
             raise RequestError("top_logprobs_num > 0 is not supported by the CPU server")
-        prompts, batched = self._prompts(body)
-        params = self._sampling_params(body.get("sampling_params"), len(prompts), batched)
-        rids = body.get("rid")
-        if batched:
-            rids = rids if isinstance(rids, list) else [None] * len(prompts)
-            if len(rids) != len(prompts):
-                raise RequestError("rid must have one entry per prompt in a batch")
-        else:
-            rids = [rids]
+        return_logprob = check_bool("return_logprob", _given(body, "return_logprob", False))
+        logprob_start_len = check_int("logprob_start_len", _given(body, "logprob_start_len", -1), minimum=-1)
+        with_text = check_bool("return_text_in_logprobs", _given(body, "return_text_in_logprobs", False))
+        given, batched, are_texts = self._prompts(body)
+        params = self._sampling_params(body.get("sampling_params"), len(given), batched)
+        rids = self._rids(body.get("rid"), len(given), batched)
         loop = asyncio.get_running_loop()
+        prompts = given if not are_texts else await loop.run_in_executor(
+            self._tokenizing, lambda: [self.engine.tokenize(text, p.max_new_tokens) for text, p in zip(given, params)])
         gens, futures = [], []
         for ids, rid, prompt_params in zip(prompts, rids, params):
             fut = loop.create_future()
-            gen = GenRequest(input_ids=ids, params=prompt_params, return_logprob=bool(body.get("return_logprob")),
-                             logprob_start_len=int(body.get("logprob_start_len", -1)),
+            gen = GenRequest(input_ids=ids, params=prompt_params, return_logprob=return_logprob,
+                             logprob_start_len=logprob_start_len,
                              on_finish=lambda r, f=fut: loop.call_soon_threadsafe(_resolve, f, r))
             if rid is not None:
-                gen.rid = str(rid)
+                gen.rid = rid
             self.engine.validate(gen)
             gens.append(gen)
             futures.append(fut)
@@ -137,7 +129,7 @@ class InferenceServer:
             for gen in gens:
                 self.engine.abort(rid=gen.rid)
             raise
-        replies = [self._reply(g, body) for g in gens]
+        replies = [self._reply(g, with_text) for g in gens]
         return web.json_response(replies if batched else replies[0])
 
     @staticmethod
@@ -150,7 +142,19 @@ class InferenceServer:
                                f"for {n_prompts} prompt(s){'' if batched else ' (not a batch)'}")
         return [SamplingParams.from_json(p) for p in raw]
 
-    def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
+    @staticmethod
+    def _rids(raw: Any, n_prompts: int, batched: bool) -> list[Optional[str]]:
+        if not batched:
+            return [None if raw is None else check_str("rid", raw)]
+        if not isinstance(raw, list):  # one rid cannot name several requests
+            return [None] * n_prompts
+        if len(raw) != n_prompts:
+            raise RequestError("rid must have one entry per prompt in a batch")
+        return [None if rid is None else check_str("rid", rid) for rid in raw]
+
+    @staticmethod
+    def _prompts(body: dict) -> tuple[list, bool, bool]:
+        """(the prompts as given: texts or token id lists, whether the request is a batch, whether they are texts)."""
         has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
         if has_ids == has_text:
             raise RequestError("exactly one of input_ids or text must be given")
@@ -158,16 +162,18 @@ class InferenceServer:
             text = body["text"]
             batched = isinstance(text, list)
             texts = text if batched else [text]
-            if not all(isinstance(t, str) for t in texts):
-                raise RequestError("text must be a string or a list of strings")
-            return [self.engine.tokenizer(t)["input_ids"] for t in texts], batched
+            if not texts or not all(type(t) is str for t in texts):
+                raise RequestError("text must be a string or a non-empty list of strings")
+            return texts, batched, True
         ids = body["input_ids"]
         if not isinstance(ids, list) or not ids:
             raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
         batched = isinstance(ids[0], list)
-        return (ids if batched else [ids]), batched
+        if batched and not all(isinstance(p, list) for p in ids):
+            raise RequestError("input_ids as a batch must be a list of lists of token ids")
+        return (ids if batched else [ids]), batched, False
 
-    def _reply(self, g: GenRequest, body: dict) -> dict:
+    def _reply(self, g: GenRequest, with_text: bool) -> dict:
         params = g.params
         text = self.engine.tokenizer.decode(g.output_ids, skip_special_tokens=params.skip_special_tokens)
         matched = g.finish_reason.get("matched")
@@ -182,14 +188,13 @@ class InferenceServer:
             "weight_version": g.weight_version,
             "e2e_latency": g.finished - g.created,
         }
-        if body.get("return_logprob"):
-            with_text = bool(body.get("return_text_in_logprobs"))
+        if g.return_logprob:
             decode = self.engine.tokenizer.decode
 
             def entry(lp, tok):
                 return [lp, tok, decode([tok]) if with_text else None]
 
-            start = max(int(body.get("logprob_start_len", -1)), 0)
+            start = max(g.logprob_start_len, 0)
             meta["input_token_logprobs"] = [entry(lp, t) for lp, t in zip(g.input_logprobs, g.input_ids[start:])]
             meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(g.output_logprobs, g.output_ids)]
         return {"text": text, "output_ids": g.output_ids, "meta_info": meta}
@@ -213,7 +218,7 @@ class InferenceServer:
         self.engine.submit(probe)
         result = await asyncio.wait_for(fut, timeout=60)
         if result.finish_reason["type"] == "abort":
-            return _error("health generation was aborted", status=503)
+            return error_response("health generation was aborted", 503)
         return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -242,15 +247,18 @@ class InferenceServer:
         return web.Response(status=200, text="Cache flushed.")
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        await asyncio.wrap_future(self.engine.abort(rid=body.get("rid"), abort_all=bool(body.get("abort_all"))))
+        body = await read_json_object(request)
+        rid = body.get("rid")
+        abort_all = check_bool("abort_all", _given(body, "abort_all", False))
+        await asyncio.wrap_future(self.engine.abort(rid=None if rid is None else check_str("rid", rid),
+                                                    abort_all=abort_all))
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        mode = body.get("mode", "abort")
+        body = await read_json_object(request)
+        mode = _given(body, "mode", "abort")
         if mode != "abort":
-            raise RequestError(f"pause mode '{mode}' is not supported by the CPU server; use 'abort'")
+            raise RequestError(f"pause mode {shown(mode)} is not supported by the CPU server; use 'abort'")
         await asyncio.wrap_future(self.engine.pause())
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -261,22 +269,24 @@ class InferenceServer:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         if (not_ready := self._require_ready()) is not None:
             return not_ready
-        body = await _json_body(request)
-        path = body.get("model_path")
-        if not path:
+        body = await read_json_object(request)
+        if body.get("model_path") is None:
             raise RequestError("model_path is required")
+        path = check_str("model_path", body["model_path"])
         if body.get("load_format") not in (None, "safetensors", "auto"):
             raise RequestError("the CPU server loads safetensors weights only")
-        version = body.get("weight_version")
-        if body.get("abort_all_requests"):
-            await asyncio.wrap_future(self.engine.abort(abort_all=True))
-        num_paused = self.engine.num_running()
+        version = _weight_version(body)
+        abort_all = check_bool("abort_all_requests", _given(body, "abort_all_requests", False))
+        check_bool("flush_cache", _given(body, "flush_cache", True))
         started = time.perf_counter()
-        try:
-            count = await asyncio.wrap_future(
-                self.engine.update_weights_from_disk(path, None if version is None else str(version)))
+        try:  # read and checked before any weight is swapped in, off the engine thread: generation goes on meanwhile
+            state = await asyncio.to_thread(self.engine.read_weights, path)
         except RequestError as e:
             return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0}, status=400)
+        if abort_all:
+            await asyncio.wrap_future(self.engine.abort(abort_all=True))
+        num_paused = self.engine.num_running()
+        count = await asyncio.wrap_future(self.engine.load_weights(state, version))
         return web.json_response({
             "success": True,
             "message": f"Succeeded to update model weights ({count} tensors in "
@@ -288,10 +298,10 @@ class InferenceServer:
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         from areal_pipeline.training.weight_sync import create_weight_update_group
 
-        body = await _json_body(request)
+        body = await read_json_object(request)
         try:
-            args = (body.get("backend", "gloo"), body["master_address"], int(body["master_port"]),
-                    int(body["rank_offset"]), int(body["world_size"]), body.get("group_name", "weight_update_group"))
+            args = (_given(body, "backend", "gloo"), check_str("master_address", body["master_address"]),
+                    int(body["master_port"]), int(body["rank_offset"]), int(body["world_size"]), _group_name(body))
         except (KeyError, TypeError, ValueError) as e:
             raise RequestError(f"init_weights_update_group needs master_address, master_port, rank_offset and "
                                f"world_size: {e!r}") from e
@@ -305,35 +315,44 @@ class InferenceServer:
         return web.json_response({"success": True, "message": f"joined {args[-1]} as rank {args[3]}"})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        name = body.get("group_name", "weight_update_group")
+        body = await read_json_object(request)
+        name = _group_name(body)
         if name not in self.weight_groups:
             return web.json_response({"success": False, "message": f"no weight-update group {name!r}; "
                                       "call /init_weights_update_group first"}, status=400)
-        names, dtypes, shapes = body.get("names") or [], body.get("dtypes") or [], body.get("shapes") or []
+        names, dtypes, shapes = _given(body, "names", []), _given(body, "dtypes", []), _given(body, "shapes", [])
+        if not (isinstance(names, list) and all(type(n) is str for n in names)
+                and isinstance(dtypes, list) and all(type(d) is str for d in dtypes)):
+            raise RequestError("names and dtypes must be lists of strings")
+        if not (isinstance(shapes, list)
+                and all(isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in shapes)):
+            raise RequestError("shapes must be a list of lists of non-negative integers")
         if not (len(names) == len(dtypes) == len(shapes)):
             raise RequestError("names, dtypes and shapes must have the same length")
-        if body.get("abort_all_requests"):
+        if check_bool("abort_all_requests", _given(body, "abort_all_requests", False)):
             await asyncio.wrap_future(self.engine.abort(abort_all=True))
-        version = body.get("weight_version")
+        version = _weight_version(body)
         try:
             count = await asyncio.wrap_future(self.engine.update_weights_from_group(
-                self.weight_groups[name][0], names, dtypes, shapes, None if version is None else str(version)))
+                self.weight_groups[name][0], names, dtypes, shapes, version))
         except Exception as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         return web.json_response({"success": True, "message": f"updated {count} tensors; "
                                   f"weight_version={self.engine.weight_version}"})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        removed = self.weight_groups.pop(body.get("group_name", "weight_update_group"), None)
+        body = await read_json_object(request)
+        removed = self.weight_groups.pop(_group_name(body), None)
         return web.json_response({"success": removed is not None,
                                   "message": "destroyed" if removed else "no such group"})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = await _json_body(request) if request.method == "POST" else dict(request.query)
-        name = body.get("name")
-        truncate = int(body.get("truncate_size", 100))
+        body = await read_json_object(request) if request.method == "POST" else dict(request.query)
+        name = check_str("name", body.get("name"))
+        truncate = _given(body, "truncate_size", 100)
+        if isinstance(truncate, str) and truncate.isdigit():  # from a query string
+            truncate = int(truncate)
+        truncate = check_int("truncate_size", truncate, minimum=0)
 
         def read():
             params = dict(self.engine.model.named_parameters())
@@ -342,6 +361,17 @@ class InferenceServer:
             return params[name].detach().float().flatten()[:truncate].tolist()
 
         return web.json_response(await asyncio.wrap_future(self.engine.call(read)))
+
+
+def _weight_version(body: dict) -> Optional[str]:
+    version = body.get("weight_version")
+    if version is not None and type(version) not in (str, int):
+        raise RequestError(f"'weight_version' must be a string, got {shown(version)}")
+    return None if version is None else str(version)
+
+
+def _group_name(body: dict) -> str:
+    return check_str("group_name", _given(body, "group_name", "weight_update_group"))
 
 
 def _resolve(fut: asyncio.Future, result: GenRequest) -> None:
@@ -362,6 +392,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="0")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body taken (413 beyond)")
     return p
 
 
@@ -377,7 +409,10 @@ def serve(args: argparse.Namespace) -> None:
                          on_load_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
     # Listen at once (health says 503 while the model loads), as SGLang does.
     engine.start()
-    server = InferenceServer(engine, server_args=vars(args))
+    # The server's settings as /get_server_info shows them; `areal-pipeline inference-server` adds its dispatch
+    # function to `args`, which is no JSON (it made every /get_server_info a 500).
+    settings = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    server = InferenceServer(engine, server_args=settings, max_body_bytes=args.max_body_bytes)
     logger.info("CPU inference server on http://%s:%d (model %s)", args.host, args.port, args.model)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
                 handle_signals=True)

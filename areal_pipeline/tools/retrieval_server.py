@@ -9,10 +9,13 @@
 A document is the corpus row as it is (jsonl with `id`, `title`, `contents`). Without `--corpus` the server
 serves the generated knowledge base (`areal_pipeline.data.knowledge_base`). BM25 (bm25s, English stemming
 and stop words) is the default; `--retriever dense --embedding-model DIR` embeds with a local transformers
-model (mean pooling, cosine). The index is built once and kept under `--index-dir`, keyed by the corpus
-content digest (and, for dense, the model's), so restarts and other runs on the same corpus load it.
-Bad requests get HTTP 400 `{"error": {"message": ...}}`; results only hold documents that share a term
-with the query (BM25) rather than filling `topk` with arbitrary ones.
+model (mean pooling, cosine). The index is built once and kept under `--index-dir` (by default the user's
+cache, `$XDG_CACHE_HOME/areal-pipeline/indexes`; a run's launcher uses `<output_dir>/_indexes`), keyed by the
+corpus content digest (and, for dense, the model's), so restarts and other runs on the same corpus load it.
+Bad requests get HTTP 400 `{"error": {"message": ...}}`, a body that is not JSON 415, and one over
+`--max-body-bytes` or with more than `--max-queries` queries 413: searches run one at a time, and these bound
+how long one request can keep the others waiting. Results only hold documents that share a term with the
+query (BM25) rather than filling `topk` with arbitrary ones.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +34,7 @@ from typing import Any, Optional
 import numpy as np
 from aiohttp import web
 
+from areal_pipeline.http_json import RequestRejected, check_bool, check_int, json_errors, read_json, shown
 from areal_pipeline.inference.launcher import ServerProcess
 from areal_pipeline.utils import atomic_directory, atomic_path, exit_when_parent_dies, find_free_port, get_logger
 
@@ -37,10 +42,17 @@ logger = get_logger(__name__)
 
 RETRIEVERS = ("bm25", "dense")
 REQUEST_KEYS = {"queries", "topk", "return_scores"}
+DEFAULT_MAX_QUERIES = 256
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+# A request the server answers with HTTP 400 (413 when it is too big).
+BadRequest = RequestRejected
 
 
-class BadRequest(ValueError):
-    """A request the server answers with HTTP 400."""
+def default_index_dir() -> Path:
+    """Where a retrieval server started on its own keeps its indexes: the user's cache, not the current directory."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "areal-pipeline" / "indexes"
 
 
 # ---------------------------------------------------------------------------------------------- corpus
@@ -186,11 +198,11 @@ class RetrievalService:
     """Request validation and retrieval, shared by the HTTP server and the in-process client."""
 
     def __init__(self, rows: list[dict[str, Any]], retriever, *, topk: int = 3, max_topk: int = 50,
-                 max_query_chars: int = 2000):
+                 max_query_chars: int = 2000, max_queries: int = DEFAULT_MAX_QUERIES):
         if not 1 <= topk <= max_topk:
             raise ValueError(f"the default topk must be in [1, max_topk={max_topk}], got {topk}")
         self.rows, self.retriever = rows, retriever
-        self.topk, self.max_topk, self.max_query_chars = topk, max_topk, max_query_chars
+        self.topk, self.max_topk, self.max_query_chars, self.max_queries = topk, max_topk, max_query_chars, max_queries
 
     @classmethod
     def from_config(cls, rcfg, index_root: Path) -> "RetrievalService":
@@ -198,33 +210,37 @@ class RetrievalService:
         rows, digest = load_corpus(rcfg.corpus)
         retriever = build_retriever(rows, digest, rcfg.retriever, Path(rcfg.index_dir or index_root),
                                     rcfg.embedding_model)
-        return cls(rows, retriever, topk=rcfg.topk, max_topk=rcfg.max_topk, max_query_chars=rcfg.max_query_chars)
+        return cls(rows, retriever, topk=rcfg.topk, max_topk=rcfg.max_topk, max_query_chars=rcfg.max_query_chars,
+                   max_queries=rcfg.max_queries)
 
     def parse(self, body: Any) -> tuple[list[str], int, bool]:
+        """(queries, topk, return_scores) of a request body; raises BadRequest."""
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         unknown = sorted(set(body) - REQUEST_KEYS)
         if unknown:
             raise BadRequest(f"unknown field(s) {unknown}; valid: {sorted(REQUEST_KEYS)}")
         queries = body.get("queries")
-        if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
-            raise BadRequest("'queries' must be a list of strings")
+        if not isinstance(queries, list) or not all(type(q) is str for q in queries):
+            raise BadRequest(f"'queries' must be a list of strings, got {shown(queries)}")
+        if len(queries) > self.max_queries:
+            raise BadRequest(f"{len(queries)} queries in one request; the limit is {self.max_queries}: "
+                             "send them in several requests", 413)
         too_long = [i for i, q in enumerate(queries) if len(q) > self.max_query_chars]
         if too_long:
             raise BadRequest(f"query {too_long[0]} has {len(queries[too_long[0]])} characters; "
                              f"the limit is {self.max_query_chars}")
         topk = body.get("topk")
-        topk = self.topk if topk is None else topk
-        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= self.max_topk:
-            raise BadRequest(f"'topk' must be an integer in [1, {self.max_topk}], got {topk!r}")
-        return_scores = body.get("return_scores", False)
-        if not isinstance(return_scores, bool):
-            raise BadRequest(f"'return_scores' must be true or false, got {return_scores!r}")
+        topk = check_int("topk", self.topk if topk is None else topk, minimum=1, maximum=self.max_topk)
+        return_scores = check_bool("return_scores", body.get("return_scores", False))
         return queries, topk, return_scores
 
     def retrieve(self, body: Any) -> dict[str, Any]:
         """The `/retrieve` reply for a request body; raises BadRequest."""
-        queries, topk, return_scores = self.parse(body)
+        return self.search(*self.parse(body))
+
+    def search(self, queries: list[str], topk: int, return_scores: bool) -> dict[str, Any]:
+        """The `/retrieve` reply for parsed queries."""
         asked = [i for i, q in enumerate(queries) if q.strip()]
         hits: list[list[tuple[int, float]]] = [[] for _ in queries]
         if asked:
@@ -235,25 +251,15 @@ class RetrievalService:
         return {"result": [[self.rows[d] for d, _ in found] for found in hits]}
 
 
-def make_app(service: RetrievalService) -> web.Application:
+def make_app(service: RetrievalService, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
     # One retrieval at a time: the work is CPU-bound, and a dense encoder is not safe to share across threads.
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieve")
 
-    def error(message: str, status: int = 400) -> web.Response:
-        return web.json_response({"error": {"message": message}}, status=status)
-
     async def retrieve(request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error(f"the request body is not valid JSON: {e}")
-        try:
-            reply = await asyncio.get_running_loop().run_in_executor(executor, service.retrieve, body)
-        except BadRequest as e:
-            return error(str(e))
-        except Exception as e:
-            logger.exception("retrieval failed")
-            return error(f"internal error: {e}", status=500)
+        # checked here, so that a bad request is answered at once rather than after the searches queued before it
+        queries, topk, return_scores = service.parse(await read_json(request))
+        reply = await asyncio.get_running_loop().run_in_executor(executor, service.search, queries, topk,
+                                                                 return_scores)
         return web.json_response(reply)
 
     async def health(request: web.Request) -> web.Response:
@@ -262,7 +268,7 @@ def make_app(service: RetrievalService) -> web.Application:
     async def shutdown(app: web.Application) -> None:
         executor.shutdown(wait=False, cancel_futures=True)
 
-    app = web.Application(client_max_size=16 << 20)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app.router.add_post("/retrieve", retrieve)
     app.router.add_get("/health", health)
     app.on_shutdown.append(shutdown)
@@ -279,22 +285,27 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--retriever", default="bm25", choices=RETRIEVERS)
     p.add_argument("--embedding-model", default="", help="local encoder directory, for --retriever dense")
-    p.add_argument("--index-dir", default="runs/_indexes", help="where built indexes are kept")
+    p.add_argument("--index-dir", default="",
+                   help=f"where built indexes are kept (default: {default_index_dir()}, from $XDG_CACHE_HOME)")
     p.add_argument("--topk", type=int, default=3, help="results per query when a request gives no topk")
     p.add_argument("--max-topk", type=int, default=50)
     p.add_argument("--max-query-chars", type=int, default=2000)
+    p.add_argument("--max-queries", type=int, default=DEFAULT_MAX_QUERIES, help="queries per request (413 beyond)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body size (413 beyond)")
     return p
 
 
 def serve(args: argparse.Namespace) -> None:
     exit_when_parent_dies()
     rows, digest = load_corpus(args.corpus)
-    retriever = build_retriever(rows, digest, args.retriever, Path(args.index_dir), args.embedding_model)
+    retriever = build_retriever(rows, digest, args.retriever, Path(args.index_dir or default_index_dir()),
+                                args.embedding_model)
     service = RetrievalService(rows, retriever, topk=args.topk, max_topk=args.max_topk,
-                               max_query_chars=args.max_query_chars)
+                               max_query_chars=args.max_query_chars, max_queries=args.max_queries)
     logger.info("retrieval server on http://%s:%d (%s over %d documents)", args.host, args.port, retriever.name,
                 len(rows))
-    web.run_app(make_app(service), host=args.host, port=args.port, print=None, access_log=None)
+    web.run_app(make_app(service, args.max_body_bytes), host=args.host, port=args.port, print=None,
+                access_log=None)
 
 
 def retrieval_server_command(cfg, port: int) -> list[str]:
@@ -308,6 +319,8 @@ def retrieval_server_command(cfg, port: int) -> list[str]:
         "--topk", str(r.topk),
         "--max-topk", str(r.max_topk),
         "--max-query-chars", str(r.max_query_chars),
+        "--max-queries", str(r.max_queries),
+        "--max-body-bytes", str(r.max_body_bytes),
     ]  # fmt: skip
     if r.corpus:
         cmd += ["--corpus", str(r.corpus)]

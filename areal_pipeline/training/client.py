@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -68,8 +69,11 @@ class TrainerClient:
 
 def build_trainer_command(cfg: ExperimentConfig, config_path: Path, model_path: str, port: int) -> list[str]:
     t = cfg.trainer
-    rendezvous = ["--standalone"] if t.nnodes == 1 else []
-    return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nnodes", str(t.nnodes),
+    if t.nnodes == 1:  # torchrun with every socket on loopback (`run_one_node_torchrun`)
+        launcher = ["areal_pipeline.training.client", "--standalone", "--local-addr", "127.0.0.1"]
+    else:  # several nodes: the rendezvous in trainer.torchrun_args says where to listen
+        launcher = ["torch.distributed.run"]
+    return [sys.executable, "-m", *launcher, "--nnodes", str(t.nnodes),
             "--nproc-per-node", str(t.nproc), *t.torchrun_args,
             "-m", "areal_pipeline.training.trainer_server", "--config", str(config_path), "--model", model_path,
             "--host", "127.0.0.1", "--port", str(port)]
@@ -89,3 +93,20 @@ def launch_trainer(cfg: ExperimentConfig, model_path: str, log_dir: Path) -> tup
         process.stop()
         raise
     return process, client
+
+
+def run_one_node_torchrun(argv: Optional[list[str]] = None) -> None:
+    """torchrun for a one-node trainer with nothing listening beyond loopback: its c10d stores would listen on
+    every interface whatever address they are given, and the ranks' gloo on the address the host name resolves
+    to (`--local-addr 127.0.0.1` then names loopback as the ranks' MASTER_ADDR)."""
+    from torch.distributed.run import main as torchrun
+
+    from areal_pipeline.training.weight_sync import bind_stores_to_named_address, loopback_interface
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    bind_stores_to_named_address()
+    torchrun(argv)
+
+
+if __name__ == "__main__":
+    run_one_node_torchrun()

@@ -4,17 +4,22 @@ The protocol is SGLang's: each server joins a group through `POST /init_weights_
 rank 0, server i takes rank `1 + i`), then for every update `POST /update_weights_from_distributed` announces
 the tensors (names, dtypes, shapes) and the trainer broadcasts them in that order while the HTTP calls are
 still open. The group is a standalone gloo (CPU) or NCCL (GPU) group, separate from the trainer's own.
+
+Its sockets listen on the master's address only (loopback for a local master): a c10d TCPStore server
+otherwise listens on every interface whatever address it is given, and gloo on whatever the host name
+resolves to. `bind_stores_to_named_address` does the same for torchrun's own stores.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,13 +34,76 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
+def _listening_socket(host: str, port: int) -> tuple[int, int]:
+    """(file descriptor, port) of a socket listening on `host`'s address only; port 0: a free one."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    bound_port = sock.getsockname()[1]
+    return sock.detach(), bound_port  # the store's server owns the socket from here on
+
+
+class NamedAddressTCPStore(dist.TCPStore):
+    """A TCPStore whose server listens on the address it is named by (127.0.0.1: loopback only) rather than on
+    every interface; clients are ordinary TCPStores."""
+
+    def __init__(self, host_name: str, port: int, world_size: Optional[int] = None, is_master: bool = False,
+                 timeout: timedelta = timedelta(seconds=300), wait_for_workers: bool = True,
+                 multi_tenant: bool = False, master_listen_fd: Optional[int] = None, use_libuv: bool = True):
+        if is_master and master_listen_fd is None:
+            try:
+                master_listen_fd, port = _listening_socket(host_name, port)
+            except OSError as e:  # e.g. a multi-tenant server of this process already has the port
+                logger.warning("TCPStore %s:%s listens on every interface: cannot bind the address alone (%s)",
+                               host_name, port, e)
+        super().__init__(host_name, port, world_size, is_master, timeout, wait_for_workers, multi_tenant,
+                         master_listen_fd, use_libuv)
+
+
+def bind_stores_to_named_address() -> None:
+    """Make every TCPStore server this process starts from now on listen on its named address only, torchrun's
+    rendezvous and worker stores included (torch builds them itself, so its name for the class is replaced)."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    dist.TCPStore = c10d_rendezvous_backend.TCPStore = NamedAddressTCPStore
+
+
+def loopback_interface() -> str:
+    """The name of the network interface holding 127.0.0.1 (for GLOO_SOCKET_IFNAME)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            return name
+    return "lo"
+
+
+def _gloo_options_toward(master_address: str, timeout: timedelta):
+    """Gloo options whose device listens on the address this host reaches the master from (loopback for a
+    local master), rather than on whatever the host name resolves to."""
+    family, _, _, _, address = socket.getaddrinfo(master_address, 1, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)  # no packet is sent: this only picks the route
+        local_address = probe.getsockname()[0]
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)]
+    options._timeout = timeout
+    return options
+
+
 def create_weight_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
                                group_name: str, timeout: timedelta = GROUP_TIMEOUT):
     """Join (rank 0: host) a standalone process group; blocks until all `world_size` members have joined."""
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout)
+    store = NamedAddressTCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout)
     prefixed = dist.PrefixStore(group_name, store)
     if backend == "gloo":
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, _gloo_options_toward(master_address, timeout))
     elif backend == "nccl":
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
     else:
