@@ -65,11 +65,10 @@ def cmd_train(args) -> None:
     from areal_pipeline.model import resolve_model_path
     from areal_pipeline.pipeline import resolve_run_config
 
-    # Prefect's API server (when none is configured) starts now and comes up while the config is checked and
-    # the embedded model is built
+    cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)  # config errors first
+    # Prefect's API server (when none is configured) starts now and comes up while the embedded model is built
     api_server = None if configured_api_url() else TemporaryAPIServer()
     try:
-        cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)  # config errors first
         resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
     except BaseException:
         if api_server is not None:

@@ -158,7 +158,9 @@ def _run_iterations(pipeline: Pipeline, first: int, last: int, progress) -> None
                 artifacts.update_progress(progress, total, k)
                 return
             before = _HANDOFFS.get((run_id, k - 1))
-            started = before.nodes_done_at if before is not None else handoff.launched_at
+            # the period since the previous iteration's nodes ended, or since this one's launch when that one did
+            # not run here
+            started = before.nodes_done_at if before is not None and before.nodes_done_at else handoff.launched_at
             record_orchestration(pipeline, k, handoff.nodes_done_at - started)
             artifacts.update_progress(progress, total, k)
 
@@ -171,7 +173,8 @@ def _run_iterations(pipeline: Pipeline, first: int, last: int, progress) -> None
                 in_flight.append((k, future))
                 while not handoff.next_may_start.wait(0.1) and not future.done():
                     pass
-                while len(in_flight) > 1 or (in_flight and in_flight[-1][1].done()):
+                # a failed iteration is waited for here: no later run is started only to be cancelled
+                while len(in_flight) > 1 or (in_flight and (in_flight[-1][1].done() or handoff.failed)):
                     finish_oldest()
                 if failure is not None:
                     break

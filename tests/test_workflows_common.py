@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from areal_pipeline.checksums import file_entry
 from areal_pipeline.config import load_config
 from areal_pipeline.data.shards import read_table, read_trajectories, write_shards
 from areal_pipeline.data.trajectory import NO_VERSION, SequenceBuilder, Trajectory
@@ -169,7 +170,7 @@ def test_token_returns_round_trip_and_old_shards_stay_readable(tmp_path):
     part = tmp_path / "old" / "part-00000.parquet"
     pq.write_table(pq.read_table(part).drop(["token_returns"]), part)
     manifest = json.loads((tmp_path / "old" / "manifest.json").read_text())
-    manifest["shards"][0]["bytes"] = part.stat().st_size
+    manifest["shards"][0].update(file_entry(part.read_bytes()))
     (tmp_path / "old" / "manifest.json").write_text(json.dumps(manifest))
     old = read_trajectories(tmp_path / "old")
     assert [t.token_returns for t in old] == [None, None] and old[0].loss_mask == [0, 0, 0, 1, 1, 0]

@@ -1,0 +1,146 @@
+"""Resuming a failed train run as Prefect users do: the UI's Retry button on a deployment run, and
+`prefect flow-run retry` on a run started from the command line; a real Prefect API server on loopback, the
+real `serve` and `prefect` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import torch
+
+from test_flows import (REPO, cli, fast_overrides, final_weights, prefect_api,  # noqa: F401
+                        wait_until)
+
+ITERATIONS = 3
+
+
+def block_iteration_2(run_dir: Path) -> Path:
+    """The injected fault: a file where iteration 2's directory goes, so its rollout cannot write its shards (a
+    deterministic error: the node fails at once, without retries) until the test removes it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    blocker = run_dir / "iter_2"
+    blocker.write_text("not a directory\n")
+    return blocker
+
+
+async def _read_flow_run(flow_run_id):
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        return await client.read_flow_run(flow_run_id)
+
+
+async def _train_runs_of(run_id: str):
+    """The parent `train` flow runs whose parameters name `run_id` (as `run_id=` or an override)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    async with get_client() as client:
+        runs = await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])))
+    return [r for r in runs if r.parameters.get("run_id") == run_id
+            or f"run_id={run_id}" in (r.parameters.get("overrides") or [])]
+
+
+async def _iteration_runs(run_id: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    async with get_client() as client:
+        runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f"{run_id}/iter-")))
+    return sorted(((r.name, r.state.type.value) for r in runs), key=lambda pair: pair)
+
+
+def wait_final(flow_run_id, timeout: float = 600):
+    return wait_until(lambda: (lambda r: r if r.state.is_final() else None)(asyncio.run(_read_flow_run(flow_run_id))),
+                      timeout, f"flow run {flow_run_id} to finish", interval=0.5)
+
+
+def assert_resumed(run_id: str, tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    """Iteration 1 ran once; iteration 2 failed, then ran again under its own name; iteration 3 ran once, after
+    the retry; and the weights are those of a run that never failed."""
+    assert asyncio.run(_iteration_runs(run_id)) == [
+        (f"{run_id}/iter-1", "COMPLETED"), (f"{run_id}/iter-2", "COMPLETED"), (f"{run_id}/iter-2", "FAILED"),
+        (f"{run_id}/iter-3", "COMPLETED")]
+    weights = final_weights(tmp_path / run_id, ITERATIONS)
+    assert weights.keys() == reference.keys() and all(torch.equal(weights[n], reference[n]) for n in reference)
+    lines = (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == ITERATIONS  # the retry trained to the end first asked for, no further
+
+
+def reference_weights(tmp_path: Path, model_dir: Path) -> dict[str, torch.Tensor]:
+    from flows.train import train
+
+    train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
+          overrides=fast_overrides(tmp_path, model_dir, run_id="ref", iterations=ITERATIONS))
+    return final_weights(tmp_path / "ref", ITERATIONS)
+
+
+def test_the_ui_retry_button_resumes_a_failed_deployment_run(prefect_api, tiny_model_dir, tmp_path):
+    """A deployment run (started as from the UI's Run button, `iterations=3`) fails in iteration 2; once the fault
+    is gone, the UI's Retry button (the very request it sends) has the served deployment run it again, and it
+    finishes iterations 2 and 3 only."""
+    from prefect.client.orchestration import get_client
+
+    blocker = block_iteration_2(tmp_path / "ui")
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    serve = cli("serve", "--config", "configs/tiny_cpu.yaml", "--iterations", str(ITERATIONS),
+                *fast_overrides(tmp_path, tiny_model_dir, run_id="ui"), env=env, start_new_session=True)
+    try:
+        async def start_run():
+            async with get_client() as client:
+                deployment = await wait_for_deployment(client, "train/train")
+                return (await client.create_flow_run_from_deployment(deployment.id)).id
+
+        flow_run_id = asyncio.run(start_run())
+        failed = wait_final(flow_run_id)
+        assert failed.state.is_failed(), failed.state
+        blocker.unlink()
+        reply = httpx.post(f"{prefect_api}/flow_runs/{flow_run_id}/set_state",
+                           json={"state": {"type": "SCHEDULED", "name": "AwaitingRetry"}})
+        assert reply.status_code in (200, 201) and reply.json()["status"] == "ACCEPT", reply.text
+        retried = wait_final(flow_run_id)
+        assert retried.state.is_completed() and retried.run_count == 2, retried.state
+    finally:
+        os.killpg(serve.pid, signal.SIGINT)
+        try:
+            serve.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+    assert_resumed("ui", tmp_path, reference_weights(tmp_path, tiny_model_dir))
+
+
+def test_prefect_flow_run_retry_resumes_a_failed_command_line_run(prefect_api, tiny_model_dir, tmp_path):
+    """`areal-pipeline train` against a standing Prefect server fails in iteration 2; `prefect flow-run retry ID
+    --entrypoint flows/train.py:train` (the README's command) finishes it."""
+    blocker = block_iteration_2(tmp_path / "cli")
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    run = cli("train", "--config", "configs/tiny_cpu.yaml",
+              *fast_overrides(tmp_path, tiny_model_dir, run_id="cli", iterations=ITERATIONS), env=env)
+    out, _ = run.communicate(timeout=600)
+    assert run.returncode != 0, out[-3000:]
+    assert "Retrying" not in out and "Not a directory" in out.strip().splitlines()[-1], out[-3000:]
+    (failed,) = asyncio.run(_train_runs_of("cli"))
+    assert failed.state.is_failed()
+    blocker.unlink()
+    retry = subprocess.run([str(Path(sys.executable).parent / "prefect"), "flow-run", "retry", str(failed.id),
+                            "--entrypoint", "flows/train.py:train"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert retry.returncode == 0, (retry.stdout + retry.stderr)[-3000:]
+    retried = asyncio.run(_read_flow_run(failed.id))
+    assert retried.state.is_completed() and retried.run_count == 2, retried.state
+    assert_resumed("cli", tmp_path, reference_weights(tmp_path, tiny_model_dir))
+
+
+async def wait_for_deployment(client, name: str):
+    for _ in range(600):
+        try:
+            return await client.read_deployment_by_name(name)
+        except Exception:
+            await asyncio.sleep(0.2)
+    raise AssertionError(f"deployment {name} never registered")
