@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 from omegaconf import OmegaConf
 
 from areal_pipeline.errors import PermanentError
+from areal_pipeline.warm_start import CURRICULA
 
 
 class ConfigError(PermanentError, ValueError):
@@ -49,6 +50,8 @@ class TinyModelConfig:
     # Warm start ("pretraining") on the arithmetic train split, so that RL starts from a base model that
     # answers in the right format but is often wrong. 0 steps: random weights (what the unit tests use).
     pretrain_steps: int = 0
+    # The warm start's curriculum (areal_pipeline/warm_start/): each task's own format and habits.
+    pretrain_task: str = "arithmetic"
     pretrain_batch_size: int = 32
     pretrain_lr: float = 3e-3
     # Share of pretraining answers written one too high: a habit the base model picks up (greedy answers
@@ -455,7 +458,7 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
     TinyModelConfig: {"hidden_size": _COUNT, "intermediate_size": _COUNT, "num_hidden_layers": _COUNT,
                       "num_attention_heads": _COUNT, "num_key_value_heads": _COUNT, "max_position_embeddings": _COUNT,
                       "pretrain_steps": _NON_NEGATIVE, "pretrain_batch_size": _COUNT, "pretrain_lr": _POSITIVE,
-                      "pretrain_off_by_one": _FRACTION},
+                      "pretrain_off_by_one": _FRACTION, "pretrain_task": one_of(*CURRICULA)},
     DatasetConfig: {"path": (_local_path_or_hub_id("openai/gsm8k"), _NOT_EMPTY), "max_train_size": _COUNT,
                     "max_test_size": _NON_NEGATIVE, "arithmetic_train_size": _COUNT,
                     "arithmetic_test_size": _NON_NEGATIVE, "arithmetic_max_operand": _NON_NEGATIVE},

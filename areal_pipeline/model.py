@@ -103,6 +103,8 @@ def build_tiny_model(out_dir: str | Path, tiny: Any = None, seed: int = 1) -> Pa
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
         if tiny.pretrain_steps > 0:
+            from areal_pipeline.warm_start import warm_start
+
             warm_start(model, tokenizer, tiny, seed)
         model.generation_config = GenerationConfig(
             eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
@@ -111,56 +113,6 @@ def build_tiny_model(out_dir: str | Path, tiny: Any = None, seed: int = 1) -> Pa
         tokenizer.save_pretrained(tmp)
     logger.info("built tiny model (%d parameters) in %s", sum(p.numel() for p in model.parameters()), out_dir)
     return out_dir
-
-
-def warm_start(model, tokenizer, tiny: Any, seed: int) -> None:
-    """Supervised "pretraining" on the arithmetic train split, the way RL starts from a base model.
-
-    The data is the default arithmetic generator's train split under the run's seed, so the test split of the
-    default data set stays unseen. A share `tiny.pretrain_off_by_one` of the answers is one too high: the
-    model learns the format (digits, then end of turn) and the sums, but also a habit RL has to unlearn.
-    """
-    import random
-
-    from areal_pipeline.config import DatasetConfig
-    from areal_pipeline.data.datasets import load_records
-
-    rng = random.Random(seed)
-    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    questions = {r["question"]: r for r in load_records(DatasetConfig(), "train", seed)}
-    examples = [(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
-                                               return_dict=False), int(r["answer"]))
-                for r in questions.values()]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tiny.pretrain_lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / tiny.pretrain_steps)
-    threads = torch.get_num_threads()
-    # One thread: the built weights do not depend on the machine's core count, and on a busy 2-core
-    # machine a single thread is also the faster one (no waiting on a descheduled sibling).
-    torch.set_num_threads(1)
-    model.train()
-    try:
-        for _ in range(tiny.pretrain_steps):
-            rows, targets = [], []
-            for prompt, answer in rng.choices(examples, k=tiny.pretrain_batch_size):
-                shown = answer + 1 if rng.random() < tiny.pretrain_off_by_one else answer
-                target = tokenizer(str(shown))["input_ids"] + [eos]
-                rows.append(prompt + target)
-                targets.append([-100] * len(prompt) + target)  # the loss is on the answer only
-            width = max(map(len, rows))
-            ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
-            attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-            labels = torch.tensor([t + [-100] * (width - len(t)) for t in targets])
-            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-    finally:
-        torch.set_num_threads(threads)
-    model.eval()
-    logger.info("warm-started the tiny model: %d steps on %d arithmetic questions, final loss %.3f",
-                tiny.pretrain_steps, len(examples), loss.item())
 
 
 def embedded_model_dir(output_dir: str | Path, tiny: Any, seed: int) -> Path:

@@ -1,0 +1,71 @@
+"""Warm starts of the embedded tiny model: the supervised "pretraining" that makes it a base model RL can improve.
+
+Real RL starts from a base model that already behaves in the task's format and is sometimes right. The embedded
+model is built in code, so each task brings a *curriculum*: a function that makes supervised examples (token ids,
+and labels that are -100 where no loss is taken) in the task's own chat format, with the habits RL is meant to
+unlearn written into them. `model.tiny.pretrain_task` names the curriculum; `warm_start` trains on it.
+
+A curriculum is `make(tokenizer, tiny, seed) -> sample`, where `sample(rng, n)` draws a batch of n examples, each
+`(input_ids, labels)`. Curricula live one per module of this package and are found by name in `CURRICULA` ("module:function",
+imported on first use, so a curriculum's data generator loads only when that task is built).
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from typing import Any, Callable
+
+from areal_pipeline.utils import get_logger
+
+logger = get_logger(__name__)
+
+Example = tuple[list[int], list[int]]
+Sampler = Callable[[random.Random, int], list[Example]]
+
+CURRICULA: dict[str, str] = {
+    "arithmetic": "areal_pipeline.warm_start.arithmetic:curriculum",
+}
+
+IGNORE = -100  # the label of a token the loss skips (prompts, environment turns)
+
+
+def curriculum(name: str) -> Callable[..., Sampler]:
+    if name not in CURRICULA:
+        raise ValueError(f"unknown warm-start curriculum '{name}' (model.tiny.pretrain_task); "
+                         f"valid: {', '.join(sorted(CURRICULA))}")
+    module, function = CURRICULA[name].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def warm_start(model, tokenizer, tiny: Any, seed: int) -> None:
+    """`tiny.pretrain_steps` AdamW steps on batches drawn from the curriculum `tiny.pretrain_task`."""
+    import torch
+
+    rng = random.Random(seed)
+    sample = curriculum(tiny.pretrain_task)(tokenizer, tiny, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tiny.pretrain_lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / tiny.pretrain_steps)
+    threads = torch.get_num_threads()
+    # One thread: the built weights do not depend on the machine's core count, and on a busy 2-core
+    # machine a single thread is also the faster one (no waiting on a descheduled sibling).
+    torch.set_num_threads(1)
+    model.train()
+    try:
+        for _ in range(tiny.pretrain_steps):
+            rows, targets = zip(*sample(rng, tiny.pretrain_batch_size))
+            width = max(map(len, rows))
+            ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+            attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+            labels = torch.tensor([t + [IGNORE] * (width - len(t)) for t in targets])
+            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    logger.info("warm-started the tiny model: %d steps of the '%s' curriculum, final loss %.3f",
+                tiny.pretrain_steps, tiny.pretrain_task, loss.item())
