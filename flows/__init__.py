@@ -32,9 +32,17 @@ PREFECT_DEFAULTS = {
 for _name, _value in PREFECT_DEFAULTS.items():
     os.environ.setdefault(_name, _value)
 
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+_library_logger = logging.getLogger("areal_pipeline")
 # Prefect gives the extra logger its API handler, not a level: without one it inherits the root logger's
 # (WARNING in deployment runs), and the library's INFO records would never reach the run logs.
-import logging  # noqa: E402
-
-if logging.getLogger("areal_pipeline").level == logging.NOTSET:
-    logging.getLogger("areal_pipeline").setLevel(logging.INFO)
+if _library_logger.level == logging.NOTSET:
+    _library_logger.setLevel(logging.INFO)
+# Where something imported Prefect before this package, Prefect set up its logging before the defaults above
+# existed, and the library's logger lacks the handlers PREFECT_LOGGING_EXTRA_LOGGERS gives it.
+if "prefect" in sys.modules:
+    for _handler in logging.getLogger("prefect.extra").handlers:
+        if _handler not in _library_logger.handlers:
+            _library_logger.addHandler(_handler)
