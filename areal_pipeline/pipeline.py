@@ -362,7 +362,7 @@ class Pipeline:
                 logger.info("trainer at version %s: replaying updates %d..%d from their batch shards",
                             start, start + 1, version)
             for k in range(start + 1, version + 1):
-                self._replay_update(client, k, version)
+                self._update_from_batch(client, k)
             return client
 
     def _restore_start(self, client: TrainerClient, current: Optional[int], version: int) -> int:
@@ -396,26 +396,25 @@ class Pipeline:
         """Whether update k can be replayed: its batch shards, or the rollout shards they come from, were written."""
         return has_manifest(self.paths.batch(k)) or has_manifest(self.paths.rollout(k))
 
-    def _replay_update(self, client: TrainerClient, k: int, version: int) -> None:
-        """Update k again from its batch shards. A batch that is missing, or that the trainer refuses as corrupt
-        (it checks every shard before training on any), is first computed again from the rollout shards."""
+    def _update_from_batch(self, client: TrainerClient, k: int) -> dict:
+        """The trainer's update k on iteration k's batch shards (its reply). A batch that is missing, or that the
+        trainer refuses as corrupt (it checks every shard before training on any), is first computed again from
+        the rollout shards: an update never runs on a corrupt batch."""
         batch = self.paths.batch(k)
         if has_manifest(batch):
             try:
-                client.call("train", batch_dir=str(batch), iteration=k)
-                return
+                return client.call("train", batch_dir=str(batch), iteration=k)
             except TrainerError as error:
                 if error.code != "corrupt_file":
                     raise
-                logger.warning("not replaying update %d on a corrupt batch (%s): computing it again from the "
-                               "rollout shards", k, error)
+                logger.warning("not updating on a corrupt batch (%s): computing iteration %d's batch again from "
+                               "its rollout shards", error, k)
         try:
             self._write_batch(k)
         except ShardError as error:
-            raise RuntimeError(f"cannot restore the trainer to version {version}: iteration {k}'s batch shards at "
-                               f"{batch} are missing or corrupt, and cannot be computed again from its rollout "
-                               f"shards: {error}") from error
-        client.call("train", batch_dir=str(batch), iteration=k)
+            raise ShardError(f"update {k} cannot run: iteration {k}'s batch shards at {batch} are missing or "
+                             f"corrupt, and cannot be computed again from its rollout shards: {error}") from error
+        return client.call("train", batch_dir=str(batch), iteration=k)
 
     def server_versions(self) -> list[Optional[int]]:
         """The policy version each server serves (None: not one of ours, e.g. SGLang's initial "default"),
@@ -594,8 +593,7 @@ class Pipeline:
         if record is not None:
             return {**record, "cached": True}
         with self._trainer_lock:
-            client = self.ensure_trainer_version(k - 1)
-            reply = client.call("train", batch_dir=str(self.paths.batch(k)), iteration=k)
+            reply = self._update_from_batch(self.ensure_trainer_version(k - 1), k)
         return {**_write_json(self.paths.update(k), {"version": reply["version"], **reply["stats"]}), "cached": False}
 
     @_timed

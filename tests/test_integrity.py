@@ -18,8 +18,8 @@ import torch
 
 from areal_pipeline.checksums import CHECKSUMS_NAME, IntegrityError, verify_checksums
 from areal_pipeline.config import load_config
-from areal_pipeline.data.shards import (CorruptShardError, is_complete, part_files, read_manifest, read_table,
-                                        read_trajectories, verify_shards)
+from areal_pipeline.data.shards import (CorruptShardError, ShardError, is_complete, part_files, read_manifest,
+                                        read_table, read_trajectories, verify_shards)
 from areal_pipeline.pipeline import Pipeline, evaluate_checkpoint, resolve_checkpoint, run_lock
 from areal_pipeline.training.client import TrainerClient, TrainerError
 from areal_pipeline.training.ppo import read_batch
@@ -248,7 +248,7 @@ def test_a_replay_passes_over_a_corrupt_checkpoint_and_never_trains_on_a_corrupt
     with library_warnings() as warnings:
         run.pipeline.ensure_trainer_version(3)  # from the initial weights, with batch 3 computed again
     assert [w for w in warnings if "passing over a corrupt checkpoint" in w and "model/model.safetensors: sha256" in w]
-    assert [w for w in warnings if "not replaying update 3 on a corrupt batch" in w
+    assert [w for w in warnings if "not updating on a corrupt batch" in w
             and f"{shard(run.paths.batch(3)).name}: sha256 mismatch" in w], warnings
     assert read_manifest(run.paths.batch(3))["shards"] == batch_shards
     assert all(torch.equal(value, reference[name]) for name, value in run.trainer_weights("replayed").items())
@@ -258,7 +258,20 @@ def test_a_replay_over_a_corrupt_batch_whose_rollout_is_corrupt_too_fails_clearl
     flip_byte(shard(run.paths.batch(3)))
     flip_byte(shard(run.paths.rollout(3)))
     run.trainer.call("reinitialize")
-    with pytest.raises(RuntimeError, match=r"cannot restore the trainer to version 3: iteration 3's batch shards .* "
+    with pytest.raises(ShardError, match=r"update 3 cannot run: iteration 3's batch shards .* "
                                            rf"rollout shards: .*{shard(run.paths.rollout(3))}: sha256 mismatch"):
         run.pipeline.ensure_trainer_version(3)
     assert run.trainer.call("status")["version"] == 2  # loaded checkpoint 2; never trained on the corrupt batch
+
+
+def test_the_update_node_never_trains_on_a_corrupt_batch(run):
+    """The batch is corrupted between the advantages node and the update: the update computes it again from the
+    rollout shards first, and reaches the uninterrupted run's weights."""
+    reference = weights(run.reference)
+    run.pipeline.ensure_trainer_version(2)
+    flip_byte(shard(run.paths.batch(3)))
+    run.paths.update(3).unlink()
+    with library_warnings() as warnings:
+        assert run.pipeline.ppo_update(3)["cached"] is False
+    assert [w for w in warnings if "not updating on a corrupt batch" in w], warnings
+    assert all(torch.equal(value, reference[name]) for name, value in run.trainer_weights("updated").items())

@@ -113,7 +113,8 @@ class Trainer:
             table = pa.table({"logprobs": pa.array(values, type=pa.list_(pa.float32()))})
             with atomic_path(Path(out_path)) as tmp:
                 pq.write_table(table, tmp)
-        return {"path": out_path, "rows": len(values), "version": engine.version}
+        # the trainer's version is the actor's, whichever model computed these logprobs
+        return {"path": out_path, "rows": len(values), "version": self.actor.version if self.actor else None}
 
     def train(self, batch_dir: str, iteration: int) -> dict:
         actor = self.require_actor()
