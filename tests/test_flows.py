@@ -310,6 +310,24 @@ def test_same_run_id_twice_is_refused(prefect_api, tiny_model_dir, tmp_path):
                   overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="busy"))
 
 
+async def wait_for_deployment(client, name: str):
+    for _ in range(600):
+        try:
+            return await client.read_deployment_by_name(name)
+        except Exception:
+            await asyncio.sleep(0.2)
+    raise AssertionError(f"deployment {name} never registered")
+
+
+def stop_serve(serve: subprocess.Popen) -> None:
+    """Stop `areal-pipeline serve` (and the deployment runs it started) as Ctrl-C does."""
+    os.killpg(serve.pid, signal.SIGINT)
+    try:
+        serve.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(serve.pid, signal.SIGKILL)
+
+
 def test_scheduled_deployment_registers_and_a_triggered_run_completes(prefect_api, tiny_model_dir, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
@@ -320,16 +338,8 @@ def test_scheduled_deployment_registers_and_a_triggered_run_completes(prefect_ap
 
     async def scenario():
         async with get_client() as client:
-            async def deployment(name):
-                for _ in range(600):
-                    try:
-                        return await client.read_deployment_by_name(name)
-                    except Exception:
-                        await asyncio.sleep(0.2)
-                raise AssertionError(f"deployment {name} never registered")
-
-            train_dep = await deployment("train/train")
-            await deployment("evaluate/evaluate")
+            train_dep = await wait_for_deployment(client, "train/train")
+            await wait_for_deployment(client, "evaluate/evaluate")
             assert train_dep.schedules and train_dep.parameters["iterations"] == 1
             finished = []
             for _ in range(2):  # a second run continues the same run id for one more iteration
@@ -345,11 +355,7 @@ def test_scheduled_deployment_registers_and_a_triggered_run_completes(prefect_ap
     try:
         assert asyncio.run(scenario()) == [StateType.COMPLETED, StateType.COMPLETED]
     finally:
-        os.killpg(serve.pid, signal.SIGINT)
-        try:
-            serve.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(serve.pid, signal.SIGKILL)
+        stop_serve(serve)
     lines = (tmp_path / "served" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["iteration"] for line in lines] == [1, 2]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import httpx
 import torch
 
 from test_flows import (REPO, cli, fast_overrides, final_weights, prefect_api,  # noqa: F401
-                        wait_until)
+                        stop_serve, wait_for_deployment, wait_until)
 
 ITERATIONS = 3
 
@@ -107,11 +106,7 @@ def test_the_ui_retry_button_resumes_a_failed_deployment_run(prefect_api, tiny_m
         retried = wait_final(flow_run_id)
         assert retried.state.is_completed() and retried.run_count == 2, retried.state
     finally:
-        os.killpg(serve.pid, signal.SIGINT)
-        try:
-            serve.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(serve.pid, signal.SIGKILL)
+        stop_serve(serve)
     assert_resumed("ui", tmp_path, reference_weights(tmp_path, tiny_model_dir))
 
 
@@ -136,11 +131,3 @@ def test_prefect_flow_run_retry_resumes_a_failed_command_line_run(prefect_api, t
     assert retried.state.is_completed() and retried.run_count == 2, retried.state
     assert_resumed("cli", tmp_path, reference_weights(tmp_path, tiny_model_dir))
 
-
-async def wait_for_deployment(client, name: str):
-    for _ in range(600):
-        try:
-            return await client.read_deployment_by_name(name)
-        except Exception:
-            await asyncio.sleep(0.2)
-    raise AssertionError(f"deployment {name} never registered")

@@ -3,21 +3,16 @@ of the run's own or a standing one; real processes, a real Prefect API server on
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-import torch
 
-from test_flows import (REPO, _flow_runs, cli, fast_overrides, final_weights, our_service_processes,  # noqa: F401
-                        prefect_api, wait_until)
+from test_flows import cli, fast_overrides, our_service_processes, prefect_api, wait_until  # noqa: F401
 
 STOPPED_WITHIN_S = 10
 
