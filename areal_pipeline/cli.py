@@ -85,6 +85,9 @@ def cmd_train(args) -> None:
         print(f"  mean reward, last {summary['window']} iterations:  {summary['reward_last']:.3f}")
         if summary["eval_pass_at_1_last"] is not None:
             print(f"  eval pass@1: {summary['eval_pass_at_1_first']:.3f} -> {summary['eval_pass_at_1_last']:.3f}")
+        for key, (first, last) in summary["agent"].items():  # the agent's own figures, first vs last window
+            if first is not None and last is not None:
+                print(f"  {key}: {first:.3f} -> {last:.3f}")
     print(f"  reward curve: {result.get('curve', cfg.run_dir / 'reward_curve.png')}")
     print(f"  metrics:      {cfg.run_dir / 'metrics.jsonl'}")
 

@@ -57,7 +57,16 @@ def summarize(records: list[dict[str, Any]], window: int = 3) -> dict[str, Any]:
         "eval_pass_at_1_first": evals[0] if evals else None,
         "eval_pass_at_1_last": evals[-1] if evals else None,
         "window": window,
+        # the workflow's own figures (rollout stats `agent/<key>`: first-turn accuracy, share of episodes that
+        # search, ...): {key: (first window's mean, last window's mean)}
+        "agent": {key[len("agent/"):]: (_mean(records[:window], key), _mean(records[-window:], key))
+                  for key in sorted({key for r in records for key in r if key.startswith("agent/")})},
     }
+
+
+def _mean(records: list[dict[str, Any]], key: str) -> Optional[float]:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
 
 
 def write_tensorboard(records: list[dict[str, Any]], log_dir: Path) -> bool:

@@ -665,6 +665,7 @@ class Pipeline:
             "eval_pass_at_1": evaluation.get("pass_at_1") if evaluation else None,
             "eval_reward": evaluation.get("reward_mean") if evaluation else None,
             **{f"time_{name}": round(s, 4) for name, s in self.step_seconds.get(k, {}).items()},
+            **{key: value for key, value in rollout.items() if key.startswith("agent/")},  # the workflow's facts
         }
         _write_json(self.paths.metrics(k), record)
         with self._metrics_lock:

@@ -87,7 +87,22 @@ def rollout_stats(trajectories: list[Trajectory], seconds: float) -> dict[str, f
         "generated_tokens": generated,
         "rollout_seconds": seconds,
         "rollout_tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+        **agent_stats(trajectories),
     }
+
+
+NOT_AGENT_METADATA = ("answer", "latency")  # the reference answer and the server's timing are no agent facts
+
+
+def agent_stats(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Each numeric (or boolean) per-episode fact a workflow put in `metadata` (first_turn_correct, num_searches,
+    ...), averaged over the trajectories that have it, as `agent/<key>`."""
+    values: dict[str, list[float]] = {}
+    for t in trajectories:
+        for key, value in t.metadata.items():
+            if isinstance(value, (bool, int, float)) and key not in NOT_AGENT_METADATA:
+                values.setdefault(key, []).append(float(value))
+    return {f"agent/{key}": sum(v) / len(v) for key, v in sorted(values.items())}
 
 
 async def rollout_to_shards(workflow, engine, records, out_dir: Path, *, run_id: str, iteration: int,
