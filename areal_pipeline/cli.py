@@ -61,11 +61,13 @@ def cmd_train(args) -> None:
     from flows.api_server import TemporaryAPIServer, configured_api_url, prefect_api
     from flows.train import train
 
+    from areal_pipeline.data.datasets import check_local_rows
     from areal_pipeline.metrics import read_metrics, summarize
     from areal_pipeline.model import resolve_model_path
     from areal_pipeline.pipeline import resolve_run_config
 
     cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)  # config errors first
+    check_local_rows(cfg.dataset, cfg.seed)  # then data errors, before anything starts
     # Prefect's API server (when none is configured) starts now and comes up while the embedded model is built
     api_server = None if configured_api_url() else TemporaryAPIServer()
     try:
@@ -198,6 +200,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
     from areal_pipeline.config import ConfigError
+    from areal_pipeline.data.datasets import DatasetError
 
     from areal_pipeline.pipeline import RunLockedError
 
@@ -205,6 +208,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.func(args)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+    except DatasetError as e:
+        sys.exit(f"data error: {e}")
     except RunLockedError as e:
         sys.exit(str(e))
     except Exception as error:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import yaml
 from omegaconf import OmegaConf
 
 from areal_pipeline.errors import PermanentError
@@ -328,7 +329,10 @@ def load_config(
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        file_cfg = OmegaConf.load(path)
+        try:
+            file_cfg = OmegaConf.load(path)
+        except yaml.YAMLError as e:  # the problem and its place, on one line
+            raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
         data = OmegaConf.to_container(file_cfg, resolve=False) or {}
         _check_keys(data, schema, str(path))
         layers.append(file_cfg)

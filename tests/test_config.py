@@ -202,3 +202,24 @@ def test_cli_train_rejects_a_bad_value_before_starting_anything(tmp_path, overri
     assert cpu_s < 10, f"took {cpu_s:.1f} s of CPU ({wall_s:.1f} s wall)"
     assert wall_s < 30, f"took {wall_s:.1f} s wall ({cpu_s:.1f} s of CPU)"
     assert not any(tmp_path.iterdir())  # nothing made: no model, no dataset, no run directory
+
+
+def test_cli_train_names_a_malformed_data_row_before_starting_anything(tmp_path):
+    data = tmp_path / "data" / "gsm8k.jsonl"
+    data.parent.mkdir()
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "answer": \n')
+    out = tmp_path / "out"
+    out.mkdir()
+    done, wall_s, cpu_s = _cli_train("dataset.name=gsm8k", f"dataset.path={data}", output_dir=out)
+    last_line = (done.stdout + done.stderr).strip().splitlines()[-1]
+    assert done.returncode != 0
+    assert last_line.startswith(f"data error: {data}, line 2: invalid JSON"), last_line
+    assert cpu_s < 10 and wall_s < 30, (cpu_s, wall_s)
+    assert not any(out.iterdir())
+
+
+def test_a_yaml_syntax_error_is_a_config_error_naming_the_place(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("rollout: {batch_size: 4\nseed: 3\n")
+    with pytest.raises(ConfigError, match=rf"{broken} is not valid YAML: .* line \d+, column \d+"):
+        load_config(broken)

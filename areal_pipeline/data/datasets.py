@@ -54,6 +54,14 @@ def load_records(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, An
     return records if limit is None else records[:limit]
 
 
+def check_local_rows(cfg: DatasetConfig, seed: int) -> None:
+    """Read a local data set's splits now, so that a malformed row is named (file, line) before a run starts
+    anything; generated data sets and hub ones are read when the run prepares them."""
+    if cfg.path and Path(cfg.path).expanduser().exists():
+        for split in (cfg.train_split, cfg.test_split):
+            load_records(cfg, split, seed)
+
+
 def _record(cfg: DatasetConfig, prompt_id: str, question: str, prompt: str, answer: Any) -> dict[str, Any]:
     messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     messages.append({"role": "user", "content": prompt})
