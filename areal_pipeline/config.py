@@ -152,6 +152,11 @@ class AgentConfig:
     turn_level_discount: float = 0.9  # multi_turn: per-turn rewards discounted backwards over turns
     reward_bias: float = 0.0  # multi_turn per-turn reward: ((success - 0.5) * 2 - bias) * scaling
     reward_scaling: float = 1.0
+    # multi_turn's feedback after a wrong and a right answer (MathMultiTurnAgent's), and whether a right answer
+    # ends the episode (false: always max_turns turns, as MathMultiTurnAgent runs num_turns)
+    wrong_message: str = "Unfortunately your answer is wrong. Let's try again."
+    correct_message: str = "Congratulations! You are correct!"
+    stop_on_success: bool = True
     max_tokens: int = 1024  # search agent: budget of the whole episode (prompt + all turns)
     reward: str = "f1"  # search agent: f1 | exact_match
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)

@@ -25,6 +25,8 @@ Sampler = Callable[[random.Random, int], list[Example]]
 
 CURRICULA: dict[str, str] = {
     "arithmetic": "areal_pipeline.warm_start.arithmetic:curriculum",
+    "reflection": "areal_pipeline.warm_start.multi_turn_math:reflection",
+    "multi_turn": "areal_pipeline.warm_start.multi_turn_math:multi_turn",
 }
 
 IGNORE = -100  # the label of a token the loss skips (prompts, environment turns)

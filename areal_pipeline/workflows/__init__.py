@@ -32,7 +32,8 @@ def build_workflow(cfg, tokenizer, reward_pool, *, tool_addresses: Optional[dict
 
         return MultiTurnWorkflow(reward_fn, g, tokenizer, reward_pool, max_turns=agent.max_turns,
                                  turn_level_discount=agent.turn_level_discount, reward_bias=agent.reward_bias,
-                                 reward_scaling=agent.reward_scaling)
+                                 reward_scaling=agent.reward_scaling, wrong_message=agent.wrong_message,
+                                 correct_message=agent.correct_message, stop_on_success=agent.stop_on_success)
     if name == "remax":
         from areal_pipeline.workflows.remax import ReMaxWorkflow
 

@@ -1,15 +1,18 @@
 """Multi-turn answering with feedback and per-turn rewards (AReaL's multi-turn math agent).
 
 Each turn the environment checks the answer (the reward function on that turn's text); while it is
-wrong and turns remain (`agent.max_turns`) it says so as a user message and the model answers again.
+wrong and turns remain (`agent.max_turns`) it says so as a user message (`agent.wrong_message`) and the model
+answers again. A right answer ends the episode; with `agent.stop_on_success=false` the episode always runs
+`max_turns` turns, a right answer answered by `agent.correct_message`, as AReaL's MathMultiTurnAgent does.
 Turn t earns `r_t = ((success_t - 0.5) * 2 - agent.reward_bias) * agent.reward_scaling`, and its tokens
 are trained with the discounted return `G_t = r_t + agent.turn_level_discount * G_{t+1}`: the workflow
 writes G_t on each turn's tokens as the trajectory's `token_returns`, which the advantages step uses in
 place of the trajectory reward (then normalises per `ppo.adv_norm`).
 
 `Trajectory.reward` is for curves and pass@1: 1 if some turn was right, times `turn_level_discount` per
-extra turn. Every turn's answer, success, reward, return and policy version stay in the trajectory's
-`metadata["turns"]`, so `per_version_log(run_dir)` reads them back from the run's shards.
+turn before the first right one. Every turn's answer, success, reward, return and policy version stay in the trajectory's
+`metadata["turns"]`, so `per_version_log(run_dir)` reads them back from the run's shards and
+`write_answer_logs` writes them as MathMultiTurnAgent's per-version answer files (`areal-pipeline answers`).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from areal_pipeline.data.shards import is_complete, read_trajectories
 from areal_pipeline.data.trajectory import NO_VERSION, SequenceBuilder, Trajectory
 from areal_pipeline.inference.types import ModelRequest
 from areal_pipeline.rewards.pool import RewardPool
-from areal_pipeline.workflows.reflection import TurnsWithFeedbackWorkflow, turn_record
+from areal_pipeline.workflows.reflection import TurnsWithFeedbackWorkflow, next_turn_ids, turn_record, user_turn_ids
 from areal_pipeline.workflows.rlvr import sample_seed
 
-WRONG_MESSAGE = "Wrong, try again."
+# MathMultiTurnAgent's feedback
+CORRECT_MESSAGE = "Congratulations! You are correct!"
+WRONG_MESSAGE = "Unfortunately your answer is wrong. Let's try again."
 
 
 def discounted_returns(rewards: list[float], discount: float) -> list[float]:
@@ -43,8 +48,13 @@ class MultiTurnWorkflow(TurnsWithFeedbackWorkflow):
 
     def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: GenerationConfig, tokenizer,
                  reward_pool: RewardPool, max_turns: int = 2, turn_level_discount: float = 0.9,
-                 reward_bias: float = 0.0, reward_scaling: float = 1.0):
+                 reward_bias: float = 0.0, reward_scaling: float = 1.0, correct_message: str = CORRECT_MESSAGE,
+                 wrong_message: str = WRONG_MESSAGE, stop_on_success: bool = True):
+        self.user_message = self.wrong_message = wrong_message  # message_ids: the wrong answer's feedback
         super().__init__(reward_fn, gconfig, tokenizer, reward_pool, max_turns)
+        self.correct_message = correct_message
+        self.correct_ids = user_turn_ids(tokenizer, correct_message)[1]
+        self.stop_on_success = stop_on_success
         self.discount = turn_level_discount
         self.reward_bias = reward_bias
         self.reward_scaling = reward_scaling
@@ -59,8 +69,9 @@ class MultiTurnWorkflow(TurnsWithFeedbackWorkflow):
         turns: list[dict[str, Any]] = []
         for turn in range(self.max_turns):
             if turn:
-                seq.add_environment(self.feedback_ids(resp))
-                messages.append({"role": "user", "content": WRONG_MESSAGE})
+                seq.add_environment(next_turn_ids(resp, self.tokenizer.eos_token_id, self.closing_ids,
+                                                  self.correct_ids if success else self.message_ids))
+                messages.append({"role": "user", "content": self.correct_message if success else self.wrong_message})
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(seq.input_ids), gconfig=self.single,
                                                        extra_sampling_params=sample_seed(data, sample_idx, turn)))
             seq.add_model_turn(resp)
@@ -68,20 +79,24 @@ class MultiTurnWorkflow(TurnsWithFeedbackWorkflow):
             success = await self.reward_pool.ascore(self.reward_fn, text, data["answer"]) > 0
             messages.append({"role": "assistant", "content": text})
             turns.append(turn_record(resp, text, success=success, reward=self.turn_reward(success)))
-            if success:
+            if success and self.stop_on_success:
                 break
         returns = discounted_returns([t["reward"] for t in turns], self.discount)
         for record, value in zip(turns, returns):
             record["return"] = value
+        first_right = next((i for i, t in enumerate(turns) if t["success"]), None)
         return seq.trajectory(
             prompt_id=data["prompt_id"],
             group_id=data["prompt_id"],
             sample_idx=sample_idx,
-            reward=float(turns[-1]["success"]) * self.discount ** (len(turns) - 1),
+            reward=0.0 if first_right is None else self.discount ** first_right,
             stop_reason=resp.stop_reason,
             messages=messages,
             text=self.tokenizer.decode(seq.input_ids[seq.prompt_len:]),
-            metadata={"answer": data.get("answer"), "turns": turns, "server": resp.server},
+            metadata={"answer": data.get("answer"), "turns": turns, "server": resp.server,
+                      # per-episode facts, averaged into the rollout stats as agent/<key>
+                      "first_turn_correct": turns[0]["success"], "success": first_right is not None,
+                      "num_turns": len(turns), "return": returns[0]},
             token_returns=seq.turn_returns(returns),
         )
 

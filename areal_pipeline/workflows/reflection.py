@@ -133,5 +133,7 @@ class ReflectionWorkflow(TurnsWithFeedbackWorkflow):
             stop_reason=resp.stop_reason,
             messages=messages,
             text=self.tokenizer.decode(seq.input_ids[seq.prompt_len:]),
-            metadata={"answer": data.get("answer"), "turns": turns, "server": resp.server},
+            metadata={"answer": data.get("answer"), "turns": turns, "server": resp.server,
+                      # per-episode facts, averaged into the rollout stats as agent/<key>
+                      "first_turn_correct": turns[0]["reward"] > 0, "success": reward > 0, "num_turns": len(turns)},
         )

@@ -1,0 +1,67 @@
+"""The reflection and multi-turn agents' curricula: whole arithmetic episodes, in the workflows' own tokens.
+
+An episode is the workflow's prompt (`chat_prompt_ids`), then model turns `<number><|im_end|>`, each wrong one
+followed by exactly the ids the workflow appends after it (`user_turn_ids` of its feedback message: the template's
+closing, the user message, the next assistant header; labels -100 there and on the prompt), until a right answer
+or `MAX_TURNS` turns. The mix is a base model RL can improve on both counts: the first answer is one too high a
+share `tiny.pretrain_off_by_one` of the time (the default task's habit), and after the feedback a wrong answer is
+fixed only a share `FIX_RATE` of the time (otherwise it is repeated).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from areal_pipeline.warm_start import IGNORE, Example, Sampler
+
+MAX_TURNS = 3  # the longest episode written; the configs run 2 (reflection) and 3 (multi_turn) turns
+FIX_RATE = 0.3  # share of wrong answers fixed after the feedback
+
+
+def reflection(tokenizer, tiny: Any, seed: int) -> Sampler:
+    """Episodes of the reflection workflow: a wrong answer gets its "please try to answer it again"."""
+    from areal_pipeline.workflows.reflection import REFLECTION_MESSAGE
+
+    return episodes(tokenizer, tiny, seed, REFLECTION_MESSAGE)
+
+
+def multi_turn(tokenizer, tiny: Any, seed: int) -> Sampler:
+    """Episodes of the multi_turn workflow with its default feedback (MathMultiTurnAgent's wrong-answer message)."""
+    from areal_pipeline.workflows.multi_turn import WRONG_MESSAGE
+
+    return episodes(tokenizer, tiny, seed, WRONG_MESSAGE)
+
+
+def episodes(tokenizer, tiny: Any, seed: int, wrong_message: str) -> Sampler:
+    """Episodes on the arithmetic generator's train split under the run's seed (its test split stays unseen)."""
+    from areal_pipeline.config import DatasetConfig
+    from areal_pipeline.data.datasets import load_records
+    from areal_pipeline.workflows.reflection import user_turn_ids
+    from areal_pipeline.workflows.rlvr import chat_prompt_ids
+
+    eos = tokenizer.eos_token_id
+    closing, message = user_turn_ids(tokenizer, wrong_message)
+    feedback = closing + message  # after a turn that ended with its EOS, as every curriculum turn does
+    questions = {r["question"]: r for r in load_records(DatasetConfig(), "train", seed)}
+    examples = [(chat_prompt_ids(tokenizer, r["messages"]), int(r["answer"])) for r in questions.values()]
+
+    def episode(rng: random.Random, prompt: list[int], answer: int) -> Example:
+        ids, labels = list(prompt), [IGNORE] * len(prompt)
+        shown = answer + 1 if rng.random() < tiny.pretrain_off_by_one else answer
+        for turn in range(MAX_TURNS):
+            if turn:
+                ids += feedback
+                labels += [IGNORE] * len(feedback)  # the environment's tokens carry no loss
+                shown = answer if rng.random() < FIX_RATE else shown
+            target = tokenizer(str(shown))["input_ids"] + [eos]
+            ids += target
+            labels += target
+            if shown == answer:
+                break
+        return ids, labels
+
+    def sample(rng: random.Random, n: int) -> list[Example]:
+        return [episode(rng, *rng.choice(examples)) for _ in range(n)]
+
+    return sample
