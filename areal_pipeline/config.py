@@ -127,6 +127,9 @@ class RetrievalConfig:
     """The search agent's local retrieval server (`areal-pipeline retrieval-server`)."""
 
     corpus: str = ""  # jsonl with id, title, contents; empty: the generated knowledge base
+    # host:port of a retrieval server already running (e.g. ASearcher's Wiki-18 server, same /retrieve API):
+    # the run uses it rather than starting one (then corpus, retriever and the server settings below are unused)
+    address: str = ""
     retriever: str = "bm25"  # bm25 | dense
     embedding_model: str = ""  # a local sentence-embedding model directory, for retriever=dense
     index_dir: str = ""  # empty: <output_dir>/_indexes/<corpus digest>
@@ -159,6 +162,12 @@ class AgentConfig:
     stop_on_success: bool = True
     max_tokens: int = 1024  # search agent: budget of the whole episode (prompt + all turns)
     reward: str = "f1"  # search agent: f1 | exact_match
+    # search agent's prompt: chat (the instruction in the chat template) | tutorial (ASearcher's raw "A
+    # conversation between User and Assistant..." ending in a prefilled <think>, no chat template: base models)
+    # | question (the question alone in the chat template: the warm-started tiny model, which learned the format)
+    prompt: str = "chat"
+    # search agent's results: docs ("Doc 1 (Title: t) text" lines) | tutorial (ASearcher's <p title="t">...</p>)
+    information: str = "docs"
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
 
 
@@ -411,6 +420,7 @@ def each(rule: Rule) -> Rule:
 
 # A hub repo id: "name" or "namespace/name", what transformers and datasets load when it is no local path.
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+_ADDRESS = re.compile(r"[\w.-]+:\d{1,5}")  # a server's host:port
 
 
 def looks_like_local_path(location: str) -> bool:
@@ -454,6 +464,7 @@ _NON_NEGATIVE = at_least(0)
 _POSITIVE = above(0)
 _FRACTION = within(0, 1)
 _PORT = within(0, 65535)  # 0: a free port
+_HOST_PORT = Rule("empty or host:port", lambda value: not value or bool(_ADDRESS.fullmatch(value)))
 _ADAM_BETA = within(0, 1, open_high=True)
 _NORM_LEVEL = one_of("group", "batch", "none")
 _DTYPES = ("float32", "bfloat16", "float16")  # model.DTYPES
@@ -485,9 +496,12 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                       "embedding_model": _local_path_or_hub_id("sentence-transformers/all-MiniLM-L6-v2"),
                       "port": _PORT, "topk": _COUNT, "max_topk": _COUNT, "max_query_chars": _COUNT,
                       "max_queries": _COUNT, "max_body_bytes": _COUNT, "request_retries": _NON_NEGATIVE,
-                      "setup_timeout": _POSITIVE},
+                      "setup_timeout": _POSITIVE,
+                      "address": _HOST_PORT},
     AgentConfig: {"max_turns": _COUNT, "turn_discount": _FRACTION, "turn_level_discount": _FRACTION,
-                  "reward_bias": _FINITE, "reward_scaling": _FINITE, "max_tokens": _COUNT},
+                  "reward_bias": _FINITE, "reward_scaling": _FINITE, "max_tokens": _COUNT,
+                  "reward": one_of("f1", "exact_match"), "prompt": one_of("chat", "tutorial", "question"),
+                  "information": one_of("docs", "tutorial")},
     RolloutConfig: {"batch_size": _COUNT, "max_head_offpolicyness": _NON_NEGATIVE, "max_concurrent_rollouts": _COUNT,
                     "reward_timeout": _POSITIVE, "reward_workers": _COUNT, "shard_rows": _COUNT},
     NormConfig: {"mean_level": _NORM_LEVEL, "std_level": _NORM_LEVEL, "eps": _POSITIVE},

@@ -214,7 +214,12 @@ class Services:
 
     def start_tools(self) -> dict[str, str]:
         self._refuse_if_stopped()
-        if self.cfg.rollout.workflow == "search_agent" and "retrieval" not in self.tools:
+        address = self.cfg.rollout.agent.retrieval.address
+        if self.cfg.rollout.workflow == "search_agent" and address:
+            from areal_pipeline.tools.retrieval_client import check_retrieval_server
+
+            check_retrieval_server(address)  # a server already running: the workflow uses it, none is started
+        elif self.cfg.rollout.workflow == "search_agent" and "retrieval" not in self.tools:
             from areal_pipeline.tools.retrieval_server import launch_retrieval_server
 
             self.tools["retrieval"] = launch_retrieval_server(self.cfg, self.log_dir)

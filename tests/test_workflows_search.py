@@ -23,12 +23,16 @@ from areal_pipeline.tools.retrieval_server import launch_retrieval_server
 from areal_pipeline.utils import find_free_port
 from areal_pipeline.workflows import build_workflow
 from areal_pipeline.workflows.rlvr import chat_prompt_ids
+from areal_pipeline.pipeline import Services
+from areal_pipeline.tools.retrieval_client import RetrievalError, check_retrieval_server
 from areal_pipeline.workflows.search_agent import (
     STOP_STRINGS,
+    TUTORIAL_PROMPT,
     SearchAgentWorkflow,
     format_information,
     parse_action,
     search_prompt,
+    search_prompt_ids,
 )
 from test_workflows_common import (
     InlinePool,
@@ -64,8 +68,8 @@ def _enc(tokenizer, text: str) -> list[int]:
 
 
 def _workflow(tokenizer, address: str, *, reward=f1_reward, max_turns: int = 4, max_tokens: int = 1024,
-              n_samples: int = 1, retries: int = 0) -> SearchAgentWorkflow:
-    return SearchAgentWorkflow(reward, GenerationConfig(n_samples=n_samples, max_new_tokens=96), tokenizer,
+              n_samples: int = 1, retries: int = 0, max_new_tokens: int = 96) -> SearchAgentWorkflow:
+    return SearchAgentWorkflow(reward, GenerationConfig(n_samples=n_samples, max_new_tokens=max_new_tokens), tokenizer,
                                RetrievalClient(address, retries=retries, retry_delay=0.01), max_turns=max_turns,
                                max_tokens=max_tokens, topk=2)
 
@@ -85,6 +89,10 @@ def test_information_block():
     assert format_information(docs) == ("\n\n<information>Doc 1 (Title: Rilis) Rilis is a city.\n"
                                         "Doc 2 (Title: Other) No title line here.</information>\n\n")
     assert format_information([]) == "\n\n<information>No results.</information>\n\n"
+    # the tutorial's blocks: the contents as the server returns them
+    assert format_information(docs, "tutorial") == (
+        '\n\n<information>\n<p title="Rilis">\n"Rilis"\nRilis is a city.\n</p>\n\n'
+        '<p title="Other">\nNo title line here.\n</p>\n</information>')
 
 
 def test_prompt_asks_in_the_agent_format():
@@ -92,6 +100,10 @@ def test_prompt_asks_in_the_agent_format():
     assert messages[0] == {"role": "system", "content": "S"}
     assert messages[1]["role"] == "user" and messages[1]["content"].endswith(f"Question: {DATA['question']}")
     assert all(tag in messages[1]["content"] for tag in ("<think>", "<search>", "<information>", "<answer>"))
+    assert search_prompt(DATA, "question") == [{"role": "user", "content": DATA["question"]}]
+    (raw,) = search_prompt(DATA, "tutorial")
+    assert raw["content"].startswith("A conversation between User and Assistant.")
+    assert raw["content"].endswith(f"User:\n{DATA['question']}\n\nAssistant:\n<think>")
 
 
 def test_two_searches_then_the_answer(tokenizer, retrieval):
@@ -190,7 +202,7 @@ def test_search_episodes_against_a_real_server(cpu_server, tiny_model_dir, token
             groups = await asyncio.gather(*(workflow.arun_episode(engine, r) for r in records))
         return engine, [t for g in groups for t in g]
 
-    prompt = chat_prompt_ids(tokenizer, search_prompt(DATA))
+    prompt = search_prompt_ids(tokenizer, search_prompt(DATA, cfg.rollout.agent.prompt), cfg.rollout.agent.prompt)
     for first_turn in (None, _enc(tokenizer, f"<search>{PERSON}</search>")):
         engine, trajectories = asyncio.run(go(first_turn))
         assert len(trajectories) == 4
@@ -203,9 +215,10 @@ def test_search_episodes_against_a_real_server(cpu_server, tiny_model_dir, token
                 assert t.num_turns >= 2 and "<information>Doc 1 (Title: " + PERSON in t.text
 
 
-def test_rollout_command_with_the_search_agent_config(tmp_path):
+def test_rollout_command_with_the_search_agent_config(tiny_model_dir, tmp_path):
     args = [sys.executable, "-m", "areal_pipeline.cli", "rollout", "--config", "configs/search_agent.yaml",
-            f"output_dir={tmp_path}", "run_id=s", "rollout.batch_size=2", "rollout.gconfig.n_samples=2"]
+            f"output_dir={tmp_path}", "run_id=s", "rollout.batch_size=2", "rollout.gconfig.n_samples=2",
+            f"model.path={tiny_model_dir}"]  # not the warm start: the protocol is what this checks
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (out,) = list(tmp_path.glob("s/iter_*/rollout"))
@@ -213,3 +226,114 @@ def test_rollout_command_with_the_search_agent_config(tmp_path):
     trajectories = read_trajectories(out)
     assert len(trajectories) == 4 and all(isinstance(t.metadata["answer"], list) for t in trajectories)
     assert json.loads((out / "manifest.json").read_text())["num_rows"] == 4
+
+
+# ---------------------------------------------------------------------------------------------- tutorial options
+
+
+class _CutEngine(ScriptedEngine):
+    """Generations of at most max_new_tokens of one scripted text: each one cut short is stopped by "length"."""
+
+    def __init__(self, tokenizer, text: str):
+        self.ids, self.given = _enc(tokenizer, text), {}
+        super().__init__(self._next)
+
+    def _next(self, req, turn):
+        start = self.given.get(req.rid, 0)
+        out = self.ids[start: start + req.gconfig.max_new_tokens]
+        self.given[req.rid] = start + len(out)
+        self.stop_reason = "length" if start + len(out) < len(self.ids) else "stop"
+        return out
+
+
+def test_a_turn_cut_off_by_length_goes_on_while_the_budget_lasts(tokenizer, retrieval):
+    text = f"<think>a long thought</think><search> {PERSON} </search>"
+    engine = _CutEngine(tokenizer, text)
+    (t,) = asyncio.run(_workflow(tokenizer, retrieval, max_turns=8, max_new_tokens=16).arun_episode(engine, DATA))
+    cuts = -(-len(_enc(tokenizer, text)) // 16)
+    assert [r["action"] for r in t.metadata["turns"][:cuts]] == [None] * (cuts - 1) + ["search"]
+    assert t.metadata["queries"] == [PERSON] and t.metadata["searched"] == 1.0 and t.metadata["num_searches"] == 1
+    assert f"{text}\n\n<information>Doc 1 (Title: {PERSON})" in t.text  # the tag spanned the cut generations
+    assert_token_invariants(t, engine.calls, chat_prompt_ids(tokenizer, search_prompt(DATA)))
+    # no tag ever: the episode ends at max_turns, not at the first cut
+    silent = _CutEngine(tokenizer, "no tags at all, and on and on and on")
+    (t,) = asyncio.run(_workflow(tokenizer, retrieval, max_turns=3, max_new_tokens=4).arun_episode(silent, DATA))
+    assert (t.num_turns, t.stop_reason, t.metadata["searched"]) == (3, "max_turns", 0.0)
+
+
+def test_cut_off_turns_go_on_against_a_real_server(cpu_server, tiny_model_dir, tokenizer, retrieval, tmp_path):
+    cfg = load_config("configs/search_agent.yaml", [
+        f"output_dir={tmp_path}", "rollout.gconfig.n_samples=2", "rollout.gconfig.max_new_tokens=4",
+        "rollout.agent.max_turns=4"])
+    workflow = build_workflow(cfg, tokenizer, InlinePool(), tool_addresses={"retrieval": retrieval})
+
+    async def go():
+        async with RemoteSGLangEngine([cpu_server]) as real:
+            engine = RecordingEngine(real)
+            return engine, await workflow.arun_episode(engine, {**DATA, "sampling_seed": 3})
+
+    engine, trajectories = asyncio.run(go())
+    prompt = search_prompt_ids(tokenizer, search_prompt(DATA, "question"), "question")
+    for t in trajectories:
+        assert_token_invariants(t, engine.calls, prompt)
+        reasons = [r["stop_reason"] for r in t.metadata["turns"]]
+        actions = [r["action"] for r in t.metadata["turns"]]
+        # every generation but the last was cut off by length without a tag, and the episode went on after it
+        assert all(reason == "length" for reason in reasons[:-1]) and not any(actions[:-1]), t.metadata["turns"]
+        assert t.num_turns == 4 or reasons[-1] == "stop" or actions[-1], t.metadata["turns"]
+
+
+def test_tutorial_prompt_and_information_against_a_real_server(cpu_server, tiny_model_dir, tokenizer, retrieval,
+                                                                tmp_path):
+    model = load_model(tiny_model_dir)
+    cfg = load_config("configs/search_agent.yaml", [
+        f"output_dir={tmp_path}", "rollout.gconfig.n_samples=2", "rollout.gconfig.max_new_tokens=16",
+        "rollout.agent.prompt=tutorial", "rollout.agent.information=tutorial",
+        "rollout.agent.retrieval.topk=1"])  # the tutorial's prompt is ~850 bytes: one result fits the tiny model
+    workflow = build_workflow(cfg, tokenizer, InlinePool(), tool_addresses={"retrieval": retrieval})
+
+    async def go():
+        async with RemoteSGLangEngine([cpu_server]) as real:
+            engine = RecordingEngine(_ScriptedFirstTurn(real, model, _enc(tokenizer, f" <search> {CITY} </search>")))
+            return engine, await workflow.arun_episode(engine, DATA)
+
+    engine, trajectories = asyncio.run(go())
+    prompt = _enc(tokenizer, TUTORIAL_PROMPT.format(question=DATA["question"]))  # raw text: no chat template
+    assert tokenizer.decode(prompt).endswith("Assistant:\n<think>") and "<|im_start|>" not in tokenizer.decode(prompt)
+    docs = asyncio.run(RetrievalClient(retrieval).retrieve([CITY], 1))[0]
+    for t in trajectories:
+        calls = assert_token_invariants(t, engine.calls, prompt)
+        assert_logprobs_match_model(model, t)
+        (req, resp), (next_req, _) = calls[:2]
+        end = len(req.input_ids) + resp.output_len
+        block = _enc(tokenizer, format_information(docs, "tutorial"))
+        assert next_req.input_ids[end: end + len(block)] == block
+        assert f'<information>\n<p title="{CITY}">\n"{CITY}"\n{CITY} is' in t.text
+        assert t.messages[0]["content"] == TUTORIAL_PROMPT.format(question=DATA["question"])
+
+
+def test_a_running_retrieval_server_is_used_not_started(tokenizer, retrieval, tmp_path):
+    """rollout.agent.retrieval.address: start_tools starts nothing, checks the server answers, and the workflow
+    retrieves there; an address where nothing answers fails at start with the key and the address."""
+    cfg = load_config("configs/search_agent.yaml", [f"output_dir={tmp_path}",
+                                                    f"rollout.agent.retrieval.address={retrieval}"])
+    services = Services(cfg, "unused", tmp_path / "logs")
+    try:
+        assert services.start_tools() == {} and services.tools == {}
+    finally:
+        services.stop()
+    assert not (tmp_path / "logs" / "retrieval-server.log").exists()
+    workflow = build_workflow(cfg, tokenizer, InlinePool())
+    assert workflow.retrieval.address == retrieval
+    engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, [f"<search>{PERSON}</search>",
+                                                               f"<answer>{CITY}</answer>"][turn]))
+    trajectories = asyncio.run(workflow.arun_episode(engine, DATA))
+    assert all(f"Doc 1 (Title: {PERSON})" in t.text for t in trajectories)
+
+    dead = f"127.0.0.1:{find_free_port()}"
+    services = Services(load_config("configs/search_agent.yaml", [
+        f"output_dir={tmp_path}", f"rollout.agent.retrieval.address={dead}"]), "unused", tmp_path / "logs")
+    with pytest.raises(RetrievalError, match=f"rollout.agent.retrieval.address={dead}: no retrieval server answers"):
+        services.start_tools()
+    services.stop()
+    check_retrieval_server(retrieval)

@@ -27,6 +27,7 @@ CURRICULA: dict[str, str] = {
     "arithmetic": "areal_pipeline.warm_start.arithmetic:curriculum",
     "reflection": "areal_pipeline.warm_start.multi_turn_math:reflection",
     "multi_turn": "areal_pipeline.warm_start.multi_turn_math:multi_turn",
+    "search": "areal_pipeline.warm_start.search:curriculum",
 }
 
 IGNORE = -100  # the label of a token the loss skips (prompts, environment turns)

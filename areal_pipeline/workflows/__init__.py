@@ -61,6 +61,7 @@ def _search_agent(cfg, tokenizer, address: Optional[str]) -> Any:
     rewards = {"f1": f1_reward, "exact_match": exact_match_reward}
     if agent.reward not in rewards:
         raise ValueError(f"unknown search agent reward '{agent.reward}'; valid: {', '.join(rewards)}")
+    address = r.address or address  # a server already running (retrieval.address), else the run's own
     if address:
         retrieval = RetrievalClient(address, retries=r.request_retries)
     else:
@@ -69,4 +70,4 @@ def _search_agent(cfg, tokenizer, address: Optional[str]) -> Any:
         retrieval = LocalRetrievalClient(RetrievalService.from_config(r, Path(cfg.output_dir) / "_indexes"))
     return SearchAgentWorkflow(rewards[agent.reward], cfg.rollout.gconfig, tokenizer, retrieval,
                                max_turns=agent.max_turns, max_tokens=agent.max_tokens, topk=r.topk,
-                               max_query_chars=r.max_query_chars)
+                               max_query_chars=r.max_query_chars, prompt=agent.prompt, information=agent.information)

@@ -1,12 +1,15 @@
 """Search agent (AReaL's ASearcher / Search-R1 format): think, search a corpus, answer.
 
 The prompt asks for reasoning in <think>...</think>, searches as <search>query</search> and the final
-answer in <answer>...</answer>. Generation stops at `</search>` or `</answer>`; after a search the
-retrieval results are appended as `<information>...</information>` (loss_mask 0, logprob 0, no version)
-and the same assistant turn goes on. The episode ends at an answer, at EOS or a turn with no action,
-after `agent.max_turns` generations, or when the sequence would pass `agent.max_tokens` (prompt and all
-turns). Reward: F1 (or exact match, `agent.reward`) of the answer against the reference answers; 0
-without an answer. A retrieval that still fails after `retrieval.request_retries` retries ends the
+answer in <answer>...</answer> (`agent.prompt`: the instruction in the chat template; the tutorial's raw
+prompt ending in a prefilled `<think>`, for base models; or the question alone, for the warm-started tiny
+model). Generation stops at `</search>` or `</answer>`; after a search the retrieval results are appended
+as `<information>...</information>` (loss_mask 0, logprob 0, no version; `agent.information`: "Doc i (Title:
+t) text" lines, or the tutorial's `<p title="t">` blocks) and the same assistant turn goes on. A generation
+cut off by `max_new_tokens` before a closed tag goes on in the next generation (a tag may span them). The
+episode ends at an answer, at EOS or a stopped turn with no action, after `agent.max_turns` generations, or
+when the sequence would pass `agent.max_tokens` (prompt and all turns). Reward: F1 (or exact match,
+`agent.reward`) of the answer against the reference answers; 0 without an answer. A retrieval that still fails after `retrieval.request_retries` retries ends the
 episode with reward 0 and stop_reason "retrieval_error" (the message in metadata["error"]) rather than
 failing the batch.
 """
@@ -30,13 +33,40 @@ INSTRUCTION = (
     "</search>; the results come back inside <information> and </information>. Give the final answer inside "
     "<answer> and </answer>, for example <answer> Paris </answer>.\nQuestion: {question}"
 )
+# ASearcher's prompt (AReaL's search-agent tutorial), for base models: raw text, no chat template.
+TUTORIAL_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant answers it. The "
+    "Assistant analyzes the given question and information in the mind, retains important relevant information, "
+    "calls a search engine to find necessary information, accesses web pages with certain urls, and provides the "
+    "user with the answer. The Assistant conducts search by <search> query </search> and the top search results "
+    "will be returned between <information> and </information>. The reasoning processes are enclosed within "
+    "<think> </think>. Finally, the Assistant provides answer inside <answer> and </answer>, i.e. <answer> answer "
+    "here </answer>. If there are multiple queries, ensure all answers are enclosed within <answer> </answer>, "
+    "seperated with comma.\n\nUser:\n{question}\n\nAssistant:\n<think>"
+)
 STOP_STRINGS = ["</search>", "</answer>"]
+PROMPTS = ("chat", "tutorial", "question")
+INFORMATION = ("docs", "tutorial")
 
 
-def search_prompt(data: dict[str, Any]) -> list[dict[str, str]]:
-    """The record's messages with its question asked in the agent's format (a system message is kept)."""
-    question = data.get("question") or data["messages"][-1]["content"]
-    return data["messages"][:-1] + [{"role": "user", "content": INSTRUCTION.format(question=question)}]
+def _question(data: dict[str, Any]) -> str:
+    return data.get("question") or data["messages"][-1]["content"]
+
+
+def search_prompt(data: dict[str, Any], style: str = "chat") -> list[dict[str, str]]:
+    """The record's messages with its question asked in the agent's format (a system message is kept): the
+    instruction (chat), the question alone (question), or the tutorial's raw prompt as one message."""
+    if style == "tutorial":
+        return [{"role": "user", "content": TUTORIAL_PROMPT.format(question=_question(data))}]
+    content = INSTRUCTION.format(question=_question(data)) if style == "chat" else _question(data)
+    return data["messages"][:-1] + [{"role": "user", "content": content}]
+
+
+def search_prompt_ids(tokenizer, messages: list[dict[str, str]], style: str = "chat") -> list[int]:
+    """Token ids of `search_prompt(data, style)`: the chat template, or the tutorial's text as it is."""
+    if style == "tutorial":
+        return tokenizer.encode(messages[-1]["content"], add_special_tokens=False)
+    return chat_prompt_ids(tokenizer, messages)
 
 
 def parse_action(text: str) -> tuple[Optional[str], str]:
@@ -51,7 +81,10 @@ def parse_action(text: str) -> tuple[Optional[str], str]:
     return tag, text[start + len(tag) + 2: end].strip()
 
 
-def format_information(docs: list[dict[str, Any]]) -> str:
+def format_information(docs: list[dict[str, Any]], style: str = "docs") -> str:
+    if style == "tutorial":  # as ASearcher: the contents as the server returns them, one block per document
+        blocks = ['<p title="{}">\n{}\n</p>'.format(doc.get("title", ""), doc.get("contents", "")) for doc in docs]
+        return "\n\n<information>\n" + "\n\n".join(blocks) + "\n</information>"
     lines = []
     for i, doc in enumerate(docs, start=1):
         title, contents = str(doc.get("title", "")), str(doc.get("contents", ""))
@@ -64,11 +97,15 @@ def format_information(docs: list[dict[str, Any]]) -> str:
 class SearchAgentWorkflow:
     def __init__(self, reward_fn: Callable[[str, list[str]], float], gconfig: GenerationConfig, tokenizer,
                  retrieval, *, max_turns: int = 2, max_tokens: int = 1024, topk: int = 3,
-                 max_query_chars: int = 2000):
+                 max_query_chars: int = 2000, prompt: str = "chat", information: str = "docs"):
         """`retrieval` has `async retrieve(queries, topk) -> list[list[doc]]` raising RetrievalError
         (`tools.retrieval_client.RetrievalClient` or `LocalRetrievalClient`)."""
         if max_turns < 1:
             raise ValueError(f"agent.max_turns must be at least 1, got {max_turns}")
+        if prompt not in PROMPTS or information not in INFORMATION:
+            raise ValueError(f"agent.prompt must be one of {PROMPTS} and agent.information one of {INFORMATION}, "
+                             f"got '{prompt}', '{information}'")
+        self.prompt, self.information = prompt, information
         self.reward_fn = reward_fn
         self.gconfig = gconfig
         self.single = dataclasses.replace(gconfig, n_samples=1)
@@ -81,8 +118,8 @@ class SearchAgentWorkflow:
         self.max_query_chars = max_query_chars
 
     async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
-        messages = search_prompt(data)
-        prompt_ids = chat_prompt_ids(self.tokenizer, messages)
+        messages = search_prompt(data, self.prompt)
+        prompt_ids = search_prompt_ids(self.tokenizer, messages, self.prompt)
         return list(await asyncio.gather(*(self._episode(engine, data, messages, prompt_ids, i)
                                            for i in range(self.gconfig.n_samples))))
 
@@ -92,6 +129,7 @@ class SearchAgentWorkflow:
         rid = uuid.uuid4().hex
         turns: list[dict[str, Any]] = []
         queries: list[str] = []
+        pending = ""  # text of generations cut off by length since the last action: a tag may span them
         prediction: Optional[str] = None
         error: Optional[str] = None
         stop_reason, server = "max_turns", ""
@@ -106,11 +144,14 @@ class SearchAgentWorkflow:
             seq.add_model_turn(resp)
             server = resp.server
             text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
-            action, content = parse_action(text)
+            action, content = parse_action(pending + text)
             turns.append(turn_record(resp, text, action=action))
+            pending = pending + text if action is None else ""
             if action == "answer":
                 prediction, stop_reason = content, "stop"
                 break
+            if action is None and resp.stop_reason == "length":
+                continue  # cut off mid-turn: the next generation goes on from here while the budget lasts
             if action != "search":
                 stop_reason = resp.stop_reason
                 break
@@ -122,7 +163,8 @@ class SearchAgentWorkflow:
             except RetrievalError as e:
                 error, stop_reason = str(e), "retrieval_error"
                 break
-            information = self.tokenizer.encode(format_information(docs), add_special_tokens=False)
+            information = self.tokenizer.encode(format_information(docs, self.information),
+                                                add_special_tokens=False)
             if len(seq) + len(information) >= self.max_tokens:
                 stop_reason = "length"
                 break
@@ -130,8 +172,9 @@ class SearchAgentWorkflow:
         # F1 and exact match are plain string work that cannot hang: no need for the reward pool's processes.
         reward = 0.0 if prediction is None else self.reward_fn(prediction, data["answer"])
         completion = self.tokenizer.decode(seq.input_ids[seq.prompt_len:], skip_special_tokens=True)
+        # searched / num_searches: numbers the rollout aggregates per iteration (agent/<key> in the metrics)
         metadata = {"answer": data.get("answer"), "prediction": prediction, "queries": queries, "turns": turns,
-                    "server": server}
+                    "server": server, "searched": float(bool(queries)), "num_searches": len(queries)}
         if error is not None:
             metadata["error"] = error
         return seq.trajectory(
