@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import traceback
+from pathlib import Path
 from typing import Optional
 
 
@@ -104,6 +105,18 @@ def cmd_evaluate(args) -> None:
     print(json.dumps(result, indent=2))
 
 
+def cmd_answers(args) -> None:
+    from areal_pipeline.workflows.multi_turn import write_answer_logs
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise SystemExit(f"answers: no run directory {run_dir}")
+    out = Path(args.out) if args.out else run_dir / "answers"
+    files = write_answer_logs(run_dir, out)
+    versions = {f.parent.name for f in files}
+    print(f"{len(files)} files for {len(versions)} policy versions in {out}")
+
+
 def cmd_serve(args) -> None:
     from flows.serve import serve_deployments
 
@@ -150,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a checkpoint dir, an HF model dir, or 'latest' (the run's newest checkpoint)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("answers", help="a run's answers per policy version as MathMultiTurnAgent logs them: "
+                                       "OUT/<version>/<prompt_id>.txt and .jsonl")
+    p.add_argument("run_dir", help="the run's directory, e.g. runs/gsm8k-multi-turn")
+    p.add_argument("--out", default=None, help="where the version directories go (default: RUN_DIR/answers)")
+    p.set_defaults(func=cmd_answers)
 
     p = sub.add_parser("serve", help="serve the train and evaluate deployments (Prefect UI runs, schedules)")
     p.add_argument("--config", default="configs/tiny_cpu.yaml")

@@ -17,15 +17,17 @@ turn before the first right one. Every turn's answer, success, reward, return an
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from areal_pipeline.config import GenerationConfig
 from areal_pipeline.data.shards import is_complete, read_trajectories
 from areal_pipeline.data.trajectory import NO_VERSION, SequenceBuilder, Trajectory
 from areal_pipeline.inference.types import ModelRequest
 from areal_pipeline.rewards.pool import RewardPool
+from areal_pipeline.utils import atomic_write_text
 from areal_pipeline.workflows.reflection import TurnsWithFeedbackWorkflow, next_turn_ids, turn_record, user_turn_ids
 from areal_pipeline.workflows.rlvr import sample_seed
 
@@ -110,20 +112,62 @@ def per_version_log(run_dir: str | Path) -> list[dict[str, Any]]:
     (rlvr, remax) give one row each, with the trajectory's reward.
     """
     rows = []
-    for rollout in sorted(Path(run_dir).glob("iter_*/rollout"), key=lambda p: int(p.parent.name.split("_")[1])):
-        if not is_complete(rollout):
-            continue
-        iteration = int(rollout.parent.name.split("_")[1])
-        for t in read_trajectories(rollout):
-            for i, turn in enumerate(t.metadata.get("turns") or [_single_turn(t)]):
-                extra = {k: v for k, v in turn.items() if k not in ("text", "version_start", "version_end")}
-                rows.append({"iteration": iteration, "version": turn["version_start"],
-                             "version_end": turn["version_end"], "prompt_id": t.prompt_id,
-                             "sample_idx": t.sample_idx, "turn": i, "answer": turn["text"], **extra})
+    for iteration, t in _finished_trajectories(run_dir):
+        for i, turn in enumerate(_turns(t)):
+            extra = {k: v for k, v in turn.items() if k not in ("text", "version_start", "version_end")}
+            rows.append({"iteration": iteration, "version": turn["version_start"],
+                         "version_end": turn["version_end"], "prompt_id": t.prompt_id,
+                         "sample_idx": t.sample_idx, "turn": i, "answer": turn["text"], **extra})
     return sorted(rows, key=lambda r: (r["version"], r["iteration"], r["prompt_id"], r["sample_idx"], r["turn"]))
+
+
+def write_answer_logs(run_dir: str | Path, out: str | Path) -> list[Path]:
+    """The run's answers as AReaL's MathMultiTurnAgent logs them, one directory per policy version (the version
+    that began the turn): `out/<version>/<prompt_id>.txt` gets three lines per model turn ("idx: i / n, seqlen: L,
+    head version: a, tail version: b." / "reward is r, prompt is ..." / "sequence is: <answer>.") and
+    `out/<version>/<prompt_id>.jsonl` one object per turn (version_start, version_end, success, prompt_len,
+    answer_len). Episodes in order of iteration, prompt and sample; files are written whole (a second call
+    rewrites them). Returns the files written."""
+    texts: dict[Path, list[str]] = {}
+    lines: dict[Path, list[str]] = {}
+    for _, t in sorted(_finished_trajectories(run_dir), key=lambda it: (it[0], it[1].prompt_id, it[1].sample_idx)):
+        turns = _turns(t)
+        first = turns[0]
+        prompt_len = first["seqlen"] - first["num_tokens"] if "seqlen" in first else t.loss_mask.index(1)
+        answered = [i for i, m in enumerate(t.messages) if m["role"] == "assistant"]
+        prompt = "\n".join(m["content"] for m in t.messages[: answered[0] if answered else None])
+        for i, turn in enumerate(turns):
+            # the search agent scores only its episode: its last turn shows the episode's reward
+            reward = turn.get("reward", t.reward if i == len(turns) - 1 else 0.0)
+            seqlen = turn.get("seqlen", len(t.input_ids))
+            base = Path(out) / str(turn["version_start"]) / t.prompt_id.replace("/", "_")
+            texts.setdefault(base.parent / f"{base.name}.txt", []).append(
+                f"idx: {i + 1} / {len(turns)}, seqlen: {seqlen}, head version: {turn['version_start']}, "
+                f"tail version: {turn['version_end']}.\nreward is {reward}, prompt is {prompt}\n"
+                f"sequence is: {turn['text']}.\n")
+            success = turn.get("success", reward > 0)
+            lines.setdefault(base.parent / f"{base.name}.jsonl", []).append(json.dumps(
+                {"version_start": turn["version_start"], "version_end": turn["version_end"], "success": bool(success),
+                 "prompt_len": prompt_len, "answer_len": seqlen - prompt_len}) + "\n")
+    for path, parts in [*texts.items(), *lines.items()]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, "".join(parts))
+    return sorted([*texts, *lines])
+
+
+def _finished_trajectories(run_dir: str | Path) -> Iterator[tuple[int, Trajectory]]:
+    """(iteration, trajectory) of every rollout of the run that finished (its manifest written)."""
+    for rollout in sorted(Path(run_dir).glob("iter_*/rollout"), key=lambda p: int(p.parent.name.split("_")[1])):
+        if is_complete(rollout):
+            iteration = int(rollout.parent.name.split("_")[1])
+            yield from ((iteration, t) for t in read_trajectories(rollout))
+
+
+def _turns(t: Trajectory) -> list[dict[str, Any]]:
+    return t.metadata.get("turns") or [_single_turn(t)]
 
 
 def _single_turn(t: Trajectory) -> dict[str, Any]:
     versions = [v for v, m in zip(t.versions, t.loss_mask) if m] or [NO_VERSION]
-    return {"text": t.text, "reward": t.reward, "num_tokens": t.num_generated, "stop_reason": t.stop_reason,
-            "version_start": min(versions), "version_end": max(versions)}
+    return {"text": t.text, "reward": t.reward, "num_tokens": t.num_generated, "seqlen": len(t.input_ids),
+            "stop_reason": t.stop_reason, "version_start": min(versions), "version_end": max(versions)}

@@ -64,8 +64,8 @@ def next_turn_ids(resp: ModelResponse, eos: int, closing: list[int], message: li
 def turn_record(resp: ModelResponse, text: str, **fields: Any) -> dict[str, Any]:
     """One model turn, as kept in `metadata["turns"]` (see `multi_turn.per_version_log`)."""
     versions = resp.output_versions or [-1]
-    return {"text": text, "num_tokens": resp.output_len, "stop_reason": resp.stop_reason,
-            "version_start": min(versions), "version_end": max(versions), **fields}
+    return {"text": text, "num_tokens": resp.output_len, "seqlen": resp.input_len + resp.output_len,
+            "stop_reason": resp.stop_reason, "version_start": min(versions), "version_end": max(versions), **fields}
 
 
 class TurnsWithFeedbackWorkflow:
