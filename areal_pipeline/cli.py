@@ -43,6 +43,18 @@ def cmd_rollout(args) -> None:
     from areal_pipeline.pipeline import Pipeline, run_lock
 
     cfg = _config(args)
+    if args.show is not None:  # episodes for people: always rolled out afresh, nothing written but server logs
+        from areal_pipeline.rollout.try_workflow import format_episode, tokenizer_for, try_workflow
+
+        trajectories = try_workflow(cfg, args.show, iteration=args.iteration, progress=True)
+        tokenizer = tokenizer_for(cfg)
+        episodes: dict[str, int] = {}  # an episode's trajectories share its group id
+        for t in trajectories:
+            print(format_episode(t, tokenizer, index=episodes.setdefault(t.group_id, len(episodes))))
+        n = len(trajectories)
+        print(f"\n{args.show} episode(s) of {cfg.rollout.workflow} rolled out now ({n} trajectories): "
+              f"mean reward {sum(t.reward for t in trajectories) / max(1, n):.3f}")
+        return
     pipeline = Pipeline(cfg)
     with run_lock(cfg.run_dir):
         try:
@@ -56,6 +68,10 @@ def cmd_rollout(args) -> None:
             pipeline.services.stop()
     print(json.dumps(stats, indent=2))
     print(f"shards: {pipeline.paths.rollout(args.iteration)}")
+    if stats.get("cached"):
+        print(f"NOTE: iteration {args.iteration}'s rollout was already written: these are its recorded stats, "
+              f"nothing was rolled out now (delete {pipeline.paths.rollout(args.iteration)} to roll it out again, "
+              f"or use --show N to see fresh episodes)", file=sys.stderr)
 
 
 def cmd_train(args) -> None:
@@ -183,9 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("rollout", help="roll out one iteration's batch into Parquet shards")
+    p = sub.add_parser("rollout", help="roll out one iteration's batch into Parquet shards, or show N decoded "
+                                       "episodes (--show N)")
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
     p.add_argument("--iteration", type=int, default=1, help="k: rolled out with the run's policy k - 1")
+    p.add_argument("--show", type=int, default=None, metavar="N",
+                   help="roll out the first N prompts of the batch afresh and print each episode decoded (prompt, "
+                        "turns, tool results, reward); writes no shards and never reuses a cached rollout")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.n_samples=8")
     p.set_defaults(func=cmd_rollout)
     return parser
