@@ -16,7 +16,7 @@ from areal_pipeline.rewards import math_reward
 from areal_pipeline.rewards.pool import RewardPool
 from areal_pipeline.training.ppo import compute_batch, read_batch, write_batch
 from areal_pipeline.workflows import build_workflow
-from areal_pipeline.workflows.multi_turn import WRONG_MESSAGE, MultiTurnWorkflow, per_version_log
+from areal_pipeline.workflows.multi_turn import CORRECT_MESSAGE, WRONG_MESSAGE, MultiTurnWorkflow, per_version_log
 from areal_pipeline.workflows.reflection import REFLECTION_MESSAGE, ReflectionWorkflow, user_turn_ids
 from areal_pipeline.workflows.remax import ReMaxWorkflow
 from areal_pipeline.workflows.rlvr import chat_prompt_ids
@@ -87,6 +87,8 @@ def test_reflection_retries_until_right_and_discounts(tokenizer):
     assert [turn["version_start"] for turn in t.metadata["turns"]] == [3, 3, 3]
     assert [m["content"] for m in t.messages[2:]] == ["5", REFLECTION_MESSAGE, "6", REFLECTION_MESSAGE, "7"]
     assert t.token_returns is None
+    # the episode's facts that the rollout stats average as agent/<key>
+    assert (t.metadata["first_turn_correct"], t.metadata["success"], t.metadata["num_turns"]) == (False, True, 3)
     assert_token_invariants(t, engine.calls, prompt)
 
 
@@ -128,6 +130,40 @@ def test_multi_turn_per_turn_rewards_and_discounted_returns(tokenizer):
     second = calls[1][0].input_ids
     assert second == prompt + _enc(tokenizer, "5") + [tokenizer.eos_token_id] + closing + wrong
     assert [m["content"] for m in t.messages[2:]] == ["5", WRONG_MESSAGE, "it is 6", WRONG_MESSAGE, "7"]
+    assert WRONG_MESSAGE == "Unfortunately your answer is wrong. Let's try again."  # MathMultiTurnAgent's
+    assert (t.metadata["first_turn_correct"], t.metadata["success"], t.metadata["num_turns"]) == (False, True, 3)
+    assert t.metadata["return"] == pytest.approx(-1.09)
+
+
+def test_multi_turn_can_keep_going_after_a_right_answer_as_math_multi_turn_agent_does(tokenizer):
+    """stop_on_success=false: every episode plays max_turns turns; a right answer gets the correct message."""
+    outputs = {0: _enc(tokenizer, "7"), 1: _enc(tokenizer, "8"), 2: _enc(tokenizer, "7")}
+    engine = ScriptedEngine(lambda req, turn: outputs[turn])
+    workflow = MultiTurnWorkflow(math_reward, GenerationConfig(n_samples=1, max_new_tokens=16), tokenizer,
+                                 InlinePool(), max_turns=3, turn_level_discount=0.5, stop_on_success=False)
+    (t,) = asyncio.run(workflow.arun_episode(engine, DATA))
+    turns = t.metadata["turns"]
+    assert [x["success"] for x in turns] == [True, False, True] and t.num_turns == 3
+    # G2 = 1, G1 = -1 + 0.5 * 1 = -0.5, G0 = 1 + 0.5 * -0.5 = 0.75
+    assert [x["return"] for x in turns] == pytest.approx([0.75, -0.5, 1.0])
+    assert t.reward == 1.0  # right at the first turn
+    assert (t.metadata["first_turn_correct"], t.metadata["success"], t.metadata["return"]) == (True, True, 0.75)
+    assert [m["content"] for m in t.messages[2:]] == ["7", CORRECT_MESSAGE, "8", WRONG_MESSAGE, "7"]
+    prompt = chat_prompt_ids(tokenizer, DATA["messages"])
+    calls = assert_token_invariants(t, engine.calls, prompt)
+    eos = tokenizer.eos_token_id
+    closing, correct = user_turn_ids(tokenizer, CORRECT_MESSAGE)
+    wrong = user_turn_ids(tokenizer, WRONG_MESSAGE)[1]
+    assert calls[1][0].input_ids == prompt + _enc(tokenizer, "7") + [eos] + closing + correct
+    assert calls[2][0].input_ids == calls[1][0].input_ids + _enc(tokenizer, "8") + [eos] + closing + wrong
+    # first wrong, then right: the reward is discounted to the first right turn; own messages are used
+    outputs = {0: _enc(tokenizer, "5"), 1: _enc(tokenizer, "7"), 2: _enc(tokenizer, "7")}
+    workflow = MultiTurnWorkflow(math_reward, GenerationConfig(n_samples=1, max_new_tokens=16), tokenizer,
+                                 InlinePool(), max_turns=3, turn_level_discount=0.5, stop_on_success=False,
+                                 correct_message="Yes.", wrong_message="No.")
+    (t,) = asyncio.run(workflow.arun_episode(ScriptedEngine(lambda req, turn: outputs[turn]), DATA))
+    assert t.reward == 0.5 and t.num_turns == 3
+    assert [m["content"] for m in t.messages[2:]] == ["5", "No.", "7", "Yes.", "7"]
 
 
 def test_multi_turn_reward_bias_and_scaling(tokenizer):
@@ -163,11 +199,16 @@ def test_per_version_log_reads_every_finished_rollout(tokenizer, tmp_path):
 # ---------------------------------------------------------------------------------------------- real server
 
 
-@pytest.mark.parametrize("name", ["reflection", "multi_turn"])
-def test_multi_turn_workflows_against_a_real_server(name, cpu_server, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("name, all_turns", [("reflection", False), ("multi_turn", False), ("multi_turn", True)])
+def test_multi_turn_workflows_against_a_real_server(name, all_turns, cpu_server, tiny_model_dir, tmp_path,
+                                                    monkeypatch):
+    """all_turns: multi_turn with stop_on_success=false (MathMultiTurnAgent's episodes: always max_turns turns)."""
     tokenizer = load_tokenizer(tiny_model_dir)
     cfg = load_config(None, [f"rollout.workflow={name}", "rollout.gconfig.n_samples=3",
-                             "rollout.gconfig.max_new_tokens=6", "rollout.agent.max_turns=3"])
+                             "rollout.gconfig.max_new_tokens=6", "rollout.agent.max_turns=3",
+                             f"rollout.agent.stop_on_success={str(not all_turns).lower()}"])
+    if all_turns:  # a reward the random model earns on some turns, so that turns after a right one occur
+        monkeypatch.setattr("areal_pipeline.workflows.pooled_reward_function", lambda cfg: _digits)
     records = [{"prompt_id": f"p{i}", "messages": [{"role": "user", "content": f"What is {i}+1?"}],
                 "answer": str(i + 1), "sampling_seed": 100 + i} for i in range(3)]
 
@@ -189,19 +230,23 @@ def test_multi_turn_workflows_against_a_real_server(name, cpu_server, tiny_model
         for t in group:
             calls = assert_token_invariants(t, engine.calls, prompt)
             assert_logprobs_match_model(model, t)
+            right = [turn["reward"] > 0 for turn in t.metadata["turns"]]
             # between turns: exactly an EOS where the model gave none, the template's closing, the message
-            for (req, resp), (next_req, _) in zip(calls, calls[1:]):
+            for (req, resp), (next_req, _), was_right in zip(calls, calls[1:], right):
                 end = len(req.input_ids) + resp.output_len
                 inserted = [] if resp.output_tokens[-1:] == [eos] else [eos]
-                assert next_req.input_ids[end:] == inserted + workflow.closing_ids + message
-            solved = t.metadata["turns"][-1]["reward"] > 0
-            assert t.num_turns == 3 or solved
+                said = workflow.correct_ids if was_right else message
+                assert next_req.input_ids[end:] == inserted + workflow.closing_ids + said
+            solved = right[-1]
+            assert t.num_turns == 3 or (solved and not all_turns)
+            assert t.metadata["first_turn_correct"] == right[0] and t.metadata["num_turns"] == t.num_turns
             if name == "multi_turn":
                 returns = [x["return"] for x in t.metadata["turns"]]
                 for (req, resp), value in zip(calls, returns):
                     start = len(req.input_ids)
                     assert t.token_returns[start:start + resp.output_len] == pytest.approx([value] * resp.output_len)
-                assert t.reward == float(solved) * 0.9 ** (t.num_turns - 1)
+                assert t.reward == (0.9 ** right.index(True) if any(right) else 0.0)
+                assert t.metadata["return"] == returns[0]
             else:
                 assert t.reward == t.metadata["turns"][-1]["reward"] * 0.9 ** (t.num_turns - 1)
     trajectories = [t for g in groups for t in g]
@@ -210,6 +255,9 @@ def test_multi_turn_workflows_against_a_real_server(name, cpu_server, tiny_model
     for adv, mask in zip(table.column("advantages").to_pylist(), table.column("loss_mask").to_pylist()):
         assert all(a == 0 for a, m in zip(adv, mask) if not m)
     assert len(per_version_log(tmp_path)) == sum(t.num_turns for t in trajectories)
+    if all_turns:
+        assert any(r and i < 2 for t in trajectories for i, r in enumerate(
+            turn["success"] for turn in t.metadata["turns"])), "no turn followed a right answer"
 
 
 # ---------------------------------------------------------------------------------------------- ReMax
