@@ -27,11 +27,11 @@ def remax_base_model(tmp_path_factory) -> str:
     return resolve_model_path(cfg.model, tmp_path_factory.mktemp("remax-model"), cfg.seed)
 
 
-# ~20-30 s a run on 2 busy cores (29 s at load 9.5): 20 iterations of 64 prompts x (2 sampled + 1 greedy). Iteration 1's sampled reward
-# is the base model's ~0.3; the greedy answers flip to right within ~4 updates (the early windows jump to ~0.6 and
-# dip back), then the sampled reward climbs to ~0.7. By hand, seeds 1, 2, 3: first 3 iterations 0.45, 0.47, 0.43;
-# last 5: 0.68, 0.69, 0.69 (margins 0.22, 0.21, 0.26); the greedy reward, first vs last 3: 0.41, 0.46, 0.40 -> 0.98,
-# 0.99, 0.98.
+# ~20-30 s a run on 2 busy cores (29 s at load 9.5): 20 iterations of 64 prompts x (2 sampled + 1 greedy).
+# Iteration 1's sampled reward is the base model's ~0.3; the greedy answers flip to right within ~4 updates (the
+# early windows jump to ~0.6 and dip back), then the sampled reward climbs to ~0.7. By hand, seeds 1, 2, 3: first 3
+# iterations 0.45, 0.47, 0.43; last 5: 0.68, 0.69, 0.69 (margins 0.22, 0.21, 0.26); the greedy reward, first vs
+# last 3: 0.41, 0.46, 0.40 -> 0.98, 0.99, 0.98.
 @pytest.mark.parametrize("seed", [1])  # by hand also 2 and 3 (above)
 def test_remax_raises_the_sampled_reward(remax_base_model, tmp_path, seed):
     cfg = load_config(REPO / "configs" / "remax.yaml", [
