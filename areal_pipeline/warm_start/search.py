@@ -20,18 +20,18 @@ from typing import Any
 from areal_pipeline.warm_start import IGNORE, Example, Sampler
 
 # The episodes' format, as configs/search_agent.yaml runs them: the question alone in the chat template (the
-# instruction would triple the length of every sequence the tiny model is trained on) and 2 results a search.
+# instruction would triple the length of every sequence the tiny model is trained on) and 1 result a search.
 PROMPT = "question"
 SEARCH_TOPK = 1
 # The first questions of the train split, as configs/search_agent.yaml's dataset.max_train_size: few enough
-# entities that the 64-wide byte-level model learns to write their names within a few hundred steps (copying
-# any name it has never seen takes it thousands).
+# entities that the byte-level tiny model learns to write their names within a few hundred steps (a 64-wide one
+# still garbled a third of the names of the whole train split after 1200).
 TRAIN_QUESTIONS = 64
 BEHAVIOURS = {"right": 0.35, "no_search": 0.25, "wrong_entity": 0.2, "wrong_answer": 0.2}
 
 
 def curriculum(tokenizer, tiny: Any, seed: int) -> Sampler:
-    """Episodes on the generated train questions (the test split stays unseen)."""
+    """Episodes on the first `TRAIN_QUESTIONS` generated train questions (the test split stays unseen)."""
     from areal_pipeline.config import RetrievalConfig
     from areal_pipeline.data.knowledge_base import knowledge_base
     from areal_pipeline.tools.retrieval_server import RetrievalService
