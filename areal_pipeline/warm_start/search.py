@@ -25,7 +25,7 @@ PROMPT = "question"
 SEARCH_TOPK = 1
 # The first questions of the train split, as configs/search_agent.yaml's dataset.max_train_size: few enough
 # entities that the byte-level tiny model learns to write their names within a few hundred steps (a 64-wide one
-# still garbled a third of the names of the whole train split after 1200).
+# still garbled 60% of the names of the whole train split after 1200).
 TRAIN_QUESTIONS = 64
 BEHAVIOURS = {"right": 0.35, "no_search": 0.25, "wrong_entity": 0.2, "wrong_answer": 0.2}
 
