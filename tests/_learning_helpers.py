@@ -1,0 +1,25 @@
+"""Short real runs of a config (the real servers, trainer and reward pool, through `run_plain`) and their first vs
+last iterations: what the "does it learn?" tests share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from areal_pipeline.config import load_config
+from areal_pipeline.pipeline import run_plain
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def short_run(config: str, tmp_path: Path, *overrides: str) -> tuple[Any, list[dict[str, Any]]]:
+    """Run `configs/<config>` from scratch (warm start included) under `tmp_path`, without evaluation: (config,
+    the iterations' metrics)."""
+    cfg = load_config(REPO / "configs" / config, [f"output_dir={tmp_path}", "eval_freq=0", *overrides])
+    return cfg, run_plain(cfg)
+
+
+def first_and_last(records: list[dict[str, Any]], key: str = "reward_mean", window: int = 5) -> tuple[float, float]:
+    """The mean of `key` over the first and over the last `window` iterations."""
+    first, last = [r[key] for r in records[:window]], [r[key] for r in records[-window:]]
+    return sum(first) / len(first), sum(last) / len(last)
