@@ -51,6 +51,7 @@ def try_workflow(cfg, n: int = 4, *, iteration: int = 1, records: Optional[list[
         pipeline.services.start_inference()
         if iteration > 1:
             with run_lock(cfg.run_dir):  # the run's weights directory is written by the push
+                pipeline.services.start_trainer()  # it loads the run's checkpoint of that version
                 pipeline.sync_servers(iteration - 1)
         workflow = pipeline._workflow()
 
