@@ -46,6 +46,9 @@ def cmd_rollout(args) -> None:
     if args.show is not None:  # episodes for people: always rolled out afresh, nothing written but server logs
         from areal_pipeline.rollout.try_workflow import format_episode, tokenizer_for, try_workflow
 
+        if args.show < 1:
+            sys.exit(f"rollout: --show N needs N >= 1, got {args.show}")
+
         trajectories = try_workflow(cfg, args.show, iteration=args.iteration, progress=True)
         tokenizer = tokenizer_for(cfg)
         episodes: dict[str, int] = {}  # an episode's trajectories share its group id
