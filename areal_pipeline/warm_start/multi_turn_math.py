@@ -3,9 +3,10 @@
 An episode is the workflow's prompt (`chat_prompt_ids`), then model turns `<number><|im_end|>`, each wrong one
 followed by exactly the ids the workflow appends after it (`user_turn_ids` of its feedback message: the template's
 closing, the user message, the next assistant header; labels -100 there and on the prompt), until a right answer
-or as many turns as the workflow's config runs (`TURNS`: longer episodes only make the warm start slower). The mix is a base model RL can improve on both counts: the first answer is one too high a
-share `tiny.pretrain_off_by_one` of the time (the default task's habit), and after the feedback a wrong answer is
-fixed only a share `FIX_RATE` of the time (otherwise it is repeated). A share `FIRST_TURN_ONLY` of the batches
+or as many turns as the workflow's config runs (`TURNS`: longer episodes only make the warm start slower). The
+mix is a base model RL can improve on both counts: the first answer is one too high a share
+`tiny.pretrain_off_by_one` of the time (the default task's habit), and after the feedback a wrong answer is fixed
+only a share `FIX_RATE` of the time (otherwise it is repeated). A share `FIRST_TURN_ONLY` of the batches
 holds only the episodes' first turns (the same prefixes): the sums and the habit are learned there at a quarter
 of the tokens (the feedback message is most of an episode's length), which halves the warm start's time.
 """

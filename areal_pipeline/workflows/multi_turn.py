@@ -10,8 +10,8 @@ writes G_t on each turn's tokens as the trajectory's `token_returns`, which the 
 place of the trajectory reward (then normalises per `ppo.adv_norm`).
 
 `Trajectory.reward` is for curves and pass@1: 1 if some turn was right, times `turn_level_discount` per
-turn before the first right one. Every turn's answer, success, reward, return and policy version stay in the trajectory's
-`metadata["turns"]`, so `per_version_log(run_dir)` reads them back from the run's shards and
+turn before the first right one. Every turn's answer, success, reward, return and policy version stay in the
+trajectory's `metadata["turns"]`, so `per_version_log(run_dir)` reads them back from the run's shards and
 `write_answer_logs` writes them as MathMultiTurnAgent's per-version answer files (`areal-pipeline answers`).
 """
 
