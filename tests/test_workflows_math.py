@@ -304,7 +304,8 @@ def test_remax_trains_with_reinforce_on_its_advantages(cpu_server, tiny_model_di
                 return [t for r in records for t in await workflow.arun_episode(engine, r)]
 
     trajectories = asyncio.run(go())
-    assert len(trajectories) == len(records)  # the greedy baselines are not trained
+    # n_samples sampled completions a prompt; the greedy baselines are not trained
+    assert len(trajectories) == len(records) * cfg.rollout.gconfig.n_samples
     advantages = [t.metadata["reward_sampled"] - t.metadata["reward_greedy"] for t in trajectories]
     assert any(advantages), "the stub reward should separate some samples from their baseline"
     rollout, batch_dir = tmp_path / "rollout", tmp_path / "batch"
