@@ -78,20 +78,14 @@ class LocalRetrievalClient:
 def check_retrieval_server(address: str, timeout: float = 10.0) -> None:
     """Raise RetrievalError unless a retrieval server at `address` answers a one-query `/retrieve` (what any
     server of this API has, ASearcher's included; /health is this project's own)."""
-    import json
-    import urllib.error
-    import urllib.request
+    from areal_pipeline.utils import run_async
 
-    request = urllib.request.Request(f"http://{address}/retrieve", method="POST",
-                                     data=json.dumps({"queries": ["test"], "topk": 1, "return_scores": False}).encode(),
-                                     headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            _results(json.loads(resp.read()), 1)
-    except (OSError, ValueError) as e:  # refused, unreachable, timed out, an HTTP error, not the API's reply
+        run_async(RetrievalClient(address, retries=0, timeout=timeout).retrieve(["test"], topk=1))
+    except RetrievalError as e:
         raise RetrievalError(f"rollout.agent.retrieval.address={address}: no retrieval server answers POST "
-                             f"/retrieve there ({type(e).__name__}: {e}); start it, or leave the address empty "
-                             "for the run to start its own") from None
+                             f"/retrieve there ({e}); start it, or leave the address empty for the run to start "
+                             "its own") from None
 
 
 def _results(body: Any, n: int) -> list[list[dict[str, Any]]]:

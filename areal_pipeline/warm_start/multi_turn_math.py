@@ -38,17 +38,13 @@ def multi_turn(tokenizer, tiny: Any, seed: int) -> Sampler:
 
 
 def episodes(tokenizer, tiny: Any, seed: int, wrong_message: str, max_turns: int) -> Sampler:
-    """Episodes on the arithmetic generator's train split under the run's seed (its test split stays unseen)."""
-    from areal_pipeline.config import DatasetConfig
-    from areal_pipeline.data.datasets import load_records
+    """Episodes on the arithmetic train questions (`arithmetic.train_questions`)."""
+    from areal_pipeline.warm_start.arithmetic import answer_ids, train_questions
     from areal_pipeline.workflows.reflection import user_turn_ids
-    from areal_pipeline.workflows.rlvr import chat_prompt_ids
 
-    eos = tokenizer.eos_token_id
     closing, message = user_turn_ids(tokenizer, wrong_message)
     feedback = closing + message  # after a turn that ended with its EOS, as every curriculum turn does
-    questions = {r["question"]: r for r in load_records(DatasetConfig(), "train", seed)}
-    examples = [(chat_prompt_ids(tokenizer, r["messages"]), int(r["answer"])) for r in questions.values()]
+    examples = train_questions(tokenizer, seed)
 
     def episode(rng: random.Random, prompt: list[int], answer: int, max_turns: int) -> Example:
         ids, labels = list(prompt), [IGNORE] * len(prompt)
@@ -58,7 +54,7 @@ def episodes(tokenizer, tiny: Any, seed: int, wrong_message: str, max_turns: int
                 ids += feedback
                 labels += [IGNORE] * len(feedback)  # the environment's tokens carry no loss
                 shown = answer if rng.random() < FIX_RATE else shown
-            target = tokenizer(str(shown))["input_ids"] + [eos]
+            target = answer_ids(tokenizer, shown)
             ids += target
             labels += target
             if shown == answer:
