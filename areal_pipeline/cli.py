@@ -29,6 +29,7 @@ def cmd_init_model(args) -> None:
 def cmd_inference_server(args) -> None:
     from areal_pipeline.inference import server
 
+    del args.func  # the server shows its arguments (/get_server_info): settings only
     server.serve(args)
 
 

@@ -811,19 +811,20 @@ def verify_model_dir(model_dir: Path) -> Path:
     return Path(model_dir)
 
 
-def evaluate_checkpoint(cfg: ExperimentConfig, model_dir: Path) -> dict[str, Any]:
-    """Serve `model_dir` (checked by `verify_model_dir` first) on fresh inference servers and score it on the
-    test split."""
+def evaluate_checkpoint(cfg: ExperimentConfig, checkpoint: str | Path) -> dict[str, Any]:
+    """Serve `checkpoint` (as `resolve_checkpoint` takes it, and checked there) on fresh inference servers and
+    score it on the test split; the record names the model directory served (`model`)."""
     import dataclasses
 
-    verify_model_dir(model_dir)
+    model_dir = resolve_checkpoint(cfg, str(checkpoint))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
     pipeline = Pipeline(cfg, log_dir=cfg.run_dir / "logs" / "evaluate")  # apart from a live train run's logs
     try:
         pipeline.services.start_tools()
         pipeline.services.start_inference()
-        return evaluate_policy(cfg, pipeline._engine, pipeline.records(cfg.dataset.test_split), pipeline.tokenizer,
-                               pipeline.reward_pool, pipeline._tool_kwargs())
+        return {"model": str(model_dir), **evaluate_policy(
+            cfg, pipeline._engine, pipeline.records(cfg.dataset.test_split), pipeline.tokenizer, pipeline.reward_pool,
+            pipeline._tool_kwargs())}
     finally:
         pipeline.close()
         pipeline.services.stop()

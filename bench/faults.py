@@ -293,7 +293,9 @@ class Sweep:
             return next((t for t in triggers if any(run_dir.glob(t))), None) or popen.poll() is not None
 
         what = wait_until(fired, RUN_TIMEOUT_S, interval=0.01)
-        if what is True or popen.poll() is not None:
+        if not isinstance(what, str):  # the run ended first, or the trigger never appeared
+            if popen.poll() is None:
+                popen.kill()
             code, text = self.finish(popen, log)
             raise RuntimeError(f"the run ended (exit {code}) before {triggers[0]} appeared: {last_line(text)}")
         return popen, log, run_dir, what

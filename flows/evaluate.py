@@ -7,7 +7,7 @@ from typing import Any, Optional
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from areal_pipeline.pipeline import evaluate_checkpoint, resolve_checkpoint, resolve_run_config
+from areal_pipeline.pipeline import evaluate_checkpoint, resolve_run_config
 from flows.artifacts import artifact_key
 
 
@@ -17,8 +17,8 @@ def evaluate(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[lis
     """Score `checkpoint` (a checkpoint directory, a Hugging Face model directory, or "latest": the run's
     newest checkpoint) on the config's test split."""
     cfg = resolve_run_config(config_path, overrides, run_id)
-    model_dir = resolve_checkpoint(cfg, checkpoint)
-    record = evaluate_checkpoint(cfg, model_dir)
+    record = evaluate_checkpoint(cfg, checkpoint)
+    model_dir = record.pop("model")
     table = [{"metric": k, "value": round(v, 4) if isinstance(v, float) else v}
              for k, v in record.items() if k != "samples"]
     create_table_artifact(key=artifact_key(cfg.run_id, "evaluation"), table=table,

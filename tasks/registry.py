@@ -6,7 +6,7 @@ import hashlib
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from areal_pipeline.data.shards import ShardError, verify_shards
+from areal_pipeline.data.shards import shards_intact
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.utils import deadline
 
@@ -51,17 +51,10 @@ def output_cache_key(output: Callable[[Pipeline, int], Path]) -> Callable[[Any, 
             return None
         path = output(pipeline, parameters["k"])
         record = path / "manifest.json" if path.is_dir() else path
-        if not record.is_file() or (path.is_dir() and not _shards_intact(path)):
+        if not record.is_file() or (path.is_dir() and not shards_intact(path)):
             return None
         digest = hashlib.sha256(record.read_bytes()).hexdigest()[:16]
         return f"{context.task.name}-{pipeline.cfg.run_id}-{parameters['k']}-{digest}"
-
-    def _shards_intact(path: Path) -> bool:
-        try:
-            verify_shards(path)
-            return True
-        except ShardError:
-            return False
 
     return key
 

@@ -213,19 +213,30 @@ def verify_shards(out_dir: str | os.PathLike) -> None:
         raise ShardError(f"{out_dir}: shards hold {total} rows, the manifest says {manifest['num_rows']}")
 
 
+def shards_intact(out_dir: str | os.PathLike) -> bool:
+    """Whether `out_dir` holds a finished write whose shards match their manifest (`verify_shards`)."""
+    return _shard_problem(out_dir) is None
+
+
 def keep_if_intact(out_dir: str | os.PathLike) -> bool:
     """For a step that can compute its output again: True when `out_dir` holds shards that match their manifest.
     Otherwise there is nothing to keep: a corrupt output is logged (naming the file and what failed) and
     cleared, so that the step writes it afresh; an unfinished one (no manifest) is left to the writer."""
     if not has_manifest(out_dir):
         return False
+    problem = _shard_problem(out_dir)
+    if problem is not None:
+        logger.warning("corrupt output, computing it again: %s", problem)
+        _clear(Path(out_dir))
+    return problem is None
+
+
+def _shard_problem(out_dir: str | os.PathLike) -> ShardError | None:
     try:
         verify_shards(out_dir)
-        return True
+        return None
     except ShardError as error:
-        logger.warning("corrupt output, computing it again: %s", error)
-        _clear(Path(out_dir))
-        return False
+        return error
 
 
 def read_table(out_dir: str | os.PathLike, schema: pa.Schema | None = TRAJECTORY_SCHEMA) -> pa.Table:

@@ -409,10 +409,7 @@ def serve(args: argparse.Namespace) -> None:
                          on_load_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
     # Listen at once (health says 503 while the model loads), as SGLang does.
     engine.start()
-    # The server's settings as /get_server_info shows them; `areal-pipeline inference-server` adds its dispatch
-    # function to `args`, which is no JSON (it made every /get_server_info a 500).
-    settings = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
-    server = InferenceServer(engine, server_args=settings, max_body_bytes=args.max_body_bytes)
+    server = InferenceServer(engine, server_args=vars(args), max_body_bytes=args.max_body_bytes)
     logger.info("CPU inference server on http://%s:%d (model %s)", args.host, args.port, args.model)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
                 handle_signals=True)
