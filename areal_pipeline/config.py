@@ -151,7 +151,9 @@ class AgentConfig:
     """Settings of the multi-turn and tool-using workflows (ignored by single-turn rlvr)."""
 
     max_turns: int = 2
-    turn_discount: float = 0.9  # reflection: final reward x turn_discount per extra turn
+    # reflection: final reward x turn_discount per extra turn; openai_agent: rewards discounted back over the
+    # completions, R_i = r_i + turn_discount * R_{i+1}
+    turn_discount: float = 0.9
     turn_level_discount: float = 0.9  # multi_turn: per-turn rewards discounted backwards over turns
     reward_bias: float = 0.0  # multi_turn per-turn reward: ((success - 0.5) * 2 - bias) * scaling
     reward_scaling: float = 1.0
@@ -169,6 +171,11 @@ class AgentConfig:
     # search agent's results: docs ("Doc 1 (Title: t) text" lines) | tutorial (ASearcher's <p title="t">...</p>)
     information: str = "docs"
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    # openai_agent: the user's `async def agent(client: AsyncOpenAI, data: dict) -> float | dict[str, float]`, as
+    # "module:function" (importable from the working directory) or "path/to/file.py:function"
+    entry: str = ""
+    # openai_agent's trajectories: concat (a conversation's completions as one sequence) | individual (one each)
+    export_style: str = "concat"
 
 
 @dataclass
@@ -501,7 +508,7 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
     AgentConfig: {"max_turns": _COUNT, "turn_discount": _FRACTION, "turn_level_discount": _FRACTION,
                   "reward_bias": _FINITE, "reward_scaling": _FINITE, "max_tokens": _COUNT,
                   "reward": one_of("f1", "exact_match"), "prompt": one_of("chat", "tutorial", "question"),
-                  "information": one_of("docs", "tutorial")},
+                  "information": one_of("docs", "tutorial"), "export_style": one_of("concat", "individual")},
     RolloutConfig: {"batch_size": _COUNT, "max_head_offpolicyness": _NON_NEGATIVE, "max_concurrent_rollouts": _COUNT,
                     "reward_timeout": _POSITIVE, "reward_workers": _COUNT, "shard_rows": _COUNT},
     NormConfig: {"mean_level": _NORM_LEVEL, "std_level": _NORM_LEVEL, "eps": _POSITIVE},
@@ -544,6 +551,16 @@ def _generation_fits_context(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
                f"{key('inference.context_length')}={cfg.inference.context_length} (the prompt needs room too)")
 
 
+_AGENT_ENTRY = re.compile(r"[^:\s]+:[A-Za-z_]\w*")  # module:function or path/to/file.py:function
+
+
+def _agent_entry_named(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    entry = cfg.rollout.agent.entry
+    if cfg.rollout.workflow == "openai_agent" and not _AGENT_ENTRY.fullmatch(entry):
+        yield (f"{key('rollout.agent.entry')}={entry!r}: must name the agent as 'module:function' or "
+               "'path/to/file.py:function' (rollout.workflow=openai_agent runs it)")
+
+
 def _evaluation_has_prompts(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
     d = cfg.dataset
     empty = ("dataset.max_test_size" if d.max_test_size == 0 else
@@ -553,11 +570,32 @@ def _evaluation_has_prompts(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
                f"({key(empty)}=0), or evaluation scores no prompts")
 
 
+def _warm_start_in_the_run_format(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    """A curriculum that wrote whole episodes in one format (its module's `WRITTEN_FOR`: dotted key -> value)
+    makes a base model that only knows that format; the embedded model it warm-starts runs in it."""
+    import importlib
+
+    tiny = cfg.model.tiny
+    if cfg.model.path or tiny.pretrain_steps == 0:
+        return
+    module = importlib.import_module(CURRICULA[tiny.pretrain_task].split(":")[0])
+    for dotted, value in getattr(module, "WRITTEN_FOR", {}).items():
+        actual = cfg
+        for part in dotted.split("."):
+            actual = getattr(actual, part)
+        if actual != value:
+            yield (f"{key(dotted)}={actual!r}: must be {value!r} with the embedded model warm-started on the "
+                   f"'{tiny.pretrain_task}' curriculum ({key('model.tiny.pretrain_task')}), whose episodes are in "
+                   f"that format; set {key('model.tiny.pretrain_task')} to one in this format, "
+                   f"{key('model.tiny.pretrain_steps')}=0, or {key('model.path')}")
+
+
 # Rules between fields of one section, run once every field passed its own rules (they divide and compare them).
 CROSS_RULES: dict[type, tuple[Callable[[Any, Key], Iterator[str]], ...]] = {
     TinyModelConfig: (_attention_heads_divide,),
     RetrievalConfig: (_default_topk_within_max,),
-    ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts),
+    ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, _warm_start_in_the_run_format,
+                       _agent_entry_named),
 }
 
 

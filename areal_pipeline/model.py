@@ -116,9 +116,29 @@ def build_tiny_model(out_dir: str | Path, tiny: Any = None, seed: int = 1) -> Pa
 
 
 def embedded_model_dir(output_dir: str | Path, tiny: Any, seed: int) -> Path:
-    key = json.dumps({"tiny": dataclasses.asdict(tiny), "seed": seed}, sort_keys=True)
+    """Where the embedded model of this config and seed is built: named by a digest of everything that decides
+    its weights, the code that builds and warm-starts it included (a changed curriculum builds a new model
+    instead of reusing one made by the old code)."""
+    key = json.dumps({"tiny": dataclasses.asdict(tiny), "seed": seed, "code": _build_code_digest(tiny)},
+                     sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return Path(output_dir) / "_models" / f"tiny-qwen2-{digest}"
+
+
+def _build_code_digest(tiny: Any) -> str:
+    """sha256 of the sources that build the model: this module, and with a warm start the curriculum's module and
+    the warm-start loop."""
+    import importlib.util
+
+    modules = [__name__]
+    if tiny.pretrain_steps > 0:
+        from areal_pipeline.warm_start import CURRICULA
+
+        modules += ["areal_pipeline.warm_start", CURRICULA[tiny.pretrain_task].split(":")[0]]
+    digest = hashlib.sha256()
+    for module in modules:
+        digest.update(Path(importlib.util.find_spec(module).origin).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def resolve_model_path(model_cfg: Any, output_dir: str | Path, seed: int) -> str:

@@ -7,9 +7,17 @@ from pathlib import Path
 from typing import Any
 
 from areal_pipeline.config import load_config
+from areal_pipeline.model import resolve_model_path
 from areal_pipeline.pipeline import run_plain
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def base_model(config: str, out_dir: Path, *overrides: str) -> str:
+    """The embedded model `configs/<config>` (+ overrides) warm-starts, built in `out_dir`: a fixture builds it
+    once, so that the runs it is shared by are what their tests take."""
+    cfg = load_config(REPO / "configs" / config, [f"output_dir={out_dir}", *overrides])
+    return resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
 
 
 def short_run(config: str, tmp_path: Path, *overrides: str) -> tuple[Any, list[dict[str, Any]]]:

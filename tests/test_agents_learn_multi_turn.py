@@ -12,24 +12,32 @@ import sys
 import pytest
 
 from areal_pipeline.workflows.multi_turn import per_version_log
-from _learning_helpers import REPO, first_and_last, short_run
+from _learning_helpers import REPO, base_model, first_and_last, short_run
 
-# ~1.5 minutes a run on 2 busy cores (the warm start ~30 s, 16 iterations of 32 prompts x 8 episodes ~1 minute):
-# 300 warm-start steps (the configs' 500 make a base model whose sums are more often right; 300 still answer in
-# format, one too high at first). The seed decides how fast the first iterations learn: seed 2 is the slowest
-# seen (reflection: reward +0.11, first-turn accuracy +0.11 over these windows), hence the small margins; 16
-# prompts a batch or 12 iterations were not enough for seeds 2 and 3 to learn at all.
-SHORT = ("model.tiny.pretrain_steps=300", "total_iterations=16")
+# The base models: 300 warm-start steps (the configs' 500 make a base model whose sums are more often right; 300
+# still answer in format, one too high at first), ~30 s each on 2 busy cores, built once per module. A run: 16
+# iterations of 32 prompts x 8 episodes, ~1 minute on 2 busy cores. The seed decides how fast the first iterations
+# learn: seed 2 is the slowest seen (reflection: reward +0.11, first-turn accuracy +0.11 over these windows), hence
+# the small margins; 16 prompts a batch or 12 iterations were not enough for seeds 2 and 3 to learn at all.
+WARM_START = "model.tiny.pretrain_steps=300"
+ITERATIONS = "total_iterations=16"
 WINDOW = 4
 
 
 @pytest.fixture(scope="module")
+def reflection_model(tmp_path_factory) -> str:
+    return base_model("gsm8k_reflection.yaml", tmp_path_factory.mktemp("reflection-model"), WARM_START)
+
+
+@pytest.fixture(scope="module")
 def multi_turn_run(tmp_path_factory):
-    return short_run("gsm8k_multi_turn.yaml", tmp_path_factory.mktemp("multi-turn"), *SHORT)
+    model = base_model("gsm8k_multi_turn.yaml", tmp_path_factory.mktemp("multi-turn-model"), WARM_START)
+    return short_run("gsm8k_multi_turn.yaml", tmp_path_factory.mktemp("multi-turn"), f"model.path={model}",
+                     ITERATIONS)
 
 
-def test_reflection_learns_to_answer_right_at_the_first_turn(tmp_path):
-    _, records = short_run("gsm8k_reflection.yaml", tmp_path, *SHORT)
+def test_reflection_learns_to_answer_right_at_the_first_turn(reflection_model, tmp_path):
+    _, records = short_run("gsm8k_reflection.yaml", tmp_path, f"model.path={reflection_model}", ITERATIONS)
     reward = first_and_last(records, "reward_mean", WINDOW)
     first_turn = first_and_last(records, "agent/first_turn_correct", WINDOW)
     curves = {key: [round(r[key], 2) for r in records] for key in ("reward_mean", "agent/first_turn_correct")}

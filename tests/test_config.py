@@ -223,3 +223,17 @@ def test_a_yaml_syntax_error_is_a_config_error_naming_the_place(tmp_path):
     broken.write_text("rollout: {batch_size: 4\nseed: 3\n")
     with pytest.raises(ConfigError, match=rf"{broken} is not valid YAML: .* line \d+, column \d+"):
         load_config(broken)
+
+
+def test_the_search_warm_start_runs_only_in_the_format_it_was_written_in():
+    """The embedded search model learnt whole episodes with the question alone and one result a search: another
+    prompt or top-k would hand it a format it never saw, so the config refuses it, naming the ways out."""
+    with pytest.raises(ConfigError) as refused:
+        load_config("configs/search_agent.yaml", ["rollout.agent.retrieval.topk=3", "rollout.agent.prompt=chat"])
+    message = str(refused.value)
+    assert "rollout.agent.retrieval.topk=3: must be 1" in message and "rollout.agent.prompt='chat': must be" in message
+    assert "model.tiny.pretrain_steps=0, or model.path" in message
+    # the same settings with a model of the user's own, or an untrained embedded one, are fine
+    for way_out in ("model.path=Qwen/Qwen2.5-1.5B-Instruct", "model.tiny.pretrain_steps=0"):
+        cfg = load_config("configs/search_agent.yaml", ["rollout.agent.retrieval.topk=3", way_out])
+        assert cfg.rollout.agent.retrieval.topk == 3

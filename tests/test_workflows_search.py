@@ -286,9 +286,9 @@ def test_cut_off_turns_go_on_against_a_real_server(cpu_server, tiny_model_dir, t
 def test_tutorial_prompt_and_information_against_a_real_server(cpu_server, tiny_model_dir, tokenizer, retrieval,
                                                                 tmp_path):
     model = load_model(tiny_model_dir)
-    cfg = load_config("configs/search_agent.yaml", [
-        f"output_dir={tmp_path}", "rollout.gconfig.n_samples=2", "rollout.gconfig.max_new_tokens=16",
-        "rollout.agent.prompt=tutorial", "rollout.agent.information=tutorial",
+    cfg = load_config("configs/search_agent.yaml", [  # the model: the suite's tiny one, not the search warm start
+        f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", "rollout.gconfig.n_samples=2",
+        "rollout.gconfig.max_new_tokens=16", "rollout.agent.prompt=tutorial", "rollout.agent.information=tutorial",
         "rollout.agent.retrieval.topk=1"])  # the tutorial's prompt is ~850 bytes: one result fits the tiny model
     workflow = build_workflow(cfg, tokenizer, InlinePool(), tool_addresses={"retrieval": retrieval})
 

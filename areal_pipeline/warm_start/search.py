@@ -21,8 +21,11 @@ from areal_pipeline.warm_start import IGNORE, Example, Sampler
 
 # The episodes' format, as configs/search_agent.yaml runs them: the question alone in the chat template (the
 # instruction would triple the length of every sequence the tiny model is trained on) and 1 result a search.
+# The config refuses to run a model warm-started on these episodes in another format (`WRITTEN_FOR`).
 PROMPT = "question"
 SEARCH_TOPK = 1
+WRITTEN_FOR = {"rollout.workflow": "search_agent", "rollout.agent.prompt": PROMPT,
+               "rollout.agent.information": "docs", "rollout.agent.retrieval.topk": SEARCH_TOPK}
 # The first questions of the train split, as configs/search_agent.yaml's dataset.max_train_size: few enough
 # entities that the byte-level tiny model learns to write their names within a few hundred steps (a 64-wide one
 # still garbled 60% of the names of the whole train split after 1200).
