@@ -1,9 +1,16 @@
 """Rollout throughput: output tokens/s of 64 concurrent episodes through the CPU inference server, against
-in-process `model.generate` on the same padded batch and against one request at a time through the server.
+`model.generate` on the same padded batch and against one request at a time through the server.
 
-    python bench/rollout_throughput.py [--episodes 64] [--prompt-len 20] [--new-tokens 64] [--repeats 3]
+    python bench/rollout_throughput.py [--episodes 64] [--prompt-len 20] [--new-tokens 64] [--repeats 3] [--threads 1]
 
 Targets (issue 2): server within 10% of batched generate (ratio >= 0.9) and >= 4x one-at-a-time.
+Each side runs as it would in use: the server as the pipeline launches it (`ServerProcess`: OpenMP threads wait
+passively), `model.generate` in a process of its own. Not in this process: OpenMP threads of a process that has
+just generated keep spinning, and they took half the cores from the server measured next
+(server_vs_batched_generate 0.49-0.57 on 2 cores, against 1.0 with this process's threads passive). Both use
+`--threads` torch threads (default 1, as the default config's `inference.num_threads`): with 2 threads on 2 cores
+and any other process busy, every parallel region waits for a descheduled thread, and the same `generate` took
+0.28 s or 17 s from one run to the next.
 The last line is one JSON object of the figures.
 """
 
@@ -14,6 +21,7 @@ import asyncio
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +64,22 @@ def batched_generate(model, prompts, new_tokens: int, pad_id: int) -> float:
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / (time.perf_counter() - start)
 
 
+def generate_in_own_process(model_dir: str, prompts, new_tokens: int, threads: int) -> float:
+    """`batched_generate` (after a warm-up) in a fresh process: its tokens/s."""
+    done = subprocess.run([sys.executable, __file__, "--generate-worker", model_dir, "--new-tokens", str(new_tokens),
+                           "--threads", str(threads)],
+                          input=json.dumps(prompts), capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def generate_worker(model_dir: str, new_tokens: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    prompts = json.loads(sys.stdin.read())
+    model = load_model(model_dir)
+    batched_generate(model, prompts[:8], 8, model.config.pad_token_id)  # warm-up
+    print(batched_generate(model, prompts, new_tokens, model.config.pad_token_id))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--episodes", type=int, default=64)
@@ -64,17 +88,20 @@ def main() -> None:
     p.add_argument("--sequential-requests", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default="", help="HF model dir (default: the embedded tiny model)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the server and of generate")
+    p.add_argument("--generate-worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.generate_worker:
+        return generate_worker(args.generate_worker, args.new_tokens, args.threads)
 
     work = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
     model_dir = args.model or str(build_tiny_model(work / "tiny"))
-    model = load_model(model_dir)
     rng = random.Random(0)
     prompts = [[rng.randrange(0, 256) for _ in range(args.prompt_len)] for _ in range(args.episodes)]
 
     port = find_free_port()
     server = ServerProcess([sys.executable, "-m", "areal_pipeline.inference.server", "--model", model_dir,
-                            "--port", str(port), "--log-level", "warning"], f"127.0.0.1:{port}",
+                            "--port", str(port), "--log-level", "warning", "--num-threads", str(args.threads)], f"127.0.0.1:{port}",
                            work / "server.log").start()
     figures = {"server": [], "generate": [], "one_at_a_time": []}
     try:
@@ -87,11 +114,10 @@ def main() -> None:
                 seq = await through_server(engine, prompts[: args.sequential_requests], args.new_tokens, False)
                 return conc, seq
 
-        batched_generate(model, prompts[:8], 8, model.config.pad_token_id)  # warm-up
         # Interleave the measurements so that drifts in machine load hit all three alike.
         for r in range(args.repeats):
             conc, seq = asyncio.run(server_runs())
-            gen = batched_generate(model, prompts, args.new_tokens, model.config.pad_token_id)
+            gen = generate_in_own_process(model_dir, prompts, args.new_tokens, args.threads)
             figures["server"].append(conc)
             figures["one_at_a_time"].append(seq)
             figures["generate"].append(gen)
@@ -103,6 +129,7 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in figures.items()}
     result = {
         "episodes": args.episodes,
+        "threads": args.threads,
         "new_tokens": args.new_tokens,
         "tokens_per_s": round(med["server"], 1),
         "batched_generate_tokens_per_s": round(med["generate"], 1),
