@@ -144,6 +144,18 @@ def cmd_serve(args) -> None:
                       interval=args.interval, eval_cron=args.eval_cron, eval_interval=args.eval_interval)
 
 
+def cmd_export(args) -> None:
+    from areal_pipeline.data.export import ExportError, export_dataset, parse_iteration_range
+
+    try:
+        first, last = parse_iteration_range(args.iterations)
+        result = export_dataset(Path(args.output_dir) / args.run_id, args.out, args.format, args.min_reward,
+                                first, last, keep_duplicates=args.keep_duplicates)
+    except ExportError as e:
+        sys.exit(f"export error: {e}")
+    print(result.describe())
+
+
 def build_parser() -> argparse.ArgumentParser:
     from areal_pipeline.inference.server import build_arg_parser
 
@@ -202,6 +214,20 @@ def build_parser() -> argparse.ArgumentParser:
     eval_when.add_argument("--eval-interval", type=float, default=None)
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("export", help="a data set from a run's rollout shards: rejection-sampled SFT conversations "
+                                      "or chosen/rejected pairs, as Parquet or JSON lines")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--output-dir", default="runs", help="where the run directories are (the config's output_dir)")
+    p.add_argument("--format", choices=["sft", "preference"], default="sft",
+                   help="sft: accepted episodes as chat messages; preference: accepted vs rejected samples of one "
+                        "prompt, paired within each group")
+    p.add_argument("--min-reward", type=float, default=1.0, help="a sample is accepted at this reward or above")
+    p.add_argument("--iterations", default=None, metavar="A:B", help="only these iterations (K, A:B, A:, :B)")
+    p.add_argument("--keep-duplicates", action="store_true",
+                   help="sft: keep a conversation every time it was sampled (default: once)")
+    p.add_argument("--out", required=True, help="FILE.parquet, FILE.jsonl or FILE.json (JSON lines)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("rollout", help="roll out one iteration's batch into Parquet shards, or show N decoded "
                                        "episodes (--show N)")
