@@ -1,0 +1,85 @@
+"""A real `prefect server start` on loopback for the tests that need what a user's own server runs (workers,
+the events pipeline, automations), as opposed to the project's temporary API server."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+from areal_pipeline.utils import find_free_port
+
+PREFECT = str(Path(sys.executable).parent / "prefect")
+
+# A user's server runs Prefect's defaults; importing `flows` in this process set a few of them off (see
+# flows/__init__.py), and the server would inherit that from os.environ.
+SERVER_ENV = {
+    "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "true",
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "true",
+    "PREFECT_SERVER_EVENTS_STREAM_OUT_ENABLED": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_UI_ENABLED": "false",
+}
+
+
+def server_env(home: Path) -> dict[str, str]:
+    env = {**os.environ, **SERVER_ENV, "PREFECT_HOME": str(home)}
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
+@contextlib.contextmanager
+def prefect_server(home: Path, timeout: float = 180) -> Iterator[str]:
+    """`prefect server start` (SQLite under `home`) for the block; yields its API URL."""
+    home.mkdir(parents=True, exist_ok=True)
+    port = find_free_port()
+    log = open(home / "server.log", "w")
+    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                              env=server_env(home), stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"prefect server start exited ({server.returncode}): "
+                                   f"{(home / 'server.log').read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server start did not answer within {timeout} s")
+            time.sleep(0.3)
+        yield url
+    finally:
+        stop_group(server)
+        log.close()
+
+
+def stop_group(process: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGINT to the process group (as Ctrl-C), then SIGKILL if it is still there after `timeout`."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGINT)
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        pass
+
+
+def client_env(api_url: str, home: Path) -> dict[str, str]:
+    """The environment of a command run against the server (CLI, worker, a train run)."""
+    return {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_HOME": str(home)}

@@ -1,0 +1,91 @@
+"""`prefect deploy` with the repository's prefect.yaml registers the train and evaluate deployments on a process
+work pool, and a real `prefect worker start` runs them: a real `prefect server start` on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+
+import psutil
+import pytest
+
+from _prefect_server import PREFECT, client_env, prefect_server, stop_group
+from test_flows import REPO, fast_overrides, wait_until
+
+POOL = "areal-process"  # the work pool prefect.yaml names
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
+        yield url
+
+
+def prefect_cli(*args: str, env: dict, timeout: float = 300) -> str:
+    done = subprocess.run([PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"prefect {' '.join(args)}:\n{(done.stdout + done.stderr)[-3000:]}"
+    return done.stdout + done.stderr
+
+
+def test_prefect_deploy_and_a_process_worker_run_train_and_evaluate(server, tiny_model_dir, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    env = client_env(server, tmp_path / "prefect-home")
+    env["PREFECT_WORKER_QUERY_SECONDS"] = "1"  # the worker looks for scheduled runs every second, not every 10 s
+    prefect_cli("work-pool", "create", POOL, "--type", "process", env=env)
+    out = prefect_cli("--no-prompt", "deploy", "--all", env=env)
+    assert "train/train" in out and "evaluate/evaluate" in out, out
+
+    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", POOL], cwd=tmp_path, env=env,
+                              stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    overrides = fast_overrides(tmp_path, tiny_model_dir, run_id="pooled", iterations=2)
+    seen: set[int] = set()  # pids of the flow runs' processes while they ran
+
+    async def run(deployment_name: str, parameters: dict):
+        async with get_client() as client:
+            deployment = await client.read_deployment_by_name(deployment_name)
+            assert deployment.work_pool_name == POOL
+            # prefect deploy recorded where it ran: the worker runs the flow there
+            assert deployment.pull_steps == [
+                {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+            flow_run = await client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+            for _ in range(3000):
+                flow_run = await client.read_flow_run(flow_run.id)
+                if flow_run.state.is_final():
+                    return flow_run
+                if flow_run.state.is_running():
+                    seen.update(p.pid for p in _processes_of({str(flow_run.id)}))
+                await asyncio.sleep(0.2)
+            raise AssertionError(f"{deployment_name} run did not finish: {flow_run.state}")
+
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server}):
+            trained = asyncio.run(run("train/train", {"overrides": overrides}))
+            assert trained.state.is_completed(), (trained.state, (tmp_path / "worker.log").read_text()[-3000:])
+            evaluated = asyncio.run(run("evaluate/evaluate", {"overrides": overrides}))
+            assert evaluated.state.is_completed(), (evaluated.state, (tmp_path / "worker.log").read_text()[-3000:])
+    finally:
+        stop_group(worker)
+    assert worker.returncode is not None
+    records = [json.loads(line) for line in (tmp_path / "pooled" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert (tmp_path / "pooled" / "checkpoints" / "step_2" / "model" / "config.json").is_file()
+    # nothing the two flow runs started outlives them: their processes (and the servers and trainer they launched)
+    # carry the flow run's id in PREFECT__FLOW_RUN_ID
+    ids = {str(trained.id), str(evaluated.id)}
+    assert len(seen) >= 3  # the flow run's process, the inference server, the trainer, ...
+    wait_until(lambda: not _processes_of(ids), 30, "the flow runs' processes to exit")
+
+
+def _processes_of(flow_run_ids: set[str]) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("PREFECT__FLOW_RUN_ID") in flow_run_ids:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
