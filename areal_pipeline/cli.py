@@ -79,19 +79,28 @@ def cmd_rollout(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from flows.api_server import TemporaryAPIServer, configured_api_url, prefect_api
-    from flows.train import train
-
+    from areal_pipeline import forkserver
+    from areal_pipeline.config import load_config
     from areal_pipeline.data.datasets import check_local_rows
-    from areal_pipeline.metrics import read_metrics, summarize
-    from areal_pipeline.model import resolve_model_path
-    from areal_pipeline.pipeline import resolve_run_config
 
-    cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)  # config errors first
-    check_local_rows(cfg.dataset, cfg.seed)  # then data errors, before anything starts
-    # Prefect's API server (when none is configured) starts now and comes up while the embedded model is built
+    # Config errors first, then data errors, before anything starts (both need only light imports).
+    checked = load_config(args.config, list(args.overrides) + ([f"run_id={args.run_id}"] if args.run_id else []))
+    check_local_rows(checked.dataset, checked.seed)
+    # What start-up waits for comes up in the background from here on, together, while this process imports the
+    # rest and builds the embedded model: the services' own imports (a forkserver, see forkserver.py) and
+    # Prefect's API server, when none is configured.
+    forkserver.start_preloading()
+    from flows.api_server import TemporaryAPIServer, configured_api_url, prefect_api
+
     api_server = None if configured_api_url() else TemporaryAPIServer()
     try:
+        from flows.train import train
+
+        from areal_pipeline.metrics import read_metrics, summarize
+        from areal_pipeline.model import resolve_model_path
+        from areal_pipeline.pipeline import resolve_run_config
+
+        cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)
         resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
     except BaseException:
         if api_server is not None:

@@ -122,7 +122,8 @@ def short(text: str, limit: int = 150) -> str:
 
 
 def services_of(pid: int) -> list[psutil.Process]:
-    """The processes launched by `pid`: servers, trainer, the temporary Prefect API server (AREAL_PARENT_PID)."""
+    """The processes launched by `pid`: servers, trainer, the forkserver they are forked from, the temporary Prefect
+    API server (AREAL_PARENT_PID)."""
     found = []
     for proc in psutil.process_iter():
         try:

@@ -39,12 +39,14 @@ def fast_overrides(tmp_path: Path, model_dir: Path, run_id: str = "t", iteration
             "eval_freq=3", "eval_max_prompts=8", "trainer.optimizer.lr=1e-3", "dataset.arithmetic_train_size=64"]
 
 
-def our_service_processes(launcher_pid: int) -> list[psutil.Process]:
-    """Servers and trainer processes launched by `launcher_pid` (they carry its pid in AREAL_PARENT_PID)."""
+def our_service_processes(launcher_pid: int, forkserver: bool = False) -> list[psutil.Process]:
+    """Servers and trainer processes launched by `launcher_pid` (they carry its pid in AREAL_PARENT_PID), and with
+    `forkserver` the forkserver they were forked from (it lives as long as its launcher: areal_pipeline/forkserver.py)."""
     found = []
     for proc in psutil.process_iter(["pid"]):
         try:
-            if proc.environ().get("AREAL_PARENT_PID") == str(launcher_pid):
+            if proc.environ().get("AREAL_PARENT_PID") == str(launcher_pid) and (
+                    forkserver or "multiprocessing.forkserver" not in " ".join(proc.cmdline())):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
@@ -217,7 +219,9 @@ def test_ppo_update_failing_on_first_attempt_succeeds_on_retry(prefect_api, tiny
         # So the rank dies as iteration 2's train command is sent, which then finds no trainer.
         if cmd == "train" and kwargs.get("iteration") == 2 and not killed:
             trainer = registry.get("retry").services.trainer
-            (rank,) = psutil.Process(trainer.popen.pid).children()  # torchrun starts ranks in their own sessions
+            # the rank: the trainer process itself where it was forked (one rank), torchrun's child otherwise
+            launched = psutil.Process(trainer.popen.pid)
+            (rank,) = [p for p in [launched, *launched.children()] if "trainer_server" in " ".join(p.cmdline())]
             killed["pid"] = rank.pid
             rank.kill()
             rank.wait(10)
@@ -263,7 +267,7 @@ def test_killed_run_reruns_to_bitwise_equal_weights(prefect_api, tiny_model_dir,
     victim.kill()  # SIGKILL: no clean-up code runs
     victim.wait()
     # the services notice their launcher is gone and exit by themselves
-    wait_until(lambda: our_service_processes(victim.pid) == [], 30, "the killed run's services to exit")
+    wait_until(lambda: our_service_processes(victim.pid, forkserver=True) == [], 30, "the killed run's services to exit")
 
     out, _ = reference.communicate(timeout=600)
     assert reference.returncode == 0, out
@@ -295,7 +299,7 @@ def test_sigterm_mid_update_stops_the_run_and_its_services_promptly(prefect_api,
     run.send_signal(signal.SIGTERM)
     out, _ = run.communicate(timeout=60)
     assert run.returncode != 0, out
-    assert our_service_processes(run.pid) == []
+    wait_until(lambda: our_service_processes(run.pid, forkserver=True) == [], 5, "the run's processes to exit")
     assert "Retrying" not in out, out
     assert not (tmp_path / "term" / "iter_3" / "rollout" / "manifest.json").exists()
 

@@ -80,7 +80,7 @@ def test_a_stop_signal_ends_the_run_promptly_and_the_same_run_id_continues_it(
     assert "forcing" not in out and "still running" not in out, out[-3000:]  # it unwound, no forced exit
     assert "Retrying" not in out, out[-3000:]
     # servers, trainer and the temporary API server (all carry the run's pid) are gone
-    wait_until(lambda: our_service_processes(run.pid) == [], 5, "the run's processes to exit")
+    wait_until(lambda: our_service_processes(run.pid, forkserver=True) == [], 5, "the run's processes to exit")
 
     rerun = cli("train", "--config", "configs/tiny_cpu.yaml",
                 *fast_overrides(tmp_path, tiny_model_dir, run_id="stop", iterations=3), env=env)

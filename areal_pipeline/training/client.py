@@ -15,6 +15,8 @@ from areal_pipeline.inference.launcher import ServerProcess
 from areal_pipeline.utils import find_free_port, raise_if_deadline_passed, time_left
 
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes through a proxy
+# The process group's init method of a trainer started without torchrun (default: env://, torchrun's variables)
+TRAINER_INIT_METHOD_ENV = "AREAL_TRAINER_INIT_METHOD"
 
 
 class TrainerError(RuntimeError):
@@ -83,8 +85,9 @@ def launch_trainer(cfg: ExperimentConfig, model_path: str, log_dir: Path) -> tup
     """Start the trainer, wait for its endpoint, initialise it (model + optimizer loaded once)."""
     config_path = save_config(cfg, Path(log_dir) / "trainer-config.yaml")
     port = find_free_port()
-    process = ServerProcess(build_trainer_command(cfg, config_path, model_path, port), f"127.0.0.1:{port}",
-                            Path(log_dir) / "trainer.log").start()
+    command = build_trainer_command(cfg, config_path, model_path, port)
+    process = ServerProcess(command, f"127.0.0.1:{port}", Path(log_dir) / "trainer.log",
+                            fork=single_rank_fork(cfg, command, Path(log_dir))).start()
     try:
         process.wait_healthy(cfg.trainer.setup_timeout)
         client = TrainerClient(process.address, cfg.trainer.command_timeout)
@@ -93,6 +96,28 @@ def launch_trainer(cfg: ExperimentConfig, model_path: str, log_dir: Path) -> tup
         process.stop()
         raise
     return process, client
+
+
+def single_rank_fork(cfg: ExperimentConfig, command: list[str], log_dir: Path):
+    """A one-process trainer as a fork of the preloaded forkserver (areal_pipeline/forkserver.py): the rank itself,
+    without a torchrun agent, its process group rendezvousing through a file (no store listens anywhere) and its
+    gloo device on loopback. None for several ranks or nodes: those go through torchrun."""
+    t = cfg.trainer
+    if t.nnodes != 1 or t.nproc != 1:
+        return None
+    module = "areal_pipeline.training.trainer_server"
+    argv = command[command.index(module) + 1:]
+    store = log_dir / f"trainer-rendezvous-{os.getpid()}-{find_free_port()}"
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           TRAINER_INIT_METHOD_ENV: f"file://{store.resolve()}?rank=0&world_size=1",
+           "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or _loopback_interface()}
+    return module, argv, env
+
+
+def _loopback_interface() -> str:
+    from areal_pipeline.training.weight_sync import loopback_interface
+
+    return loopback_interface()
 
 
 def run_one_node_torchrun(argv: Optional[list[str]] = None) -> None:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from areal_pipeline.checksums import IntegrityError
 from areal_pipeline.config import ExperimentConfig, load_config
 from areal_pipeline.data.shards import read_table
+from areal_pipeline.training.client import TRAINER_INIT_METHOD_ENV
 from areal_pipeline.training.engine import TrainEngine, resolve_device
 from areal_pipeline.training.ppo import make_loss, read_batch
 from areal_pipeline.utils import atomic_directory, atomic_path, exit_when_parent_dies, get_logger
@@ -285,7 +286,7 @@ def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int) -> None:
     threads = trainer_threads(cfg, device)
     if threads > 0:
         torch.set_num_threads(threads)
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, init_method=os.environ.get(TRAINER_INIT_METHOD_ENV))
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     torch.manual_seed(cfg.seed)
     trainer = Trainer(cfg, model_path)
