@@ -165,6 +165,27 @@ def cmd_export(args) -> None:
     print(result.describe())
 
 
+def cmd_guard(args) -> None:
+    import asyncio
+
+    from flows.guard import GuardError, create_guards, remove_guards, require_server
+
+    try:
+        url = require_server()
+        if args.remove:
+            removed = asyncio.run(remove_guards(args.run_id))
+            print(f"removed {len(removed)} guard automation(s) of run {args.run_id} from {url}: {', '.join(removed)}")
+            return
+        created = asyncio.run(create_guards(args.run_id, args.reward_drop, args.kl_above, args.kl_metric,
+                                            args.action, args.notify))
+    except GuardError as e:
+        sys.exit(f"guard error: {e}")
+    for guard in created:
+        notify = f", and notify through {guard['notify']}" if guard["notify"] else ""
+        print(f"automation {guard['name']} ({guard['id']}) on {url}: {guard['action']} the train flow run of "
+              f"{args.run_id} when {guard['condition']}{notify}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from areal_pipeline.inference.server import build_arg_parser
 
@@ -237,6 +258,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sft: keep a conversation every time it was sampled (default: once)")
     p.add_argument("--out", required=True, help="FILE.parquet, FILE.jsonl or FILE.json (JSON lines)")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("guard", help="Prefect automations on your Prefect server that cancel or pause a run's "
+                                     "train flow run when its reward collapses or its KL spikes")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--reward-drop", type=float, default=None, metavar="D",
+                   help="trip when the reward's 3-iteration average is D or more below its best so far")
+    p.add_argument("--kl-above", type=float, default=None, metavar="X", help="trip when the KL rises above X")
+    p.add_argument("--kl-metric", choices=["kl", "approx_kl"], default="kl",
+                   help="kl: to the reference policy (computed when ppo.kl_ctl > 0); approx_kl: the update's, "
+                        "behaviour vs new policy")
+    p.add_argument("--action", choices=["cancel", "pause"], default="cancel",
+                   help="cancel the flow run (the run id continues later), or pause it until resumed in the UI")
+    p.add_argument("--notify", default=None, metavar="BLOCK_TYPE/NAME",
+                   help="also send a notification through this block, e.g. slack-webhook/alerts")
+    p.add_argument("--remove", action="store_true", help="delete the run's guard automations instead")
+    p.set_defaults(func=cmd_guard)
 
     p = sub.add_parser("rollout", help="roll out one iteration's batch into Parquet shards, or show N decoded "
                                        "episodes (--show N)")

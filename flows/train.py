@@ -33,10 +33,11 @@ from prefect.states import Cancelled
 
 import tasks
 from areal_pipeline import shutdown
+from areal_pipeline.config import to_dict
 from areal_pipeline.metrics import write_tensorboard
 from areal_pipeline.pipeline import Pipeline, newest_completed_iteration, resolve_run_config, run_lock
 from areal_pipeline.utils import atomic_write_text
-from flows import artifacts
+from flows import artifacts, control, events
 from tasks import registry
 
 # The node during which the next iteration's run may start its bookkeeping: the longest one.
@@ -95,6 +96,7 @@ def iteration(run_id: str, k: int) -> Any:
         if pipeline.cfg.tensorboard:
             write_tensorboard([record], pipeline.paths.run_dir / "tensorboard")
         artifacts.publish_iteration(pipeline, k, record)
+        events.iteration_completed(run_id, k, record)
         get_run_logger().info("iteration %d: reward %.3f, %s", k, record["reward_mean"],
                               ", ".join(f"{n} {s:.2f}s" for n, s in pipeline.step_seconds.get(k, {}).items()))
         return record
@@ -167,6 +169,7 @@ def _run_iterations(pipeline: Pipeline, first: int, last: int, progress) -> None
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{run_id}-iteration") as pool:
         try:
             for k in range(first, last + 1):
+                control.hold_while_paused(run_id)  # paused in Prefect: start nothing new until resumed
                 handoff = _HANDOFFS[(run_id, k)] = Handoff()
                 # the child run needs the parent's flow run context (and the heartbeat setting) in its thread
                 future = pool.submit(contextvars.copy_context().run, iteration, run_id, k)
@@ -250,8 +253,12 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
             progress = artifacts.start_progress(cfg.total_iterations, first - 1)
             # A flow waits for its heartbeat thread on exit (~1 s): too much for one child run per iteration.
             with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-                with _stop_everything_on_sigterm():
-                    _run_iterations(pipeline, first, cfg.total_iterations, progress)
+                # run events, and Prefect's Cancel / Pause of this flow run (see flows/control.py)
+                with control.watch(pipeline, first, cfg.total_iterations, to_dict(cfg)) as watched:
+                    with _stop_everything_on_sigterm():
+                        _run_iterations(pipeline, first, cfg.total_iterations, progress)
+            if watched.cancelled is not None:
+                return control.cancelled_state(watched)
             summary = artifacts.publish_curve(pipeline) or {}
             logger.info("run %s finished: %s", cfg.run_id, summary)
             return {"run_id": cfg.run_id, "run_dir": str(cfg.run_dir), **summary}
