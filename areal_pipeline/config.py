@@ -207,7 +207,7 @@ class NormConfig:
 class PPOConfig:
     """The algorithm: reward shaping, advantages and the policy loss (AReaL's PPOActorConfig names)."""
 
-    loss: str = "ppo"  # ppo | reinforce
+    loss: str = "ppo"  # ppo | reinforce | "module:attr", a loss builder of your own (training/loss_registry.py)
     ppo_n_minibatches: int = 1
     eps_clip: float = 0.2
     eps_clip_higher: Optional[float] = None
@@ -468,6 +468,22 @@ _NOT_EMPTY = Rule("a file with rows (this one is empty)", lambda location: not _
 _FINITE = Rule("a finite number", lambda value: True)  # the walker checks finiteness of every float
 _COUNT = at_least(1)
 _NON_NEGATIVE = at_least(0)
+
+
+def _loss_builder_exists(name: str) -> bool:
+    from areal_pipeline.training.loss_registry import LOSSES, loss_builder
+
+    if name in LOSSES:  # the package's own: known without importing the trainer's modules here
+        return True
+    try:
+        loss_builder(name)
+    except ValueError:
+        return False
+    return True
+
+
+_LOSS = Rule("ppo, reinforce, or 'module:attr' naming an importable loss builder (training/loss_registry.py)",
+             _loss_builder_exists)
 _POSITIVE = above(0)
 _FRACTION = within(0, 1)
 _PORT = within(0, 65535)  # 0: a free port
@@ -512,8 +528,8 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
     RolloutConfig: {"batch_size": _COUNT, "max_head_offpolicyness": _NON_NEGATIVE, "max_concurrent_rollouts": _COUNT,
                     "reward_timeout": _POSITIVE, "reward_workers": _COUNT, "shard_rows": _COUNT},
     NormConfig: {"mean_level": _NORM_LEVEL, "std_level": _NORM_LEVEL, "eps": _POSITIVE},
-    PPOConfig: {"ppo_n_minibatches": _COUNT, "eps_clip": within(0, 1, open_low=True), "eps_clip_higher": _POSITIVE,
-                "c_clip": above(1), "importance_sampling_level": one_of("token", "sequence"),
+    PPOConfig: {"loss": _LOSS, "ppo_n_minibatches": _COUNT, "eps_clip": within(0, 1, open_low=True),
+                "eps_clip_higher": _POSITIVE, "c_clip": above(1), "importance_sampling_level": one_of("token", "sequence"),
                 "behav_imp_weight_cap": at_least(1), "reward_bias": _FINITE, "reward_scaling": _FINITE,
                 "reward_clip": _POSITIVE, "kl_ctl": _NON_NEGATIVE, "kl_estimator": one_of("k1", "k2", "k3"),
                 "discount": _FRACTION, "gae_lambda": _FRACTION},

@@ -19,6 +19,7 @@ import torch
 from areal_pipeline.config import NormConfig
 from areal_pipeline.data.shards import read_table, write_table
 from areal_pipeline.training.advantages import advantage_stats, compute_advantages, normalize_advantages
+from areal_pipeline.training.loss_registry import Loss, make_loss  # noqa: F401  (make_loss: the trainer's entry)
 from areal_pipeline.training.losses import ppo_actor_loss, reinforce_loss
 from areal_pipeline.training.packing import MicroBatch
 
@@ -134,23 +135,25 @@ def read_batch(batch_dir: Path, columns: tuple[str, ...]) -> dict[str, list]:
     return {c: table.column(c).to_pylist() for c in columns}
 
 
-def make_loss(ppo_cfg) -> tuple[Callable, Callable, tuple[str, ...]]:
-    """(loss_fn, loss_weight_fn, per-token columns it reads) for `ppo_cfg.loss`."""
+def tokens_in_loss(mb: MicroBatch) -> float:
+    """A micro-batch's weight in an update's mean: its loss tokens."""
+    return float(mb.tensors["loss_mask"].sum())
+
+
+def reinforce(ppo_cfg) -> Loss:
+    """REINFORCE (`losses.reinforce_loss`): ReMax trains with it."""
+    def fn(logp, entropy, mb):
+        return reinforce_loss(logp, mb.tensors["advantages"], mb.tensors["loss_mask"])
+    return Loss(fn, tokens_in_loss, ("loss_mask", "advantages"))
+
+
+def ppo_loss(ppo_cfg) -> Loss:
+    """PPO's clipped objective (`losses.ppo_actor_loss`), decoupled (a proximal policy between the behaviour and
+    the current one) where `ppo_cfg.use_decoupled_loss` says so."""
     decoupled = ppo_cfg.use_decoupled_loss
     uses_prox = decoupled or ppo_cfg.recompute_logprob
 
-    def weight(mb: MicroBatch) -> float:
-        return float(mb.tensors["loss_mask"].sum())
-
-    if ppo_cfg.loss == "reinforce":
-        def reinforce(logp, entropy, mb):
-            return reinforce_loss(logp, mb.tensors["advantages"], mb.tensors["loss_mask"])
-        return reinforce, weight, ("loss_mask", "advantages")
-
-    if ppo_cfg.loss != "ppo":
-        raise ValueError(f"unknown loss '{ppo_cfg.loss}'; valid: ppo, reinforce")
-
-    def ppo(logp, entropy, mb):
+    def fn(logp, entropy, mb):
         t = mb.tensors
         # Without the decoupled loss, a recomputed logprob simply replaces the behaviour one as "old".
         old = t["prox_logprobs"] if uses_prox and not decoupled else t["logprobs"]
@@ -161,5 +164,4 @@ def make_loss(ppo_cfg) -> tuple[Callable, Callable, tuple[str, ...]]:
             behav_imp_weight_cap=ppo_cfg.behav_imp_weight_cap,
             importance_sampling_level=ppo_cfg.importance_sampling_level, seq_ids=mb.seq_ids)
 
-    columns = ("loss_mask", "logprobs", "advantages") + (("prox_logprobs",) if uses_prox else ())
-    return ppo, weight, columns
+    return Loss(fn, tokens_in_loss, ("loss_mask", "logprobs", "advantages") + (("prox_logprobs",) if uses_prox else ()))

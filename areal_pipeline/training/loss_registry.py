@@ -1,0 +1,67 @@
+"""The policy losses the trainer trains with: `ppo.loss` names one of `LOSSES`, or a user's own as "module:attr".
+
+A loss is made from the run's `ppo` config section by a builder, `build(ppo_cfg) -> Loss`:
+
+    Loss.fn(logprobs, entropy, mb) -> (loss, stats)   per-token [N] tensors of a packed micro-batch `mb` (its
+                                                      batch columns in `mb.tensors`); `stats`: name -> scalar
+                                                      tensor, averaged into the update's record
+    Loss.weight(mb) -> float                          the micro-batch's weight in the update's mean (e.g. its
+                                                      number of loss tokens), so 1 and N ranks train alike
+    Loss.columns                                      the per-token batch columns `fn` reads ("loss_mask",
+                                                      "advantages", "logprobs", "prox_logprobs", ...)
+
+A loss of your own is a builder in your module, named in the config, with nothing of the package changed:
+
+    # my_losses.py (importable where the run starts: its directory, or PYTHONPATH)
+    from areal_pipeline.training.loss_registry import Loss
+    from areal_pipeline.training.losses import reinforce_loss
+
+    def clipped_reinforce(ppo_cfg) -> Loss:
+        def fn(logprobs, entropy, mb):
+            return reinforce_loss(logprobs, mb.tensors["advantages"].clamp(-1, 1), mb.tensors["loss_mask"])
+        return Loss(fn, weight=lambda mb: float(mb.tensors["loss_mask"].sum()), columns=("loss_mask", "advantages"))
+
+    areal-pipeline train --config configs/tiny_cpu.yaml ppo.loss=my_losses:clipped_reinforce
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, NamedTuple
+
+LOSSES: dict[str, str] = {
+    "ppo": "areal_pipeline.training.ppo:ppo_loss",
+    "reinforce": "areal_pipeline.training.ppo:reinforce",
+}
+
+
+class Loss(NamedTuple):  # a tuple too: loss_fn, weight_fn, columns = make_loss(cfg)
+    fn: Callable[..., Any]
+    weight: Callable[..., float]
+    columns: tuple[str, ...]
+
+
+def loss_builder(name: str) -> Callable[[Any], Loss]:
+    """The builder `ppo.loss` names: a registered name, or "module:attr" importable here."""
+    target = LOSSES.get(name, name)
+    if ":" not in target:
+        raise ValueError(f"unknown loss '{name}'; valid: {', '.join(sorted(LOSSES))}, or 'module:attr' naming a "
+                         "builder of your own (see areal_pipeline/training/loss_registry.py)")
+    module, _, attr = target.partition(":")
+    try:
+        builder = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"loss '{name}': cannot import {attr} from {module} ({error}); the module must be "
+                         "importable where the run starts (its directory, or PYTHONPATH)") from None
+    if not callable(builder):
+        raise ValueError(f"loss '{name}': {target} is not callable (a builder: ppo_cfg -> Loss)")
+    return builder
+
+
+def make_loss(ppo_cfg) -> Loss:
+    """The loss `ppo_cfg.loss` names, built from `ppo_cfg`."""
+    loss = loss_builder(ppo_cfg.loss)(ppo_cfg)
+    if not isinstance(loss, Loss):
+        raise TypeError(f"loss '{ppo_cfg.loss}': its builder returned {type(loss).__name__}, not a "
+                        "loss_registry.Loss(fn, weight, columns)")
+    return loss
