@@ -186,6 +186,12 @@ def cmd_guard(args) -> None:
               f"{args.run_id} when {guard['condition']}{notify}")
 
 
+def cmd_branch(args) -> None:
+    from flows.branch import main as branch_main
+
+    branch_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from areal_pipeline.inference.server import build_arg_parser
 
@@ -275,6 +281,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remove", action="store_true", help="delete the run's guard automations instead")
     p.set_defaults(func=cmd_guard)
 
+    p = sub.add_parser("branch", help="a new run from another run's policy after iteration K, with new "
+                                      "hyperparameters (--replay: retrain its later iterations on its recorded shards)")
+    p.add_argument("--from", dest="parent", required=True, metavar="RUN", help="the run id to branch from")
+    p.add_argument("--at", type=int, required=True, metavar="K", help="start from its policy after iteration K")
+    p.add_argument("--run-id", required=True, help="the new run's id")
+    p.add_argument("--iterations", type=int, default=None,
+                   help="iterations after K (default: up to the config's total_iterations; --replay: every "
+                        "iteration the parent recorded)")
+    p.add_argument("--replay", action="store_true",
+                   help="retrain the parent's iterations K+1.. on its recorded rollout shards (no new rollouts)")
+    p.add_argument("--output-dir", default="runs", help="where the parent's run directory is (and the new one goes)")
+    p.add_argument("overrides", nargs="*",
+                   help="dotted overrides of the parent's config, e.g. trainer.optimizer.lr=5e-4")
+    p.set_defaults(func=cmd_branch)
+
     p = sub.add_parser("rollout", help="roll out one iteration's batch into Parquet shards, or show N decoded "
                                        "episodes (--show N)")
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
@@ -301,7 +322,7 @@ def _interrupted_message(args) -> str:
     return message
 
 
-FLOW_COMMANDS = ("train", "evaluate")
+FLOW_COMMANDS = ("train", "evaluate", "branch")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -33,7 +33,7 @@ from prefect.states import Cancelled
 
 import tasks
 from areal_pipeline import shutdown
-from areal_pipeline.config import to_dict
+from areal_pipeline.config import save_config, to_dict
 from areal_pipeline.metrics import write_tensorboard
 from areal_pipeline.pipeline import Pipeline, newest_completed_iteration, resolve_run_config, run_lock
 from areal_pipeline.utils import atomic_write_text
@@ -244,6 +244,7 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
     with run_lock(cfg.run_dir):
         pipeline = Pipeline(cfg)
         registry.register(pipeline)
+        save_config(cfg, cfg.run_dir / "config.yaml")  # how the run was made; what a branch of it starts from
         try:
             tasks.prepare_dataset(cfg.run_id)
             _start_services(pipeline)

@@ -340,10 +340,27 @@ class TrainEngine:
                                                  state["optimizer_param_groups"])
         set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=options)
         self.scheduler.load_state_dict(state["scheduler"])
+        self._apply_config_hyperparameters()
         rngs = state["rng"]
         _set_rng_state(rngs[self.rank] if self.rank < len(rngs) else rngs[0])
         self.version = int(state["version"])
         return state
+
+    def _apply_config_hyperparameters(self) -> None:
+        """After a load: the optimizer's and the schedule's hyperparameters are this config's, their state (moments,
+        step counts, the schedule's position) the checkpoint's. A run resumed under its own config is unchanged,
+        bit for bit (the same values, the learning rate computed as the scheduler does); a branch of a run
+        (areal-pipeline branch) continues the parent's optimizer with its own learning rate, betas, weight decay
+        and schedule."""
+        o = self.cfg.optimizer
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        self.scheduler.base_lrs = [o.lr] * len(self.optimizer.param_groups)
+        step = self.scheduler.last_epoch
+        lrs = [base * schedule(step) for base, schedule in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self.scheduler._last_lr = lrs
 
 
 def write_hf_dir(out_dir: Path, state: dict[str, torch.Tensor], config, source_dir: str) -> None:
