@@ -1,0 +1,164 @@
+"""Policy versions of a run's processes, restored on demand instead of assumed.
+
+- the trainer must be at version k-1 for `ppo_update(k)`: a trainer found at another version (it crashed and
+  was restarted, or the run was resumed) loads the newest checkpoint at or below k-1 and replays the updates
+  after it from their batch shards (bitwise exact on CPU);
+- the inference servers must serve version k-1 for `rollout(k)` and version k after `broadcast_weights(k)`:
+  a server at another version (restarted, or resumed run) gets the right weights pushed first.
+
+`PolicyVersions` is the part of `Pipeline` that does this (a mixin: it reads the pipeline's config, paths,
+services and trainer lock).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from typing import Any, Optional
+
+from areal_pipeline.data.shards import ShardError, has_manifest
+from areal_pipeline.training.client import TrainerClient, TrainerError
+from areal_pipeline.utils import find_free_port, get_logger, run_async
+
+logger = get_logger(__name__)
+
+
+class PolicyVersions:
+    def ensure_trainer_version(self, version: int) -> TrainerClient:
+        """Bring the trainer to `version`: start from the newest state at or below it (where the trainer is, an
+        intact checkpoint, or the initial weights), then replay the updates after it from their batch shards."""
+        with self._trainer_lock:
+            client = self.services.ensure_trainer_alive()
+            current = client.current_version()
+            if current == version:
+                return client
+            start = self._restore_start(client, current, version)
+            if start < version:
+                logger.info("trainer at version %s: replaying updates %d..%d from their batch shards",
+                            start, start + 1, version)
+            for k in range(start + 1, version + 1):
+                self._update_from_batch(client, k)
+            return client
+
+    def _restore_start(self, client: TrainerClient, current: Optional[int], version: int) -> int:
+        """Put the trainer at the newest version at or below `version` that it can replay from, and return it:
+        where it already is, else the newest checkpoint, else the initial weights. A checkpoint that fails its
+        checksums (the trainer checks them before it loads anything) is passed over, with a warning, for the next
+        older start, provided the updates after that one can be replayed."""
+        here = {current} if current is not None and 0 <= current <= version else set()
+        starts = sorted({0, *here, *(c for c in self.paths.saved_checkpoints() if c <= version)}, reverse=True)
+        for start, older in zip(starts, starts[1:]):
+            if start in here:
+                return start
+            try:
+                client.call("load", path=str(self.paths.checkpoint(start)))
+                return start
+            except TrainerError as error:
+                if error.code != "corrupt_file":
+                    raise
+                missing = next((k for k in range(older + 1, version + 1) if not self._replayable(k)), None)
+                if missing is not None:
+                    raise RuntimeError(f"cannot restore the trainer to version {version}: {error}; and no older "
+                                       f"start helps: iteration {missing} has neither batch nor rollout shards to "
+                                       "replay") from error
+                logger.warning("passing over a corrupt checkpoint (%s): restoring version %d from version %d",
+                               error, version, older)
+        if 0 not in here:
+            client.call("reinitialize")
+        return 0
+
+    def _replayable(self, k: int) -> bool:
+        """Whether update k can be replayed: its batch shards, or the rollout shards they come from, were written."""
+        return has_manifest(self.paths.batch(k)) or has_manifest(self.paths.rollout(k))
+
+    def _update_from_batch(self, client: TrainerClient, k: int) -> dict:
+        """The trainer's update k on iteration k's batch shards (its reply). A batch that is missing, or that the
+        trainer refuses as corrupt (it checks every shard before training on any), is first computed again from
+        the rollout shards: an update never runs on a corrupt batch."""
+        batch = self.paths.batch(k)
+        if has_manifest(batch):
+            try:
+                return client.call("train", batch_dir=str(batch), iteration=k)
+            except TrainerError as error:
+                if error.code != "corrupt_file":
+                    raise
+                logger.warning("not updating on a corrupt batch (%s): computing iteration %d's batch again from "
+                               "its rollout shards", error, k)
+        try:
+            self._write_batch(k)
+        except ShardError as error:
+            raise ShardError(f"update {k} cannot run: iteration {k}'s batch shards at {batch} are missing or "
+                             f"corrupt, and cannot be computed again from its rollout shards: {error}") from error
+        return client.call("train", batch_dir=str(batch), iteration=k)
+
+    def server_versions(self) -> list[Optional[int]]:
+        """The policy version each server serves (None: not one of ours, e.g. SGLang's initial "default"),
+        as last read or pushed while every step succeeded."""
+        epoch, served = self.services.known_served()
+        if served is None:
+            async def versions():
+                async with self._engine() as engine:
+                    return [str((await engine.get_model_info(a))["weight_version"]) for a in engine.addresses]
+            served = [int(v) if v.lstrip("-").isdigit() else None for v in run_async(versions())]
+            self.services.record_served(epoch, served)
+        return served
+
+    def sync_servers(self, version: int, or_newer: bool = False) -> dict[str, Any]:
+        """Make every inference server serve `version` (pause -> update -> continue); a no-op when it does.
+        `or_newer`: servers past `version` are fine too, and stale ones get the trainer's newest version
+        (asynchronous mode, where iteration k+1's rollout runs while the trainer moves to version k)."""
+        self.services.ensure_inference_alive()
+        served = self.server_versions()
+        if all(v is not None and (v == version or (or_newer and v > version)) for v in served):
+            self._notify_version(min(served))
+            return {"version": min(served), "pushed": False, "seconds": 0.0}
+        started = time.perf_counter()
+        with self._trainer_lock:
+            epoch = self.services.forget_served()  # unknown until the push succeeded
+            version = self._push_weights(version, or_newer)
+            self.services.record_served(epoch, [version] * len(self.services.inference))
+        self._notify_version(version)
+        self._prune_weights(keep=version)
+        return {"version": version, "pushed": True, "seconds": time.perf_counter() - started}
+
+    def _push_weights(self, version: int, or_newer: bool) -> int:
+        """Push `version` (`or_newer`: the trainer's newest, if newer) to every server; returns what was pushed."""
+        if or_newer:
+            current = self.services.ensure_trainer_alive().current_version()
+            version = max(version, 0 if current is None else current)
+        client = self.ensure_trainer_version(version)
+        if self.cfg.trainer.weight_sync == "distributed":
+            async def push():
+                async with self._engine() as engine:
+                    await engine.pause()
+                    try:
+                        client.call("update_weights_distributed", servers=engine.addresses,
+                                    master_address="127.0.0.1", master_port=find_free_port(),
+                                    dtype=self._wire_dtype())
+                        engine.set_version(version)
+                    finally:
+                        await engine.resume()
+        else:
+            path = self.paths.weights(version)
+            if not (path / "config.json").is_file():
+                client.call("save_weights", path=str(path))
+
+            async def push():
+                async with self._engine() as engine:
+                    await engine.update_weights(str(path), version)
+        run_async(push())
+        return version
+
+    def _notify_version(self, version: int) -> None:
+        if self._async_rollout is not None:
+            self._async_rollout.set_version(version)
+
+    def _wire_dtype(self) -> str:
+        inf = self.cfg.inference
+        return inf.sglang.dtype if inf.backend == "sglang" else self.cfg.model.dtype
+
+    def _prune_weights(self, keep: int) -> None:
+        root = self.paths.run_dir / "weights"
+        for path in root.glob("v*") if root.is_dir() else []:
+            if path.name != f"v{keep}":
+                shutil.rmtree(path, ignore_errors=True)

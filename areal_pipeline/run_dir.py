@@ -1,0 +1,118 @@
+"""A run's directory: where each iteration's outputs live (`RunPaths`), the lock that keeps two processes from
+running one run id at once, and what the directory says about the run (its newest finished iteration)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+from areal_pipeline.checksums import has_checksums
+from areal_pipeline.config import ExperimentConfig
+from areal_pipeline.utils import atomic_write_text
+
+
+class RunLockedError(RuntimeError):
+    pass
+
+
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Refuse a second live run of the same run id (they would overwrite each other's outputs)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / ".lock"
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "another process"
+        handle.close()
+        raise RunLockedError(f"run '{run_dir.name}' is already running ({owner}); refusing to start a second "
+                             f"run with the same run_id in {run_dir}") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    try:
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    run_dir: Path
+
+    def iteration(self, k: int) -> Path:
+        return self.run_dir / f"iter_{k}"
+
+    def rollout(self, k: int) -> Path:
+        return self.iteration(k) / "rollout"
+
+    def batch(self, k: int) -> Path:
+        return self.iteration(k) / "batch"
+
+    def update(self, k: int) -> Path:
+        return self.iteration(k) / "update.json"
+
+    def evaluation(self, k: int) -> Path:
+        return self.iteration(k) / "eval.json"
+
+    def metrics(self, k: int) -> Path:
+        return self.iteration(k) / "metrics.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def checkpoint(self, k: int) -> Path:
+        return self.checkpoints / f"step_{k}"
+
+    def weights(self, k: int) -> Path:
+        return self.run_dir / "weights" / f"v{k}"
+
+    @property
+    def metrics_jsonl(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def saved_checkpoints(self) -> list[int]:
+        """The steps whose checkpoint was saved to the end: its checksums.json is written last, so a save that
+        crashed midway never counts (whether the files are still intact is checked where they are used)."""
+        if not self.checkpoints.is_dir():
+            return []
+        return sorted(int(p.name.split("_")[1]) for p in self.checkpoints.glob("step_*") if has_checksums(p))
+
+    def completed_iterations(self) -> list[int]:
+        return sorted(int(p.parent.name.split("_")[1]) for p in self.run_dir.glob("iter_*/metrics.json"))
+
+
+def read_json(path: Path) -> Optional[dict]:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_json(path: Path, record: dict) -> dict:
+    atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return record
+
+
+def newest_completed_iteration(run_dir: Path) -> int:
+    done = RunPaths(run_dir).completed_iterations()
+    return done[-1] if done else 0
+
+
+def resolve_run_config(config_path, overrides: Optional[list[str]] = None, run_id: Optional[str] = None,
+                       iterations: Optional[int] = None) -> ExperimentConfig:
+    """The run's config; `iterations` extends an existing run by that many iterations past its newest one."""
+    from areal_pipeline.config import load_config
+
+    overrides = list(overrides or []) + ([f"run_id={run_id}"] if run_id else [])
+    cfg = load_config(config_path, overrides)
+    if iterations is not None:
+        cfg.total_iterations = newest_completed_iteration(cfg.run_dir) + iterations
+    return cfg

@@ -1,0 +1,141 @@
+"""The long-lived processes of a run: inference servers, trainer, tool servers."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Optional
+
+from areal_pipeline import shutdown
+from areal_pipeline.config import ExperimentConfig
+from areal_pipeline.inference.launcher import ServerProcess, launch_servers
+from areal_pipeline.training.client import TrainerClient, launch_trainer
+from areal_pipeline.utils import get_logger
+
+logger = get_logger(__name__)
+
+
+class ServicesStoppedError(RuntimeError):
+    pass
+
+
+class Services:
+    """The long-lived processes of a run (inference servers, trainer, tool servers), owned by the
+    orchestrating process; steps find them here and restart the ones that died.
+
+    A step asks each service over HTTP whether it is healthy only when that is in doubt: at first, and after
+    any step failed (`distrust`). While every step succeeds, a running process that answered its last request
+    is taken as healthy: on a default iteration those checks were a dozen loopback round trips, ~5% of it."""
+
+    def __init__(self, cfg: ExperimentConfig, model_path: str, log_dir: Path):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.log_dir = log_dir
+        self.inference: list[ServerProcess] = []
+        self.trainer: Optional[ServerProcess] = None
+        self.trainer_client: Optional[TrainerClient] = None
+        self.tools: dict[str, ServerProcess] = {}
+        self.stopped = False  # after stop(), nothing is started or restarted again
+        self._inference_checked = self._trainer_checked = False
+        # The policy version each inference server serves, as last read or pushed (None: ask them). Threads
+        # read and record it; `_served_epoch` counts what made it unknown (a push, a restart, a failure), so a
+        # reading that was overtaken by one of those is never recorded.
+        self._served: Optional[list[Optional[int]]] = None
+        self._served_epoch = 0
+        self._served_lock = threading.Lock()
+        # Ctrl-C or SIGTERM stops them at once, wherever the orchestrator's threads are
+        self._on_stop_signal = shutdown.register(f"the services of run {cfg.run_id}", self.stop)
+
+    def distrust(self) -> None:
+        """A step failed: the next steps ask every service whether it is healthy, and what it serves."""
+        self._inference_checked = self._trainer_checked = False
+        self.forget_served()
+        if self.trainer_client is not None:
+            self.trainer_client.forget_version()
+
+    def forget_served(self) -> int:
+        with self._served_lock:
+            self._served, self._served_epoch = None, self._served_epoch + 1
+            return self._served_epoch
+
+    def known_served(self) -> tuple[int, Optional[list[Optional[int]]]]:
+        with self._served_lock:
+            return self._served_epoch, None if self._served is None else list(self._served)
+
+    def record_served(self, epoch: int, versions: list[Optional[int]]) -> None:
+        with self._served_lock:
+            if epoch == self._served_epoch:
+                self._served = list(versions)
+
+    def _refuse_if_stopped(self) -> None:
+        if self.stopped:
+            raise ServicesStoppedError("the run's services were stopped (the run is ending)")
+
+    def start_inference(self) -> list[str]:
+        self._refuse_if_stopped()
+        if not self.inference:
+            self.inference = launch_servers(self.model_path, self.cfg.inference, self.cfg.seed, self.log_dir)
+        return self.addresses
+
+    def start_trainer(self) -> str:
+        self._refuse_if_stopped()
+        if self.trainer is None:
+            self.trainer, self.trainer_client = launch_trainer(self.cfg, self.model_path, self.log_dir)
+        return self.trainer.address
+
+    def start_tools(self) -> dict[str, str]:
+        self._refuse_if_stopped()
+        address = self.cfg.rollout.agent.retrieval.address
+        if self.cfg.rollout.workflow == "search_agent" and address:
+            from areal_pipeline.tools.retrieval_client import check_retrieval_server
+
+            check_retrieval_server(address)  # a server already running: the workflow uses it, none is started
+        elif self.cfg.rollout.workflow == "search_agent" and "retrieval" not in self.tools:
+            from areal_pipeline.tools.retrieval_server import launch_retrieval_server
+
+            self.tools["retrieval"] = launch_retrieval_server(self.cfg, self.log_dir)
+        return {name: p.address for name, p in self.tools.items()}
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.inference]
+
+    def ensure_inference_alive(self) -> None:
+        """Restart servers that died (they come back at version 0; the next step pushes the weights)."""
+        self._refuse_if_stopped()
+        dead = [s for s in self.inference if s.popen is None or s.popen.poll() is not None
+                or not (self._inference_checked or s.is_healthy())]
+        self._inference_checked = True
+        if dead:
+            self.forget_served()
+            logger.warning("inference server(s) %s died; restarting", ", ".join(s.address for s in dead))
+            for s in dead:
+                s.stop()
+            self.inference = [s for s in self.inference if s not in dead]
+            # restart on the same ports, so that addresses recorded elsewhere stay valid
+            self.inference += [ServerProcess(s.command, s.address, s.log_path, s.env, s.fork).start() for s in dead]
+            for s in self.inference[-len(dead):]:
+                s.wait_healthy(self.cfg.inference.setup_timeout)
+
+    def ensure_trainer_alive(self) -> TrainerClient:
+        self._refuse_if_stopped()
+        if self.trainer is not None and self.trainer.popen.poll() is None and (
+                self._trainer_checked or self.trainer.is_healthy()):
+            self._trainer_checked = True
+            return self.trainer_client
+        logger.warning("the trainer is down; restarting it")
+        if self.trainer is not None:
+            self.trainer.stop()
+        self.trainer = self.trainer_client = None
+        self.start_trainer()
+        return self.trainer_client
+
+    def stop(self) -> None:
+        self.stopped = True
+        shutdown.unregister(self._on_stop_signal)
+        for process in [*self.inference, *([self.trainer] if self.trainer else []), *self.tools.values()]:
+            try:
+                process.stop()
+            except Exception:  # teardown goes on for the others
+                logger.exception("could not stop %s", process.address)
+        self.inference, self.trainer, self.trainer_client, self.tools = [], None, None, {}
