@@ -374,6 +374,18 @@ def load_config(
     return cfg
 
 
+def resolve_run_config(config_path, overrides: Optional[list[str]] = None, run_id: Optional[str] = None,
+                       iterations: Optional[int] = None) -> ExperimentConfig:
+    """The run's config; `iterations` extends an existing run by that many iterations past its newest one."""
+    from areal_pipeline.run_dir import newest_completed_iteration
+
+    overrides = list(overrides or []) + ([f"run_id={run_id}"] if run_id else [])
+    cfg = load_config(config_path, overrides)
+    if iterations is not None:
+        cfg.total_iterations = newest_completed_iteration(cfg.run_dir) + iterations
+    return cfg
+
+
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
@@ -586,6 +598,14 @@ def _evaluation_has_prompts(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
                f"({key(empty)}=0), or evaluation scores no prompts")
 
 
+def _remax_trains_with_reinforce(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    """ReMax's advantage is reward(sample) - reward(greedy), unnormalised, for the REINFORCE loss; PPO's clipped
+    ratio would clip the +-1 signals it is made of."""
+    if cfg.rollout.workflow == "remax" and cfg.ppo.loss == "ppo":
+        yield (f"{key('ppo.loss')}='ppo': must be reinforce (or a loss of your own, module:attr) with "
+               f"{key('rollout.workflow')}=remax")
+
+
 def _warm_start_in_the_run_format(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
     """A curriculum that wrote whole episodes in one format (its module's `WRITTEN_FOR`: dotted key -> value)
     makes a base model that only knows that format; the embedded model it warm-starts runs in it."""
@@ -611,7 +631,7 @@ CROSS_RULES: dict[type, tuple[Callable[[Any, Key], Iterator[str]], ...]] = {
     TinyModelConfig: (_attention_heads_divide,),
     RetrievalConfig: (_default_topk_within_max,),
     ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, _warm_start_in_the_run_format,
-                       _agent_entry_named),
+                       _agent_entry_named, _remax_trains_with_reinforce),
 }
 
 

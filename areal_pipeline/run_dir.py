@@ -104,15 +104,3 @@ def write_json(path: Path, record: dict) -> dict:
 def newest_completed_iteration(run_dir: Path) -> int:
     done = RunPaths(run_dir).completed_iterations()
     return done[-1] if done else 0
-
-
-def resolve_run_config(config_path, overrides: Optional[list[str]] = None, run_id: Optional[str] = None,
-                       iterations: Optional[int] = None) -> ExperimentConfig:
-    """The run's config; `iterations` extends an existing run by that many iterations past its newest one."""
-    from areal_pipeline.config import load_config
-
-    overrides = list(overrides or []) + ([f"run_id={run_id}"] if run_id else [])
-    cfg = load_config(config_path, overrides)
-    if iterations is not None:
-        cfg.total_iterations = newest_completed_iteration(cfg.run_dir) + iterations
-    return cfg

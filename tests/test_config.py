@@ -237,3 +237,10 @@ def test_the_search_warm_start_runs_only_in_the_format_it_was_written_in():
     for way_out in ("model.path=Qwen/Qwen2.5-1.5B-Instruct", "model.tiny.pretrain_steps=0"):
         cfg = load_config("configs/search_agent.yaml", ["rollout.agent.retrieval.topk=3", way_out])
         assert cfg.rollout.agent.retrieval.topk == 3
+
+
+def test_remax_refuses_the_ppo_loss():
+    """ReMax's unnormalised +-1 advantages are for the REINFORCE loss: PPO's clipping would cut them."""
+    with pytest.raises(ConfigError, match=r"ppo.loss='ppo': must be reinforce .* with rollout.workflow=remax"):
+        load_config("configs/remax.yaml", ["ppo.loss=ppo"])
+    assert load_config("configs/remax.yaml", []).ppo.loss == "reinforce"
