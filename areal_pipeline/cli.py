@@ -146,6 +146,12 @@ def cmd_answers(args) -> None:
     print(f"{len(files)} files for {len(versions)} policy versions in {out}")
 
 
+def cmd_config(args) -> None:
+    from areal_pipeline.config_help import key_help
+
+    print("\n\n".join(key_help(key) for key in (args.keys or [""])))
+
+
 def cmd_serve(args) -> None:
     from flows.serve import serve_deployments
 
@@ -237,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run's directory, e.g. runs/gsm8k-multi-turn")
     p.add_argument("--out", default=None, help="where the version directories go (default: RUN_DIR/answers)")
     p.set_defaults(func=cmd_answers)
+
+    p = sub.add_parser("config", help="what config keys mean: type, default, allowed values, documentation")
+    p.add_argument("keys", nargs="*", help="dotted keys or sections, e.g. ppo.loss rollout.gconfig (none: the sections)")
+    p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("serve", help="serve the train and evaluate deployments (Prefect UI runs, schedules)")
     p.add_argument("--config", default="configs/tiny_cpu.yaml")

@@ -244,3 +244,18 @@ def test_remax_refuses_the_ppo_loss():
     with pytest.raises(ConfigError, match=r"ppo.loss='ppo': must be reinforce .* with rollout.workflow=remax"):
         load_config("configs/remax.yaml", ["ppo.loss=ppo"])
     assert load_config("configs/remax.yaml", []).ppo.loss == "reinforce"
+
+
+def test_config_command_prints_what_a_key_means():
+    """`areal-pipeline config KEY`: type, default, the rule's allowed values and the field's own comment; a
+    section lists its keys; an unknown key is a config error naming the close ones."""
+    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "config", "ppo.loss", "rollout.gconfig"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ppo.loss: str, default 'ppo'\n  allowed: ppo, reinforce, or 'module:attr'")
+    assert "a loss builder of your own" in done.stdout  # the comment beside the field in config.py
+    assert "rollout.gconfig.n_samples = 4" in done.stdout and "rollout.gconfig.temperature = 1.0" in done.stdout
+    wrong = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "config", "ppo.lss"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert wrong.returncode != 0
+    assert "unknown config key 'ppo.lss'; did you mean ppo.loss" in wrong.stdout + wrong.stderr
