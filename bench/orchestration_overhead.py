@@ -8,7 +8,8 @@ library work of its nodes (each node times its own work), so noise in the work i
 processes) does not count as overhead. Consecutive iteration runs overlap in their bookkeeping (flows/train.py).
 `flow_vs_plain_wall` compares whole wall times instead: it also counts the nodes slowed down by the Prefect
 server's and client's work on the same cores.
-Prefect runs on its embedded SQLite backend (ephemeral mode) unless PREFECT_API_URL is set.
+Prefect's API is the server at PREFECT_API_URL, else a temporary one as `areal-pipeline train` starts it (on the
+SQLite database in PREFECT_HOME: a database other processes write to at the same time slows every call).
 Targets (issue 4): median overhead <= 150 ms per iteration and < 5% of the iteration on the default config.
 The last line is one JSON object of the figures.
 """
@@ -55,8 +56,11 @@ def main() -> None:
             pipeline.services.stop()
     print(f"plain loop: median iteration {statistics.median(plain_wall):.3f}s", flush=True)
 
+    from flows.api_server import prefect_api
+
     started = time.perf_counter()
-    train(config_path=args.config, overrides=base + ["run_id=flow"])
+    with prefect_api():  # as `areal-pipeline train` runs it: PREFECT_API_URL's server, else a temporary one
+        train(config_path=args.config, overrides=base + ["run_id=flow"])
     flow_total = time.perf_counter() - started
     run_dir = work / "flow"
     timings = [json.loads((run_dir / f"iter_{k}" / "orchestration.json").read_text())

@@ -1,20 +1,26 @@
 """The yardstick: TRL's GRPOTrainer on the same model, data, reward and group size as the pipeline, and the
-time each takes to reach a reward.
+time each takes to reach a reward, as a user starts each.
 
     python bench/trl_yardstick.py [--config configs/tiny_cpu.yaml] [--thresholds 0.5 0.7] [--skip-ours]
                                   [--trl-threads N] [key=value ...]
 
-Both start from the same warm-started embedded model (built before the clock starts) and run the config's
+Both start from the same warm-started embedded model (built before any clock starts) and run the config's
 `total_iterations` steps of `rollout.batch_size` prompts x `rollout.gconfig.n_samples` samples, at the same
-learning rate, temperature and completion length, with no KL term. TRL generates with `model.generate` in
-its own process; the pipeline with its inference server. Needs `pip install --no-deps trl accelerate`.
-The last line is one JSON object of the figures.
+learning rate, temperature and completion length, with no KL term. Each clock starts when its command starts
+(the interpreter, imports and set-up count, as a user waits for them):
+- TRL: a Python process running GRPOTrainer (generating with `model.generate` in its own process);
+- ours through the flow: `areal-pipeline train` (Prefect flow, temporary API server unless PREFECT_API_URL is
+  set); an iteration's reward is known when its `iter_<k>/metrics.json` is written (its mtime);
+- ours, plain loop (`run_plain` in this process, start-up of servers and trainer included, no Prefect).
+Needs `pip install --no-deps trl accelerate`. The last line is one JSON object of the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,15 +35,17 @@ def reward(completions, answer, **_) -> list[float]:
     return [math_reward(c[0]["content"], a) for c, a in zip(completions, answer)]
 
 
-def measure_trl(cfg, out_dir: Path, thresholds) -> dict:
-    started = time.perf_counter()  # importing TRL counts, as the pipeline's start-up counts its processes'
+def trl_worker(config: str, overrides: list[str], out_dir: Path) -> None:
+    """The TRL run, in a process of its own: one line per step, `step <i> <unix time> <reward>`."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from areal_pipeline.config import load_config
     from areal_pipeline.data.datasets import load_records
     from areal_pipeline.model import load_model, load_tokenizer, resolve_model_path
 
+    cfg = load_config(config, overrides)
     model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
     records = load_records(cfg.dataset, cfg.dataset.train_split, cfg.seed)
     data = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in records])
@@ -52,21 +60,54 @@ def measure_trl(cfg, out_dir: Path, thresholds) -> dict:
         weight_decay=cfg.trainer.optimizer.weight_decay, max_grad_norm=cfg.trainer.optimizer.gradient_clipping,
         beta=0.0, loss_type="dapo",  # token-level loss over the batch, as the pipeline's PPO loss
     )
-    log: list[tuple[float, float]] = []
 
     class Clock(TrainerCallback):
         def on_log(self, _args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
-                log.append((time.perf_counter() - started, logs["reward"]))
+                print(f"step {state.global_step} {time.time()} {logs['reward']}", flush=True)
 
     trainer = GRPOTrainer(model=load_model(model_path), reward_funcs=reward, args=args, train_dataset=data,
                           processing_class=load_tokenizer(model_path), callbacks=[Clock()])
-    startup = time.perf_counter() - started
+    print(f"ready {time.time()}", flush=True)
     trainer.train()
-    rewards, seconds = [r for _, r in log], [s for s, _ in log]
+
+
+def measure_trl(config: str, overrides: list[str], thresholds, threads: int) -> dict:
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    started = time.time()
+    done = subprocess.run([sys.executable, __file__, "--trl-worker", "--config", config, *overrides],
+                          capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the TRL run failed:\n{done.stderr[-3000:]}")
+    lines = [line.split() for line in done.stdout.splitlines()]
+    log = [(float(t) - started, float(r)) for word, _, t, r in (x for x in lines if x and x[0] == "step")]
+    ready = next(float(x[1]) for x in lines if x and x[0] == "ready") - started
     for i, (s, r) in enumerate(log, start=1):
         print(f"trl step {i:3d}  {s:7.1f}s  reward {r:.3f}")
-    return summary("trl", rewards, seconds, thresholds, startup)
+    return summary("trl", [r for _, r in log], [s for s, _ in log], thresholds, ready)
+
+
+def measure_flow(config: str, overrides: list[str], thresholds) -> dict:
+    """`areal-pipeline train` from its start: an iteration ends when its metrics.json is written."""
+    from areal_pipeline.config import load_config
+    from areal_pipeline.metrics import read_metrics
+
+    cfg = load_config(config, [*overrides, "run_id=yardstick-flow"])
+    started = time.time()
+    done = subprocess.run([str(Path(sys.executable).with_name("areal-pipeline")), "train", "--config", config,
+                           *overrides, "run_id=yardstick-flow"], capture_output=True, text=True, check=False)
+    wall = time.time() - started
+    if done.returncode != 0:
+        raise SystemExit(f"the flow run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    records = read_metrics(cfg.run_dir / "metrics.jsonl")
+    seconds = [(cfg.run_dir / f"iter_{r['iteration']}" / "metrics.json").stat().st_mtime - started for r in records]
+    rewards = [r["reward_mean"] for r in records]
+    for r, s in zip(records, seconds):
+        print(f"flow iteration {r['iteration']:3d}  {s:7.1f}s  reward {r['reward_mean']:.3f}")
+    # start-up: until the first iteration's nodes began (its end less their time)
+    first_nodes = sum(v for key, v in records[0].items() if key.startswith("time_"))
+    return {**summary("flow", rewards, seconds, thresholds, seconds[0] - first_nodes),
+            "flow_command_seconds": round(wall, 2)}
 
 
 def main() -> None:
@@ -81,26 +122,29 @@ def main() -> None:
     p.add_argument("--skip-ours", action="store_true", help="only the TRL run")
     p.add_argument("--trl-threads", type=int, default=0,
                    help="torch threads of the TRL process (0: torch's default); on a busy machine 1 is faster")
+    p.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = p.parse_args()
+    if args.trl_worker:
+        return trl_worker(args.config, args.overrides, Path(tempfile.mkdtemp(prefix="bench-trl-out-")))
 
     work = Path(tempfile.mkdtemp(prefix="bench-trl-"))
-    # One model directory for both runs, built (warm start included) before any clock starts.
+    # One model directory for all runs, built (warm start included) before any clock starts.
     overrides = [f"output_dir={work}", *args.overrides]
     cfg = load_config(args.config, overrides)
     started = time.perf_counter()
     resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
     figures = {"model_build_seconds": round(time.perf_counter() - started, 2)}
-    if args.trl_threads:
-        import torch
-
-        torch.set_num_threads(args.trl_threads)
-    figures.update(measure_trl(cfg, work / "trl", args.thresholds))
+    figures.update(measure_trl(args.config, overrides, args.thresholds, args.trl_threads))
     if not args.skip_ours:
-        figures.update(measure_pipeline(args.config, overrides, args.thresholds))
+        figures.update(measure_flow(args.config, overrides, args.thresholds))
+        figures.update(measure_pipeline(args.config, [*overrides, "run_id=yardstick-plain"], args.thresholds))
         for t in args.thresholds:
-            ours, trl = figures[f"ours_seconds_to_reward_{t}"], figures[f"trl_seconds_to_reward_{t}"]
-            figures[f"speedup_to_reward_{t}"] = round(trl / ours, 2) if ours and trl else None
+            trl = figures[f"trl_seconds_to_reward_{t}"]
+            for ours in ("flow", "ours"):
+                mine = figures[f"{ours}_seconds_to_reward_{t}"]
+                name = "speedup_flow" if ours == "flow" else "speedup_plain"
+                figures[f"{name}_to_reward_{t}"] = round(trl / mine, 2) if mine and trl else None
     print(json.dumps(figures))
 
 
