@@ -2,8 +2,8 @@
 
     python -m areal_pipeline.inference.server --model PATH --host 127.0.0.1 --port 30000
 
-A client written for a real SGLang server works against it unchanged. Generation runs in
-`BatchEngine`, which decodes all concurrent requests together.
+A client written for a real SGLang server works against it unchanged, and so does one written for the OpenAI API
+(`/v1/...`, see openai_api.py). Generation runs in `BatchEngine`, which decodes all concurrent requests together.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from areal_pipeline.http_json import (
     shown,
 )
 from areal_pipeline.inference.engine import BatchEngine, GenRequest, RequestError, SamplingParams
+from areal_pipeline.inference.openai_api import OpenAIRoutes
 from areal_pipeline.utils import exit_when_parent_dies, get_logger
 
 logger = get_logger(__name__)
@@ -75,6 +76,7 @@ class InferenceServer:
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        OpenAIRoutes(self).register(r)  # /v1/chat/completions, /v1/completions, /v1/models (openai_api.py)
         app.on_shutdown.append(self._shutdown)
         return app
 

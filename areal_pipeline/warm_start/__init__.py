@@ -28,9 +28,14 @@ CURRICULA: dict[str, str] = {
     "reflection": "areal_pipeline.warm_start.multi_turn_math:reflection",
     "multi_turn": "areal_pipeline.warm_start.multi_turn_math:multi_turn",
     "search": "areal_pipeline.warm_start.search:curriculum",
+    "calculator": "areal_pipeline.warm_start.calculator:curriculum",
 }
 
 IGNORE = -100  # the label of a token the loss skips (prompts, environment turns)
+# A batch whose rows start with at least this many equal, unlabelled tokens (a tool-using agent's system prompt)
+# runs them once and its rows on from there: the same loss and gradients, ~4x less compute on 560 shared tokens of
+# ~700. Shorter shared starts (the arithmetic prompts' ~20 tokens) take the plain forward pass, bitwise as before.
+SHARED_PREFIX_MIN_TOKENS = 256
 
 
 def curriculum(name: str) -> Callable[..., Sampler]:
@@ -57,11 +62,15 @@ def warm_start(model, tokenizer, tiny: Any, seed: int) -> None:
     try:
         for _ in range(tiny.pretrain_steps):
             rows, targets = zip(*sample(rng, tiny.pretrain_batch_size))
-            width = max(map(len, rows))
-            ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
-            attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-            labels = torch.tensor([t + [IGNORE] * (width - len(t)) for t in targets])
-            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+            shared = _shared_unlabelled_prefix(rows, targets)
+            if shared >= SHARED_PREFIX_MIN_TOKENS:
+                loss = _loss_with_shared_prefix(model, tokenizer, rows, targets, shared)
+            else:
+                width = max(map(len, rows))
+                ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+                attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+                labels = torch.tensor([t + [IGNORE] * (width - len(t)) for t in targets])
+                loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -72,3 +81,38 @@ def warm_start(model, tokenizer, tiny: Any, seed: int) -> None:
     model.eval()
     logger.info("warm-started the tiny model: %d steps of the '%s' curriculum, final loss %.3f",
                 tiny.pretrain_steps, tiny.pretrain_task, loss.item())
+
+
+def _shared_unlabelled_prefix(rows, targets) -> int:
+    """How many leading tokens every row has in common with no label on them (at most all but a row's last)."""
+    shared = min(len(r) for r in rows) - 1
+    first = rows[0]
+    for row, target in zip(rows, targets):
+        labelled = next((i for i, label in enumerate(target) if label != IGNORE), len(target))
+        same = next((i for i, (a, b) in enumerate(zip(row, first)) if a != b), len(row))
+        shared = min(shared, labelled, same)
+    return max(shared, 0)
+
+
+def _loss_with_shared_prefix(model, tokenizer, rows, targets, shared: int):
+    """The causal LM loss of the batch (mean over labelled tokens, as `model(labels=...)` computes it), running the
+    rows' first `shared` tokens once: their KV cache, expanded to the batch, is the past of every row's rest (the
+    gradient flows through it back into the shared tokens' forward pass)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import DynamicCache
+
+    prefix = model(input_ids=torch.tensor([list(rows[0][:shared])]), use_cache=True)
+    n = len(rows)
+    past = DynamicCache(ddp_cache_data=[(layer.keys.expand(n, -1, -1, -1), layer.values.expand(n, -1, -1, -1))
+                                        for layer in prefix.past_key_values.layers])
+    rests = [list(r[shared:]) for r in rows]
+    width = max(map(len, rests))
+    ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rests])
+    attention = torch.tensor([[1] * (shared + len(r)) + [0] * (width - len(r)) for r in rests])
+    positions = (shared + torch.arange(width)).expand(n, -1)
+    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=past)
+    # token t of a rest is predicted at t - 1: the prefix's last position predicts each rest's first token
+    logits = torch.cat([prefix.logits[:, -1:].expand(n, -1, -1), out.logits[:, :-1]], dim=1)
+    labels = torch.tensor([list(t[shared:]) + [IGNORE] * (width - len(t) + shared) for t in targets])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE)

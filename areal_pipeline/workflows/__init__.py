@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-WORKFLOWS = ("rlvr", "reflection", "multi_turn", "remax", "search_agent")
+WORKFLOWS = ("rlvr", "reflection", "multi_turn", "remax", "search_agent", "openai_agent")
 
 
 def build_workflow(cfg, tokenizer, reward_pool, *, tool_addresses: Optional[dict[str, str]] = None) -> Any:
@@ -38,14 +38,20 @@ def build_workflow(cfg, tokenizer, reward_pool, *, tool_addresses: Optional[dict
         from areal_pipeline.workflows.remax import ReMaxWorkflow
 
         return ReMaxWorkflow(reward_fn, g, tokenizer, reward_pool)
+    if name == "openai_agent":
+        from areal_pipeline.workflows.openai_agent import OpenAIAgentWorkflow, load_agent
+
+        return OpenAIAgentWorkflow(load_agent(agent.entry), g, tokenizer, entry=agent.entry,
+                                   turn_discount=agent.turn_discount, export_style=agent.export_style)
     return _search_agent(cfg, tokenizer, (tool_addresses or {}).get("retrieval"))
 
 
 def pooled_reward_function(cfg) -> Optional[Callable[[str, Any], float]]:
-    """The reward function the workflow runs in the reward pool (None: the search agent scores in process)."""
+    """The reward function the workflow runs in the reward pool (None: the search agent scores in process, an
+    OpenAI agent scores itself)."""
     if cfg.rollout.workflow not in WORKFLOWS:
         raise ValueError(f"unknown workflow '{cfg.rollout.workflow}'; valid: {', '.join(WORKFLOWS)}")
-    if cfg.rollout.workflow == "search_agent":
+    if cfg.rollout.workflow in ("search_agent", "openai_agent"):
         return None
     from areal_pipeline.rewards import math_reward
 
