@@ -14,7 +14,6 @@ same temperature computes.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import gc
 import threading
 import time
@@ -26,13 +25,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from areal_pipeline.http_json import RequestRejected, check_bool, check_int, check_number, shown
+from areal_pipeline.http_json import RequestRejected
+from areal_pipeline.inference.sampling import SamplingParams, sample_next_tokens
 from areal_pipeline.model import eos_token_ids, load_model, load_tokenizer
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
 
-GREEDY_TEMPERATURE = 1e-6
 # A text prompt is tokenised whole when it has at most this many characters per token of room in the context
 # (English runs ~4 per token); a longer one first as a prefix of that length.
 PREFIX_CHARS_PER_TOKEN = 8
@@ -41,74 +40,6 @@ PREFIX_CUT_TOKENS = 16
 
 # A request the server rejects with HTTP 400 (and a message).
 RequestError = RequestRejected
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    n: int = 1
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    sampling_seed: Optional[int] = None
-
-    # Accepted for compatibility only at their neutral value: RL rollouts never change them, and
-    # silently ignoring another value would make logprobs disagree with the trainer.
-    _NEUTRAL = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                "min_new_tokens": 0}
-
-    @classmethod
-    def from_json(cls, data: Any) -> "SamplingParams":
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise RequestError(f"sampling_params must be a JSON object, got {shown(data)}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in data:
-            if key not in names:
-                raise RequestError(f"unknown field '{key}' in sampling_params; valid: {', '.join(sorted(names))}")
-        data = {k: v for k, v in data.items() if v is not None or k == "sampling_seed"}
-        if isinstance(data.get("stop"), str):
-            data["stop"] = [data["stop"]]
-        params = cls(**data)
-        params.validate()
-        return params
-
-    def validate(self) -> None:
-        check_int("max_new_tokens", self.max_new_tokens, minimum=0)
-        if check_number("temperature", self.temperature) < 0:
-            raise RequestError(f"'temperature' must be non-negative, got {shown(self.temperature)}")
-        if not 0 < check_number("top_p", self.top_p) <= 1:
-            raise RequestError(f"'top_p' must be in (0, 1], got {shown(self.top_p)}")
-        if type(self.top_k) is not int or self.top_k == 0 or self.top_k < -1:
-            raise RequestError(f"'top_k' must be -1 (whole vocabulary) or at least 1, got {shown(self.top_k)}")
-        if not 0 <= check_number("min_p", self.min_p) <= 1:
-            raise RequestError(f"'min_p' must be in [0, 1], got {shown(self.min_p)}")
-        if not (isinstance(self.stop, list) and all(type(s) is str and s for s in self.stop)):
-            raise RequestError(f"'stop' must be a non-empty string or a list of them, got {shown(self.stop)}")
-        if not (isinstance(self.stop_token_ids, list) and all(type(t) is int for t in self.stop_token_ids)):
-            raise RequestError(f"'stop_token_ids' must be a list of integers, got {shown(self.stop_token_ids)}")
-        check_bool("ignore_eos", self.ignore_eos)
-        check_bool("skip_special_tokens", self.skip_special_tokens)
-        if self.sampling_seed is not None:  # the range torch.Generator.manual_seed takes
-            check_int("sampling_seed", self.sampling_seed, minimum=-(1 << 63), maximum=(1 << 64) - 1)
-        for name, neutral in self._NEUTRAL.items():
-            value = getattr(self, name)
-            if type(value) not in (int, float) or value != neutral:
-                raise RequestError(f"{name}={shown(value)} is not supported by the CPU server (only {neutral!r})")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass
@@ -539,42 +470,8 @@ class BatchEngine:
                 layer.values = layer.values[:, :, first_real:]
 
     def _sample(self, requests: list[GenRequest], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one token per row; return it with its logprob under the row's temperature."""
-        temps = torch.tensor([1.0 if r.params.greedy else float(r.params.temperature) for r in requests],
-                             device=logits.device)
-        logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
-        probs = logprobs.exp()
-        probs = self._filter(requests, probs)
-        cdf = probs.cumsum(-1)
-        u = torch.rand(len(requests), generator=self._generator, device=logits.device)
-        for i, r in enumerate(requests):
-            if r.generator is not None:
-                u[i] = torch.rand(1, generator=r.generator, device=logits.device)[0]
-        u = u * cdf[:, -1]
-        tokens = torch.searchsorted(cdf, u[:, None]).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
-        greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
-        if greedy.any():
-            tokens = torch.where(greedy, logits.argmax(-1), tokens)
-        chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-        return tokens, chosen
-
-    @staticmethod
-    def _filter(requests: list[GenRequest], probs: torch.Tensor) -> torch.Tensor:
-        needs = [r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in requests]
-        if not any(needs):
-            return probs
-        vocab = probs.shape[-1]
-        top_k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in requests])
-        top_p = torch.tensor([float(r.params.top_p) for r in requests])
-        min_p = torch.tensor([float(r.params.min_p) for r in requests])
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab)[None, :]
-        cumulative = sorted_probs.cumsum(-1)
-        # keep a token while the mass before it is below top_p (so the first token always stays)
-        keep = (rank < top_k[:, None]) & (cumulative - sorted_probs < top_p[:, None])
-        keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
-        filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
-        return filtered
+        return sample_next_tokens(logits, [r.params for r in requests], [r.generator for r in requests],
+                                  self._generator)
 
     def read_weights(self, model_path: str) -> dict[str, torch.Tensor]:
         """Read a checkpoint's safetensors and check them against the model, on any thread (generation goes on

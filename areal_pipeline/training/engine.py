@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -26,6 +25,9 @@ import torch.distributed as dist
 
 from areal_pipeline.checksums import verify_checksums, write_checksums
 from areal_pipeline.model import DTYPES
+from areal_pipeline.training.checkpoint_io import (MODEL_SUBDIR, flatten_optimizer_state, read_hf_weights,
+                                                   rng_state, set_rng_state, unflatten_optimizer_state,
+                                                   write_hf_dir)
 from areal_pipeline.training.losses import entropy_from_logits, gather_logprobs
 from areal_pipeline.training.packing import (MicroBatch, balance, count_micro_batches, pack, shared_prefix_units,
                                                 unit_length, unpack)
@@ -35,10 +37,6 @@ logger = get_logger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 WeightFn = Callable[[MicroBatch], float]
-
-MODEL_SUBDIR = "model"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "vocab.json", "merges.txt", "generation_config.json")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -307,11 +305,11 @@ class TrainEngine:
         optim_state = get_optimizer_state_dict(self.model, self.optimizer,
                                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         rngs = [json.loads(bytes(part.tolist()).decode()) for part in self._all_gather_ragged(
-            torch.tensor(list(json.dumps(_rng_state()).encode()), dtype=torch.uint8, device=self.device))]
+            torch.tensor(list(json.dumps(rng_state()).encode()), dtype=torch.uint8, device=self.device))]
         if self.rank == 0:
             with atomic_directory(path) as tmp:
                 write_hf_dir(tmp / MODEL_SUBDIR, model_state, self.model.config, self.model_path)
-                tensors, groups = _flatten_optimizer_state(optim_state)
+                tensors, groups = flatten_optimizer_state(optim_state)
                 save_file(tensors, str(tmp / "optimizer.safetensors"))
                 atomic_write_text(tmp / "trainer_state.json", json.dumps({
                     "version": self.version,
@@ -336,13 +334,13 @@ class TrainEngine:
         model_state = read_hf_weights(path / MODEL_SUBDIR, self.model)
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, model_state, options=options)
-        optim_state = _unflatten_optimizer_state(load_file(str(path / "optimizer.safetensors")),
+        optim_state = unflatten_optimizer_state(load_file(str(path / "optimizer.safetensors")),
                                                  state["optimizer_param_groups"])
         set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=options)
         self.scheduler.load_state_dict(state["scheduler"])
         self._apply_config_hyperparameters()
         rngs = state["rng"]
-        _set_rng_state(rngs[self.rank] if self.rank < len(rngs) else rngs[0])
+        set_rng_state(rngs[self.rank] if self.rank < len(rngs) else rngs[0])
         self.version = int(state["version"])
         return state
 
@@ -361,80 +359,3 @@ class TrainEngine:
         for group, lr in zip(self.optimizer.param_groups, lrs):
             group["lr"] = lr
         self.scheduler._last_lr = lrs
-
-
-def write_hf_dir(out_dir: Path, state: dict[str, torch.Tensor], config, source_dir: str) -> None:
-    """config.json + model.safetensors (+ the tokenizer files of `source_dir`): loadable by `from_pretrained`
-    and servable by SGLang."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if getattr(config, "tie_word_embeddings", False):
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    config.save_pretrained(out_dir)
-    source = Path(source_dir)
-    if source.is_dir():
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, out_dir / name)
-    else:  # a hub id: let transformers fetch and write the tokenizer
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(source_dir).save_pretrained(out_dir)
-
-
-def read_hf_weights(model_dir: Path, model) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
-
-
-def _flatten_optimizer_state(optim_state: dict) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Optimizer state as safetensors-ready tensors plus JSON param groups (no pickle anywhere)."""
-    tensors = {}
-    for fqn, slots in optim_state.get("state", {}).items():
-        for slot, value in slots.items():
-            tensors[f"{fqn}::{slot}"] = torch.as_tensor(value).detach().cpu().contiguous()
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
-              for g in optim_state.get("param_groups", [])]
-    return tensors, groups
-
-
-def _unflatten_optimizer_state(tensors: dict[str, torch.Tensor], groups: list[dict]) -> dict:
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        fqn, slot = key.rsplit("::", 1)
-        state.setdefault(fqn, {})[slot] = value
-    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
-    return {"state": state, "param_groups": groups}
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": _jsonable(random.getstate()), "torch": torch.get_rng_state().tolist()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_tupled(state["python"]))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
-
-
-def _jsonable(x):
-    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def _tupled(x):
-    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
