@@ -106,9 +106,14 @@ def cmd_train(args) -> None:
         if api_server is not None:
             api_server.stop()
         raise
-    with prefect_api(api_server):
-        result = train(config_path=args.config, overrides=args.overrides, run_id=args.run_id,
-                       iterations=args.iterations)
+    from areal_pipeline.console import quiet_console
+    from flows.events import listening
+
+    # a progress line and warnings on the terminal; every record to the run's log file and Prefect's run logs
+    with quiet_console(cfg.run_id, cfg.run_dir, args.verbose) as progress, listening(progress):
+        with prefect_api(api_server):
+            result = train(config_path=args.config, overrides=args.overrides, run_id=args.run_id,
+                           iterations=args.iterations)
     records = read_metrics(cfg.run_dir / "metrics.jsonl")
     summary = summarize(records)
     print(f"\nrun {cfg.run_id}: {summary.get('iterations', 0)} iterations in {cfg.run_dir}")
@@ -227,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", default=None, help="default: the config's run_id")
     p.add_argument("--iterations", type=int, default=None,
                    help="continue the run for N more iterations (default: up to total_iterations)")
+    p.add_argument("--verbose", action="store_true",
+                   help="every log record on the terminal (default: a progress line and warnings; all records go to "
+                        "runs/<run_id>/logs/train.log and the Prefect run logs)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. trainer.optimizer.lr=1e-4")
     p.set_defaults(func=cmd_train)
 
@@ -302,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", action="store_true",
                    help="retrain the parent's iterations K+1.. on its recorded rollout shards (no new rollouts)")
     p.add_argument("--output-dir", default="runs", help="where the parent's run directory is (and the new one goes)")
+    p.add_argument("--verbose", action="store_true", help="every log record on the terminal, as train --verbose")
     p.add_argument("overrides", nargs="*",
                    help="dotted overrides of the parent's config, e.g. trainer.optimizer.lr=5e-4")
     p.set_defaults(func=cmd_branch)

@@ -92,8 +92,10 @@ def main(args) -> None:
     """`areal-pipeline branch`: checks the branch first (a clear error, nothing started), then runs the flow against
     the configured Prefect API or a temporary one, and prints where the new run is."""
     from areal_pipeline.config import ConfigError
+    from areal_pipeline.console import quiet_console
     from areal_pipeline.metrics import read_metrics, summarize
     from flows.api_server import prefect_api
+    from flows.events import listening
 
     mode = "replay" if args.replay else "branch"
     try:
@@ -101,9 +103,10 @@ def main(args) -> None:
                            args.iterations)
     except (BranchError, ConfigError) as error:
         sys.exit(f"branch error: {error}")
-    with prefect_api():
-        result = branch(parent_run_id=args.parent, at=args.at, run_id=args.run_id, overrides=args.overrides,
-                        output_dir=args.output_dir, mode=mode, iterations=args.iterations)
+    with quiet_console(args.run_id, plan.run_dir, args.verbose) as progress, listening(progress):
+        with prefect_api():
+            result = branch(parent_run_id=args.parent, at=args.at, run_id=args.run_id, overrides=args.overrides,
+                            output_dir=args.output_dir, mode=mode, iterations=args.iterations)
     summary = summarize(read_metrics(plan.run_dir / "metrics.jsonl")[args.at:])
     print(f"\n{mode} {args.run_id} of {args.parent} at iteration {args.at}: iterations {args.at + 1}..{plan.last} "
           f"in {plan.run_dir}")

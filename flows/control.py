@@ -55,11 +55,11 @@ class RunControl:
         self._thread.start()
 
     def stop(self) -> None:
+        # Not joined: the thread only reads, and a read in flight against a slow API must not delay the end of a
+        # run (a stop signal gives the process seconds to exit); it ends at its next wait.
         self._done.set()
         with self._changed:
             self._changed.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
 
     def _watch(self) -> None:
         from prefect.client.orchestration import get_client
@@ -71,7 +71,7 @@ class RunControl:
                 except Exception as error:  # the API being away for a moment is no reason to stop training
                     logger.debug("could not read the state of flow run %s: %s", self.flow_run_id, error)
                     continue
-                if state is not None and self._on_state(state):
+                if self._done.is_set() or (state is not None and self._on_state(state)):
                     return
 
     def _on_state(self, state) -> bool:

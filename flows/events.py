@@ -24,10 +24,11 @@ on the API in the iteration's path.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from decimal import ROUND_FLOOR, Decimal
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from areal_pipeline.utils import get_logger
 
@@ -119,6 +120,7 @@ class RunEvents:
 
     def started(self, first: int, last: int, config: dict[str, Any]) -> None:
         self._emit(RUN_STARTED, {"first_iteration": first, "last_iteration": last, "config": config})
+        _notify(self.run_id, "started", first, last)
 
     def iteration_completed(self, k: int, record: dict[str, Any]) -> dict[str, str]:
         """Emit iteration k's event; returns the levels it carries."""
@@ -127,13 +129,16 @@ class RunEvents:
                   "areal.approx-kl": level(record.get("approx_kl"))}
         payload = {**_finite(record), "reward_drop": drop, "reward_window": REWARD_WINDOW}
         self._emit(ITERATION_COMPLETED, payload, **levels)
+        _notify(self.run_id, "iteration", k, record)
         return levels
 
     def finished(self, summary: dict[str, Any]) -> None:
         self._emit(RUN_FINISHED, _finite(summary))
+        _notify(self.run_id, "finished")
 
     def failed(self, error: BaseException, cancelled: bool) -> None:
         self._emit(RUN_FAILED, {"error": f"{type(error).__name__}: {error}", "cancelled": cancelled})
+        _notify(self.run_id, "failed")
 
 
 def _finite(record: dict[str, Any]) -> dict[str, Any]:
@@ -158,3 +163,28 @@ def iteration_completed(run_id: str, k: int, record: dict[str, Any]) -> None:
     events = _RUNS.get(run_id)
     if events is not None:
         events.iteration_completed(k, record)
+
+
+# In-process listeners of the same events (the command line's progress line): objects with a `run_id` and the
+# methods started(first, last), iteration(k, record), finished(), failed().
+_LISTENERS: list[Any] = []
+
+
+@contextlib.contextmanager
+def listening(listener: Optional[Any]) -> Iterator[None]:
+    if listener is None:
+        yield
+        return
+    _LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _LISTENERS.remove(listener)
+
+
+def _notify(run_id: str, method: str, *args: Any) -> None:
+    for listener in [item for item in _LISTENERS if item.run_id == run_id]:
+        try:
+            getattr(listener, method)(*args)
+        except Exception:  # what a display cannot show is no reason to fail a run
+            logger.warning("listener %r could not take %s", listener, method, exc_info=True)

@@ -1,0 +1,213 @@
+"""What a training command shows in the terminal: a live progress line and warnings, instead of every log record.
+
+A default run writes ~10 log records an iteration (each node's task run created and finished, the iteration's
+flow run, the library's own lines): ~1000 lines for the default 100 iterations, where the figures a person
+watches (reward, pass@1, speed, time left) scroll away. While `quiet_console` is active:
+
+- every record still goes where it went (Prefect's run logs, through its API handler) and to a log file,
+  `<run_dir>/logs/train.log` (appended, one header line per command);
+- the terminal shows records of WARNING and above only, and one progress line: the iteration, the reward, the
+  last eval pass@1, seconds an iteration and the time left; redrawn in place on a terminal, and on a pipe (CI,
+  `| tee`) printed as a line about every tenth of the run;
+- `verbose=True` leaves the terminal as it was (every record), with no progress line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any, Iterator, Optional
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+PIPE_LINES = 10  # a progress line about every 1/PIPE_LINES of the run where the output is not a terminal
+PIPE_SECONDS = 30.0  # ... and at least this often
+
+
+class RunFormatter(logging.Formatter):
+    """LOG_FORMAT, with the Prefect task or flow run a record comes from (Prefect's run loggers attach its name)."""
+
+    def __init__(self):
+        super().__init__(LOG_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        run = getattr(record, "task_run_name", None) or getattr(record, "flow_run_name", None)
+        return text.replace(f"{record.name}: ", f"{record.name} [{run}]: ", 1) if run else text
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class ProgressLine:
+    """The run's progress as one line; fed by the run's events (`started`, `iteration`, `finished`, `failed`)."""
+
+    def __init__(self, run_id: str, stream: IO[str], live: Optional[bool] = None, width: int = 28):
+        self.run_id = run_id
+        self.stream = stream
+        self.live = stream.isatty() if live is None else live
+        self.width = width
+        self.first = self.last = 0
+        self.done = 0
+        self.reward: Optional[float] = None
+        self.pass_at_1: Optional[float] = None
+        self._times: list[float] = []  # wall time at each finished iteration (the start first)
+        self._shown = False  # a live line is on the screen
+        self._printed_at = (0, 0.0)  # (iteration, time) of the last line printed to a pipe
+        self._lock = threading.RLock()
+
+    # ----- the run's events ---------------------------------------------------------------------------
+    def started(self, first: int, last: int) -> None:
+        with self._lock:
+            self.first, self.last, self.done = first, last, first - 1
+            self._times = [time.monotonic()]
+            if first > 1:
+                self.write(f"run {self.run_id}: iterations 1..{first - 1} are finished; continuing at {first}")
+            self.draw(force=True)
+
+    def iteration(self, k: int, record: dict[str, Any]) -> None:
+        with self._lock:
+            self.done = max(self.done, k)
+            self.reward = record.get("reward_mean", self.reward)
+            if record.get("eval_pass_at_1") is not None:
+                self.pass_at_1 = record["eval_pass_at_1"]
+            self._times.append(time.monotonic())
+            self.draw(force=k >= self.last)
+
+    def finished(self) -> None:
+        with self._lock:
+            if self.live or self._printed_at[0] != self.done:  # a pipe has had the last line already
+                self.draw(force=True)
+            self.end_line()
+
+    def failed(self) -> None:
+        self.end_line()
+
+    # ----- rendering ----------------------------------------------------------------------------------
+    def seconds_per_iteration(self) -> Optional[float]:
+        """Over the last 10 iterations (the first one includes the start-up of the loop, so it is left out once
+        there are others)."""
+        times = self._times[-11:]
+        if len(times) > 2 and len(self._times) <= 11:
+            times = times[1:]
+        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+    def text(self) -> str:
+        total = max(1, self.last - self.first + 1)
+        done = max(0, self.done - self.first + 1)
+        filled = int(self.width * done / total)
+        bar = "#" * filled + "-" * (self.width - filled)
+        parts = [f"{self.run_id} [{bar}] {self.done}/{self.last}"]
+        parts.append(f"reward {self.reward:.3f}" if self.reward is not None else "reward -")
+        parts.append(f"pass@1 {self.pass_at_1:.3f}" if self.pass_at_1 is not None else "pass@1 -")
+        rate = self.seconds_per_iteration()
+        if rate is not None:
+            parts.append(f"{rate:.2f} s/it")
+            parts.append(f"ETA {_duration(rate * (self.last - self.done))}")
+        else:
+            parts.append("starting")
+        return "  ".join(parts)
+
+    def draw(self, force: bool = False) -> None:
+        with self._lock:
+            if self.live:
+                self.stream.write("\r\x1b[2K" + self.text())
+                self._shown = True
+            else:
+                k, at = self._printed_at
+                step = max(1, (self.last - self.first + 1) // PIPE_LINES)
+                if not (force or self.done - k >= step or time.monotonic() - at >= PIPE_SECONDS):
+                    return
+                self.stream.write(self.text() + "\n")
+                self._printed_at = (self.done, time.monotonic())
+            self.stream.flush()
+
+    def clear(self) -> None:
+        """Take the live line off the screen (a log record is about to be written)."""
+        if self.live and self._shown:
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()
+
+    def end_line(self) -> None:
+        with self._lock:
+            if self.live and self._shown:
+                self.stream.write("\n")
+                self.stream.flush()
+                self._shown = False
+
+    def write(self, line: str) -> None:
+        """A line of its own above the progress line."""
+        with self._lock:
+            self.clear()
+            self.stream.write(line + "\n")
+            self._shown = False
+            self.stream.flush()
+
+
+class _AroundProgress(logging.StreamHandler):
+    """The terminal's log handler while the progress line is shown: a record is written above the line, which
+    is then drawn again."""
+
+    def __init__(self, progress: ProgressLine, level: int):
+        super().__init__(progress.stream)
+        self.progress = progress
+        self.setLevel(level)
+        self.setFormatter(RunFormatter())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self.progress._lock:
+            self.progress.clear()
+            super().emit(record)
+            if self.progress.live and self.progress._shown:
+                self.progress.stream.write(self.progress.text())
+                self.progress.stream.flush()
+
+
+def _terminal_handlers(root: logging.Logger) -> list[logging.Handler]:
+    return [h for h in root.handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+            and getattr(h, "stream", None) in (sys.stderr, sys.stdout)]
+
+
+@contextlib.contextmanager
+def quiet_console(run_id: str, run_dir: Path, verbose: bool = False, stream: Optional[IO[str]] = None,
+                  live: Optional[bool] = None) -> Iterator[Optional[ProgressLine]]:
+    """For the block: every log record also to `<run_dir>/logs/train.log`; unless `verbose`, the terminal shows
+    WARNING and above plus the progress line that is yielded (feed it the run's events), else None."""
+    stream = stream or sys.stderr
+    log_path = Path(run_dir) / "logs" / "train.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    file_handler = logging.FileHandler(log_path, encoding="utf-8")
+    file_handler.setFormatter(RunFormatter())
+    file_handler.setLevel(logging.INFO)
+    with open(log_path, "a", encoding="utf-8") as header:
+        header.write(f"==== {datetime.now(timezone.utc).isoformat()} {' '.join(sys.argv)}\n")
+    root.addHandler(file_handler)
+    progress = None if verbose else ProgressLine(run_id, stream, live)
+    muted = [] if verbose else _terminal_handlers(root)
+    levels = [h.level for h in muted]
+    around = None
+    if progress is not None:
+        for handler in muted:
+            handler.setLevel(logging.CRITICAL + 1)
+        around = _AroundProgress(progress, logging.WARNING)
+        root.addHandler(around)
+        progress.write(f"run {run_id}: full logs in {log_path} and the Prefect run logs (--verbose shows them here)")
+    try:
+        yield progress
+    finally:
+        if progress is not None:
+            progress.end_line()
+        for handler, level in zip(muted, levels):
+            handler.setLevel(level)
+        if around is not None:
+            root.removeHandler(around)
+        root.removeHandler(file_handler)
+        file_handler.close()

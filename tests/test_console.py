@@ -1,0 +1,90 @@
+"""The quiet console of `areal-pipeline train`: a progress line and the summary on the terminal, every record in
+the run's log file and the Prefect run logs, `--verbose` for everything on the terminal; real runs."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import os
+import re
+
+from areal_pipeline.console import ProgressLine, quiet_console
+from test_flows import cli, fast_overrides, prefect_api, wait_until  # noqa: F401
+
+
+def test_the_progress_line_on_a_terminal_and_on_a_pipe():
+    live = io.StringIO()
+    line = ProgressLine("r", live, live=True)
+    line.started(1, 4)
+    for k in range(1, 5):
+        line.iteration(k, {"reward_mean": 0.25 * k, "eval_pass_at_1": 0.5 if k == 2 else None})
+    line.finished()
+    frames = live.getvalue().split("\r\x1b[2K")
+    assert "r [----------------------------] 0/4  reward -  pass@1 -  starting" in frames[1]
+    assert re.search(r"r \[#{28}\] 4/4  reward 1\.000  pass@1 0\.500  \d+\.\d\d s/it  ETA 0:00", frames[-1])
+    assert live.getvalue().endswith("\n") and live.getvalue().count("\n") == 1  # redrawn in place, one line
+
+    piped = io.StringIO()
+    line = ProgressLine("r", piped, live=False)
+    line.started(3, 102)  # a continued run: iterations 1..2 were finished before
+    for k in range(3, 103):
+        line.iteration(k, {"reward_mean": 0.5})
+    line.finished()
+    lines = piped.getvalue().splitlines()
+    assert lines[0] == "run r: iterations 1..2 are finished; continuing at 3"
+    assert 10 <= len(lines) <= 14 and lines[-1].startswith("r [") and " 102/102 " in lines[-1]
+
+
+def test_log_records_go_to_the_file_and_warnings_above_the_line(tmp_path):
+    stream = io.StringIO()
+    logger = logging.getLogger("areal_pipeline.test_console")
+    logger.setLevel(logging.INFO)  # as the command line sets the library's loggers
+    with quiet_console("r", tmp_path / "r", stream=stream, live=True) as progress:
+        progress.started(1, 2)
+        logger.info("an info record")
+        logger.warning("a warning record")
+        progress.iteration(1, {"reward_mean": 0.5})
+    text = stream.getvalue()
+    assert "an info record" not in text and "a warning record" in text
+    # the warning is written on a cleared line, and the progress line drawn again after it
+    assert re.search(r"\r\x1b\[2K[^\r]*WARNING areal_pipeline.test_console: a warning record\nr \[", text)
+    log = (tmp_path / "r" / "logs" / "train.log").read_text()
+    assert "INFO areal_pipeline.test_console: an info record" in log and "a warning record" in log
+
+
+async def _run_logs(name: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, LogFilter, LogFilterFlowRunId
+
+    async with get_client() as client:
+        (run,) = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
+        return await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+
+
+def test_a_training_run_prints_a_progress_line_and_keeps_the_full_logs(prefect_api, tiny_model_dir, tmp_path):
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    run = cli("train", "--config", "configs/tiny_cpu.yaml",
+              *fast_overrides(tmp_path, tiny_model_dir, run_id="quiet", iterations=3), env=env)
+    out, _ = run.communicate(timeout=600)
+    assert run.returncode == 0, out
+    lines = out.strip().splitlines()
+    assert len(lines) < 20, out  # not one line per node and run
+    assert "Finished in state" not in out and "Beginning subflow run" not in out
+    assert any(re.match(r"quiet \[#{28}\] 3/3  reward \d\.\d{3}  pass@1 \d\.\d{3}  \d+\.\d\d s/it  ETA 0:00", line)
+               for line in lines), out
+    assert "run quiet: 3 iterations in" in out and "mean reward, last" in out
+    log = (tmp_path / "quiet" / "logs" / "train.log").read_text()
+    assert "prefect.flow_runs [quiet/iter-3]: Finished in state Completed()" in log
+    assert log.count("prefect.task_runs [") >= 3 * 4 and "areal_pipeline.inference.launcher" in log
+    # the run's logs in Prefect are as full as before
+    logs = wait_until(lambda: (lambda found: found if any("iteration 3: reward" in r.message for r in found) else None)(
+        asyncio.run(_run_logs("quiet/iter-3"))), 30, "the iteration's logs in the Prefect API")
+    assert any(r.message.startswith("Finished in state") for r in logs)
+
+    verbose = cli("train", "--verbose", "--config", "configs/tiny_cpu.yaml",
+                  *fast_overrides(tmp_path, tiny_model_dir, run_id="loud", iterations=3), env=env)
+    out, _ = verbose.communicate(timeout=600)
+    assert verbose.returncode == 0, out
+    assert out.count("Finished in state Completed()") >= 3 * 4 and "quiet [" not in out and "loud [" not in out
+    assert len(out.splitlines()) > 3 * len(lines)
