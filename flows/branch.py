@@ -101,6 +101,8 @@ def main(args) -> None:
     try:
         plan = plan_branch(Path(args.output_dir) / args.parent, args.at, args.run_id, args.overrides, args.replay,
                            args.iterations)
+        # the run directory first (the flow's reference_parent then finds it made): the log file goes into it
+        prepare_branch(plan)
     except (BranchError, ConfigError) as error:
         sys.exit(f"branch error: {error}")
     with quiet_console(args.run_id, plan.run_dir, args.verbose) as progress, listening(progress):
