@@ -315,7 +315,8 @@ def test_the_example_agent_is_plain_openai_and_its_curriculum_writes_the_workflo
 
     source = inspect.getsource(calculator_agent)
     assert "areal_pipeline" not in source and "from openai import AsyncOpenAI" in source
-    assert calculator_agent.CALCULATOR == TOOL and WRITTEN_FOR["rollout.agent.entry"] == "examples.calculator_agent:agent"
+    assert calculator_agent.CALCULATOR == TOOL
+    assert WRITTEN_FOR["rollout.agent.entry"] == "examples.calculator_agent:agent"
     assert [calculator_agent.calculate(e) for e in ("7*8", "(3+4)*2", "7/2", "1/0", "__import__('os')")] == [
         "56", "14", "3.5", "error: division by zero", "error: not arithmetic: __import__('os')"]
 

@@ -82,14 +82,15 @@ def test_n_samples_are_seeded_and_their_logprobs_are_the_native_generates(cpu_se
         assert choice.message.content == tokenizer.decode(native["output_ids"], skip_special_tokens=True)
         tokens = choice.logprobs.content
         assert [t.token for t in tokens] == [tokenizer.decode([i]) for i in native["output_ids"]]
-        assert [t.logprob for t in tokens] == pytest.approx([e[0] for e in native["meta_info"]["output_token_logprobs"]],
-                                                          abs=1e-6)
+        native_logprobs = [entry[0] for entry in native["meta_info"]["output_token_logprobs"]]
+        assert [t.logprob for t in tokens] == pytest.approx(native_logprobs, abs=1e-6)
         assert all(t.bytes == list(t.token.encode()) and t.top_logprobs == [] for t in tokens)
 
 
 def _first_new_printable(text: str) -> int:
     """Where a printable ASCII character first shows in `text` (past its start): a stop string for the test."""
-    return next(k for k in range(1, len(text)) if text[k].isascii() and text[k].isprintable() and text[k] not in text[:k])
+    return next(k for k in range(1, len(text))
+                if text[k].isascii() and text[k].isprintable() and text[k] not in text[:k])
 
 
 def test_a_stop_string_cuts_the_reply(cpu_server):

@@ -201,7 +201,8 @@ def ids_after_reply(tokenizer, messages: list[dict[str, Any]], reply_index: int,
     the reply's closing, the later messages and the next assistant header. None when the template renders the
     conversation up to the reply differently once it goes on (not a prefix of the whole), or ends the reply without
     the tokenizer's EOS."""
-    so_far = chat_prompt_ids(tokenizer, messages[: reply_index + 1], tools, template_kwargs, add_generation_prompt=False)
+    so_far = chat_prompt_ids(tokenizer, messages[: reply_index + 1], tools, template_kwargs,
+                             add_generation_prompt=False)
     whole = chat_prompt_ids(tokenizer, messages, tools, template_kwargs)
     eos = tokenizer.eos_token_id
     if whole[: len(so_far)] != so_far or eos is None or eos not in so_far:
@@ -416,7 +417,8 @@ class _InProcessTransport(httpx2.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         path, method = request.url.path.rstrip("/"), request.method
-        routes = {("POST", "/v1/chat/completions"): self.episode.chat, ("POST", "/v1/completions"): self.episode.complete}
+        routes = {("POST", "/v1/chat/completions"): self.episode.chat,
+                  ("POST", "/v1/completions"): self.episode.complete}
         try:
             if (method, path) == ("GET", "/v1/models"):
                 return httpx2.Response(200, json=self.episode.models())
