@@ -5,12 +5,7 @@ Tasks run in the flow's process and find the run's live `Pipeline` (its servers 
 records, persisted so that a retried or rerun flow shows finished nodes as Cached.
 """
 
-from tasks.advantages import advantages
-from tasks.broadcast_weights import broadcast_weights
-from tasks.checkpoint import checkpoint
-from tasks.evaluate import evaluate
-from tasks.ppo_update import ppo_update
-from tasks.rollout import rollout
+from tasks.nodes import advantages, broadcast_weights, checkpoint, evaluate, ppo_update, rollout
 from tasks.setup import prepare_dataset, start_inference_servers, start_tool_servers, start_trainer
 
 __all__ = ["advantages", "broadcast_weights", "checkpoint", "evaluate", "ppo_update", "prepare_dataset", "rollout",
