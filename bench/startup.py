@@ -36,8 +36,9 @@ PHASES = {  # log line -> phase
 
 def one_run(cli: str, config: str, overrides: list[str], run_id: str, env: dict) -> dict:
     started = time.time()
-    done = subprocess.run([cli, "train", "--config", config, f"run_id={run_id}", "total_iterations=1", "eval_freq=0",
-                           *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    # --verbose: the log records the phases are read from, on the terminal (else they go to the run's log file)
+    done = subprocess.run([cli, "train", "--verbose", "--config", config, f"run_id={run_id}", "total_iterations=1",
+                           "eval_freq=0", *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     wall = time.time() - started
     if done.returncode != 0:
         raise SystemExit(f"the run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
