@@ -4,6 +4,7 @@ registry; and the helpers the other test_workflows_* files use to check trajecto
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Callable
 
 import pyarrow.parquet as pq
@@ -215,6 +216,9 @@ def test_compute_batch_uses_token_returns_as_advantages(tmp_path):
 # ---------------------------------------------------------------------------------------------- registry
 
 
+EXAMPLE_AGENT = Path(__file__).resolve().parents[1] / "examples" / "calculator_agent.py:agent"
+
+
 def test_registry_builds_every_workflow_with_its_reward(tiny_model_dir, tmp_path):
     from areal_pipeline.model import load_tokenizer
     from areal_pipeline.rewards import exact_match_reward, f1_reward, math_reward
@@ -222,10 +226,13 @@ def test_registry_builds_every_workflow_with_its_reward(tiny_model_dir, tmp_path
     tokenizer = load_tokenizer(tiny_model_dir)
     built = {}
     for name in WORKFLOWS:
-        cfg = load_config(None, [f"rollout.workflow={name}", f"output_dir={tmp_path}"])
+        # the config refuses remax with the PPO loss, and an OpenAI agent workflow without its agent
+        needs = {"remax": ["ppo.loss=reinforce"], "openai_agent": [f"rollout.agent.entry={EXAMPLE_AGENT}"]}
+        cfg = load_config(None, [f"rollout.workflow={name}", f"output_dir={tmp_path}", *needs.get(name, [])])
         built[name] = build_workflow(cfg, tokenizer, InlinePool())
     assert [type(w).__name__ for w in built.values()] == [
-        "RLVRWorkflow", "ReflectionWorkflow", "MultiTurnWorkflow", "ReMaxWorkflow", "SearchAgentWorkflow"]
+        "RLVRWorkflow", "ReflectionWorkflow", "MultiTurnWorkflow", "ReMaxWorkflow", "SearchAgentWorkflow",
+        "OpenAIAgentWorkflow"]
     assert all(built[n].reward_fn is math_reward for n in ("rlvr", "reflection", "multi_turn", "remax"))
     assert built["search_agent"].reward_fn is f1_reward
     assert type(built["search_agent"].retrieval).__name__ == "LocalRetrievalClient"  # no server address given
@@ -234,7 +241,7 @@ def test_registry_builds_every_workflow_with_its_reward(tiny_model_dir, tmp_path
     remote = build_workflow(cfg, tokenizer, InlinePool(), tool_addresses={"retrieval": "127.0.0.1:1"})
     assert remote.reward_fn is exact_match_reward and remote.retrieval.address == "127.0.0.1:1"
     with pytest.raises(ValueError, match="unknown workflow 'agent'; valid: rlvr, reflection, multi_turn, remax, "
-                                         "search_agent"):
+                                         "search_agent, openai_agent"):
         build_workflow(load_config(None, ["rollout.workflow=agent"]), tokenizer, InlinePool())
     with pytest.raises(ConfigError, match="rollout.agent.reward='bleu': must be one of f1, exact_match"):
         load_config(None, ["rollout.workflow=search_agent", "rollout.agent.reward=bleu"])  # refused at load
