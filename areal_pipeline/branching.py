@@ -93,7 +93,7 @@ def plan_branch(parent_dir: str | Path, at: int, run_id: str, overrides: Optiona
     """Check a branch (or replay) of the run in `parent_dir` at iteration `at` as run `run_id`; nothing is written.
     Bad input (no such run, K not finished, a setting a branch cannot change, a run directory in the way) raises
     BranchError or the config's ConfigError, naming it."""
-    from areal_pipeline.pipeline import RunPaths
+    from areal_pipeline.run_dir import RunPaths
 
     parent_dir = Path(parent_dir)
     overrides = list(overrides or [])
@@ -199,7 +199,7 @@ def prepare_branch(plan: BranchPlan) -> dict[str, Any]:
     branch.json; atomically (a temporary directory renamed into place). A branch already prepared is left as it
     is. Returns branch.json's record plus `needs_restore`: whether the checkpoint K must still be made
     (`restore_parent_policy`)."""
-    from areal_pipeline.pipeline import RunPaths
+    from areal_pipeline.run_dir import RunPaths
 
     parent = RunPaths(plan.parent_dir)
     if plan.run_dir.exists():  # prepared before (plan_branch checked it is this branch): continue it
@@ -247,7 +247,8 @@ def restore_parent_policy(plan: BranchPlan) -> dict[str, Any]:
     """The parent's policy K as the branch's checkpoint K: a trainer under the parent's config loads the parent's
     newest checkpoint before K (or its initial weights) and replays the updates after it from the parent's batch
     shards, exactly as a rerun restores its trainer; then saves. A no-op once the checkpoint is there."""
-    from areal_pipeline.pipeline import Pipeline, RunPaths
+    from areal_pipeline.pipeline import Pipeline
+    from areal_pipeline.run_dir import RunPaths
 
     out = RunPaths(plan.run_dir).checkpoint(plan.at)
     if has_checksums(out):
@@ -267,7 +268,7 @@ def restore_parent_policy(plan: BranchPlan) -> dict[str, Any]:
 def regenerated_rollouts(plan: BranchPlan) -> list[int]:
     """A replay's iterations whose rollout shards are no longer the parent's (a referenced shard found corrupt
     during the run is rolled out again by the run): what `replay` then reports instead of hiding."""
-    from areal_pipeline.pipeline import RunPaths
+    from areal_pipeline.run_dir import RunPaths
 
     if plan.mode != "replay":
         return []

@@ -41,7 +41,8 @@ def cmd_retrieval_server(args) -> None:
 
 def cmd_rollout(args) -> None:
     from areal_pipeline.config import save_config
-    from areal_pipeline.pipeline import Pipeline, run_lock
+    from areal_pipeline.pipeline import Pipeline
+    from areal_pipeline.run_dir import run_lock
 
     cfg = _config(args)
     if args.show is not None:  # episodes for people: always rolled out afresh, nothing written but server logs
@@ -80,12 +81,12 @@ def cmd_rollout(args) -> None:
 
 def cmd_train(args) -> None:
     from areal_pipeline import forkserver
-    from areal_pipeline.config import load_config
+    from areal_pipeline.config import resolve_run_config
     from areal_pipeline.data.datasets import check_local_rows
 
     # Config errors first, then data errors, before anything starts (both need only light imports).
-    checked = load_config(args.config, list(args.overrides) + ([f"run_id={args.run_id}"] if args.run_id else []))
-    check_local_rows(checked.dataset, checked.seed)
+    cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)
+    check_local_rows(cfg.dataset, cfg.seed)
     # What start-up waits for comes up in the background from here on, together, while this process imports the
     # rest and builds the embedded model: the services' own imports (a forkserver, see forkserver.py) and
     # Prefect's API server, when none is configured.
@@ -98,9 +99,7 @@ def cmd_train(args) -> None:
 
         from areal_pipeline.metrics import read_metrics, summarize
         from areal_pipeline.model import resolve_model_path
-        from areal_pipeline.pipeline import resolve_run_config
 
-        cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)
         resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
     except BaseException:
         if api_server is not None:
@@ -357,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from areal_pipeline.config import ConfigError
     from areal_pipeline.data.datasets import DatasetError
 
-    from areal_pipeline.pipeline import RunLockedError
+    from areal_pipeline.run_dir import RunLockedError
 
     try:
         args.func(args)

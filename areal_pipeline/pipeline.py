@@ -47,12 +47,6 @@ from areal_pipeline.services import Services
 from areal_pipeline.training.ppo import write_batch
 from areal_pipeline.utils import atomic_write_text, get_logger, raise_if_deadline_passed, run_async, time_left
 
-# Where these lived before the module was split (import them from their modules in new code).
-from areal_pipeline.evaluation import evaluate_checkpoint, resolve_checkpoint, verify_model_dir  # noqa: E402,F401
-from areal_pipeline.config import resolve_run_config  # noqa: E402,F401
-from areal_pipeline.run_dir import RunLockedError, newest_completed_iteration  # noqa: E402,F401
-from areal_pipeline.services import ServicesStoppedError  # noqa: E402,F401
-
 logger = get_logger(__name__)
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from areal_pipeline.checksums import has_checksums
-from areal_pipeline.config import ExperimentConfig
 from areal_pipeline.utils import atomic_write_text
 
 

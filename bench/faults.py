@@ -59,7 +59,7 @@ import psutil
 
 from areal_pipeline.checksums import sha256_file
 from areal_pipeline.inference.launcher import ServerProcess
-from areal_pipeline.pipeline import RunPaths
+from areal_pipeline.run_dir import RunPaths
 from areal_pipeline.utils import PARENT_PID_ENV, find_free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -33,7 +33,8 @@ def main() -> None:
 
     import flows  # noqa: F401  (the project's Prefect defaults, before Prefect is imported)
     from areal_pipeline.config import load_config
-    from areal_pipeline.pipeline import Pipeline, run_lock
+    from areal_pipeline.pipeline import Pipeline
+    from areal_pipeline.run_dir import run_lock
     from flows.train import train
 
     work = Path(tempfile.mkdtemp(prefix="bench-orchestration-"))

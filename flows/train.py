@@ -22,7 +22,9 @@ from prefect.states import Cancelled
 import tasks
 from areal_pipeline.config import save_config, to_dict
 from areal_pipeline.metrics import write_tensorboard
-from areal_pipeline.pipeline import Pipeline, newest_completed_iteration, resolve_run_config, run_lock
+from areal_pipeline.config import resolve_run_config
+from areal_pipeline.pipeline import Pipeline
+from areal_pipeline.run_dir import newest_completed_iteration, run_lock
 from areal_pipeline.utils import atomic_write_text
 from flows import artifacts, control, events, overlap
 from tasks import registry

@@ -91,7 +91,9 @@ def test_a_failed_iteration_cancels_its_episodes_and_a_retry_starts_afresh(tiny_
     import logging
     import time
 
-    from areal_pipeline.pipeline import Pipeline, run_lock
+    from areal_pipeline.pipeline import Pipeline
+
+    from areal_pipeline.run_dir import run_lock
     from areal_pipeline.rollout.async_executor import AsyncRolloutExecutor
 
     cancelled = []

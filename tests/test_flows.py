@@ -305,7 +305,7 @@ def test_sigterm_mid_update_stops_the_run_and_its_services_promptly(prefect_api,
 
 
 def test_same_run_id_twice_is_refused(prefect_api, tiny_model_dir, tmp_path):
-    from areal_pipeline.pipeline import RunLockedError, run_lock
+    from areal_pipeline.run_dir import RunLockedError, run_lock
     from flows.train import train
 
     with run_lock(tmp_path / "busy"):

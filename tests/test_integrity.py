@@ -20,7 +20,9 @@ from areal_pipeline.checksums import CHECKSUMS_NAME, IntegrityError, verify_chec
 from areal_pipeline.config import load_config
 from areal_pipeline.data.shards import (CorruptShardError, ShardError, is_complete, part_files, read_manifest,
                                         read_table, read_trajectories, verify_shards)
-from areal_pipeline.pipeline import Pipeline, evaluate_checkpoint, resolve_checkpoint, run_lock
+from areal_pipeline.evaluation import evaluate_checkpoint, resolve_checkpoint
+from areal_pipeline.pipeline import Pipeline
+from areal_pipeline.run_dir import run_lock
 from areal_pipeline.training.client import TrainerClient, TrainerError
 from areal_pipeline.training.ppo import read_batch
 from test_trainer import weights

@@ -11,7 +11,9 @@ import pytest
 from areal_pipeline.config import load_config
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.inference.launcher import ServerProcess
-from areal_pipeline.pipeline import Pipeline, Services, run_lock
+from areal_pipeline.pipeline import Pipeline
+from areal_pipeline.run_dir import run_lock
+from areal_pipeline.services import Services
 from areal_pipeline.training.client import TrainerClient
 
 

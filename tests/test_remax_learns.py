@@ -3,28 +3,17 @@ reward pool, from the config's own warm-started base model."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from areal_pipeline.config import load_config
-from areal_pipeline.model import resolve_model_path
 from areal_pipeline.pipeline import run_plain
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def first_and_last(records: list[dict], key: str, window: int) -> tuple[float, float]:
-    """The mean of `key` over the first and over the last `window` iterations."""
-    first, last = [r[key] for r in records[:window]], [r[key] for r in records[-window:]]
-    return sum(first) / len(first), sum(last) / len(last)
+from _learning_helpers import REPO, base_model, first_and_last
 
 
 @pytest.fixture(scope="module")
 def remax_base_model(tmp_path_factory) -> str:
     """The config's base model (the warm start, ~25-60 s on 2 busy cores), built once and shared by the runs."""
-    cfg = load_config(REPO / "configs" / "remax.yaml", [])
-    return resolve_model_path(cfg.model, tmp_path_factory.mktemp("remax-model"), cfg.seed)
+    return base_model("remax.yaml", tmp_path_factory.mktemp("remax-model"))
 
 
 # ~20-30 s a run on 2 busy cores (29 s at load 9.5): 20 iterations of 64 prompts x (2 sampled + 1 greedy).

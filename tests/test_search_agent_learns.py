@@ -6,23 +6,19 @@ over the first 3 iterations ~0.25, over the last 3 ~0.45."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from areal_pipeline.config import load_config
 from areal_pipeline.metrics import summarize
-from areal_pipeline.model import resolve_model_path
 from areal_pipeline.pipeline import run_plain
+from _learning_helpers import REPO, base_model
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/search_agent.yaml"
 
 
 @pytest.fixture(scope="module")
 def search_model_dir(tmp_path_factory) -> str:
-    cfg = load_config(CONFIG, [])
-    return resolve_model_path(cfg.model, tmp_path_factory.mktemp("search-model"), cfg.seed)
+    return base_model("search_agent.yaml", tmp_path_factory.mktemp("search-model"))
 
 
 # The warm start in the fixture counts against the test's time: ~2-5 min on 2 busy cores, 9 with 4 runs at once.

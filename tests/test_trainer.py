@@ -17,7 +17,8 @@ from areal_pipeline.model import load_model
 from areal_pipeline.training.client import TrainerError, launch_trainer
 from areal_pipeline.training.engine import TrainEngine, lr_lambda
 from areal_pipeline.training.losses import gather_logprobs, ppo_actor_loss
-from areal_pipeline.training.ppo import make_loss, read_batch, write_batch
+from areal_pipeline.training.loss_registry import make_loss
+from areal_pipeline.training.ppo import read_batch, write_batch
 from areal_pipeline.utils import find_free_port
 from conftest import http, start_cpu_server
 

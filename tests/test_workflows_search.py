@@ -23,7 +23,7 @@ from areal_pipeline.tools.retrieval_server import launch_retrieval_server
 from areal_pipeline.utils import find_free_port
 from areal_pipeline.workflows import build_workflow
 from areal_pipeline.workflows.rlvr import chat_prompt_ids
-from areal_pipeline.pipeline import Services
+from areal_pipeline.services import Services
 from areal_pipeline.tools.retrieval_client import RetrievalError, check_retrieval_server
 from areal_pipeline.workflows.search_agent import (
     STOP_STRINGS,

@@ -25,8 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from areal_pipeline.http_json import RequestRejected
-from areal_pipeline.inference.sampling import SamplingParams, sample_next_tokens
+from areal_pipeline.inference.sampling import RequestError, SamplingParams, sample_next_tokens
 from areal_pipeline.model import eos_token_ids, load_model, load_tokenizer
 from areal_pipeline.utils import get_logger
 
@@ -36,10 +35,6 @@ logger = get_logger(__name__)
 # (English runs ~4 per token); a longer one first as a prefix of that length.
 PREFIX_CHARS_PER_TOKEN = 8
 PREFIX_CUT_TOKENS = 16
-
-
-# A request the server rejects with HTTP 400 (and a message).
-RequestError = RequestRejected
 
 
 @dataclass

@@ -33,7 +33,8 @@ def try_workflow(cfg, n: int = 4, *, iteration: int = 1, records: Optional[list[
     gives them), or `records` (data set rows: `prompt_id`, `messages`, `answer`, ...) when given. The policy is
     the config's model (version 0); for `iteration` k > 1 the servers get the run's policy k - 1 from its
     checkpoints, as `areal-pipeline rollout --iteration k` does (that starts the trainer too)."""
-    from areal_pipeline.pipeline import Pipeline, run_lock
+    from areal_pipeline.pipeline import Pipeline
+    from areal_pipeline.run_dir import run_lock
     from areal_pipeline.rollout.executor import episode_seed, run_episodes
     from areal_pipeline.utils import run_async
 

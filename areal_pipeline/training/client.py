@@ -7,6 +7,7 @@ import os
 import sys
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -107,7 +108,7 @@ def single_rank_fork(cfg: ExperimentConfig, command: list[str], log_dir: Path):
         return None
     module = "areal_pipeline.training.trainer_server"
     argv = command[command.index(module) + 1:]
-    store = log_dir / f"trainer-rendezvous-{os.getpid()}-{find_free_port()}"
+    store = log_dir / f"trainer-rendezvous-{uuid.uuid4().hex}"  # a new file a launch: FileStore wants none there
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            TRAINER_INIT_METHOD_ENV: f"file://{store.resolve()}?rank=0&world_size=1",
            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or _loopback_interface()}

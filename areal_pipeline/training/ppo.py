@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -19,7 +19,7 @@ import torch
 from areal_pipeline.config import NormConfig
 from areal_pipeline.data.shards import read_table, write_table
 from areal_pipeline.training.advantages import advantage_stats, compute_advantages, normalize_advantages
-from areal_pipeline.training.loss_registry import Loss, make_loss  # noqa: F401  (make_loss: the trainer's entry)
+from areal_pipeline.training.loss_registry import Loss
 from areal_pipeline.training.losses import ppo_actor_loss, reinforce_loss
 from areal_pipeline.training.packing import MicroBatch
 

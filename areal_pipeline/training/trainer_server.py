@@ -45,7 +45,8 @@ from areal_pipeline.config import ExperimentConfig, load_config
 from areal_pipeline.data.shards import read_table
 from areal_pipeline.training.client import TRAINER_INIT_METHOD_ENV
 from areal_pipeline.training.engine import TrainEngine, resolve_device
-from areal_pipeline.training.ppo import make_loss, read_batch
+from areal_pipeline.training.loss_registry import make_loss
+from areal_pipeline.training.ppo import read_batch
 from areal_pipeline.utils import atomic_directory, atomic_path, exit_when_parent_dies, get_logger
 
 logger = get_logger("areal_pipeline.trainer")
