@@ -53,6 +53,9 @@ class GenRequest:
     created: float = field(default_factory=time.perf_counter)
     finished: float = 0.0
     abort_message: Optional[str] = None  # set from another thread to abort at the next step
+    # Why the server failed this request (an internal error, not the request's fault): the HTTP reply is then an
+    # error, never an abort a client would take for a pause and resend.
+    error: Optional[str] = None
     generator: Optional[torch.Generator] = None
     cached_tokens: int = 0  # prompt tokens whose KV cache came from another request's prefill
 
@@ -228,7 +231,10 @@ class BatchEngine:
             for name, dtype, shape in zip(names, dtypes, shapes):
                 if dtype not in WIRE_DTYPES:
                     raise RequestError(f"unsupported dtype {dtype!r} for {name}")
-                buffer = torch.empty(shape, dtype=WIRE_DTYPES[dtype], device=self.device)
+                # gloo receives into host memory whatever the model's device; NCCL into the GPU's
+                buffer = torch.empty(shape, dtype=WIRE_DTYPES[dtype],
+                                     device="cpu" if isinstance(group, torch.distributed.ProcessGroupGloo)
+                                     else self.device)
                 group.broadcast(buffer, root=0).wait()
                 with torch.no_grad():
                     params[name].copy_(buffer.to(params[name].dtype))
@@ -268,8 +274,10 @@ class BatchEngine:
             try:
                 self._step()
             except Exception as e:
+                # The running batch's cache may be half updated: its requests end with an error and the next
+                # step starts a fresh batch. Queued requests were not part of the step and stay queued.
                 logger.exception("engine step failed")
-                self._abort_where(lambda r: True, f"internal error: {e}")
+                self._fail_running(f"internal error: {type(e).__name__}: {e}")
         self._abort_where(lambda r: True, "server shutting down")
 
     def _warm_up(self) -> None:
@@ -285,8 +293,7 @@ class BatchEngine:
                 room = self.max_batch_size - len(self._batch)
                 new = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
             if new:
-                with torch.inference_mode():
-                    self._admit(new)
+                self._admit_or_fail(new)
         self._finish_aborted()
         if len(self._batch):
             with torch.inference_mode():
@@ -302,6 +309,33 @@ class BatchEngine:
         while len(self._pending) != seen and time.perf_counter() < deadline:
             seen = len(self._pending)
             time.sleep(0.002)
+
+    def _admit_or_fail(self, new: list[GenRequest]) -> None:
+        """Admit `new`, which has left the queue: if admission fails, whatever of it is not finished ends with an
+        error here (no abort path would find it: it is neither queued nor, unless the merge happened, running)."""
+        try:
+            with torch.inference_mode():
+                self._admit(new)
+        except Exception as e:
+            logger.exception("admitting %d request(s) failed", len(new))
+            cause = e.__cause__ if isinstance(e, _PrefillFailed) else e
+            message = f"internal error while admitting the request: {type(cause).__name__}: {cause}"
+            running = set(map(id, self._batch.requests))
+            for r in new:
+                if not r.done and id(r) not in running:
+                    self._fail(r, message)
+            if not isinstance(e, _PrefillFailed):  # they reached the batch: it may be inconsistent now
+                raise
+
+    def _fail(self, r: GenRequest, message: str) -> None:
+        r.error = message
+        self._finish(r, {"type": "abort", "message": message})
+
+    def _fail_running(self, message: str) -> None:
+        batch, self._batch = self._batch, _Batch()
+        for r in batch.requests:
+            if not r.done:
+                self._fail(r, message)
 
     def _abort_where(self, pred: Callable[[GenRequest], bool], message: str) -> None:
         with self._cv:
@@ -324,6 +358,8 @@ class BatchEngine:
             self._drop_rows(set(aborted))
 
     def _finish(self, r: GenRequest, reason: dict) -> None:
+        if r.done:  # a request answers once, whatever path reaches it again
+            return
         r.finish_reason = reason
         r.weight_version = self.weight_version
         r.finished = time.perf_counter()
@@ -337,6 +373,15 @@ class BatchEngine:
         """Prefill the new prompts together, sample their first token, and merge them into the batch.
         A prompt that several requests share (a GRPO group's samples) is prefilled once and its KV cache
         copied to each of them, as SGLang's radix cache would reuse it."""
+        try:
+            cache, mask, next_pos, tokens, logprobs = self._prefill(new)
+        except Exception as e:  # the running batch is untouched
+            raise _PrefillFailed(str(e)) from e
+        self._merge(new, cache, mask, next_pos, tokens)
+        self._append_tokens(tokens, logprobs, first_row=len(self._batch) - len(new))
+
+    def _prefill(self, new: list[GenRequest]):
+        """(KV cache, mask, next positions, first tokens, their logprobs) of the new prompts, without the batch."""
         from transformers import DynamicCache
 
         self.stats["prefill_batches"] += 1
@@ -366,8 +411,7 @@ class BatchEngine:
         if want_input_logprobs:
             self._record_input_logprobs(new, logits, ids, [len(r.input_ids) for r in new], width)
         tokens, logprobs = self._sample(new, logits[:, -1])
-        self._merge(new, cache, mask, positions[:, -1] + 1, tokens)
-        self._append_tokens(tokens, logprobs, first_row=len(self._batch) - len(new))
+        return cache, mask, positions[:, -1] + 1, tokens, logprobs
 
     def _record_input_logprobs(self, new, logits, ids, lengths, width) -> None:
         for row, (r, n) in enumerate(zip(new, lengths)):
@@ -393,11 +437,12 @@ class BatchEngine:
                     torch.cat([_left_pad(a, width, 2), _left_pad(c, width, 2)], dim=0)
                     for a, c in ((old_layer.keys, new_layer.keys), (old_layer.values, new_layer.values))
                 ))
-            b.cache = DynamicCache(ddp_cache_data=layers)
-            b.mask = torch.cat([_left_pad(b.mask, width, 1), _left_pad(mask, width, 1)], dim=0)
-            b.next_pos = torch.cat([b.next_pos, next_pos])
-            b.next_tokens = torch.cat([b.next_tokens, tokens])
-            b.requests.extend(new)
+            # built whole before any is assigned: a failure midway leaves the batch as it was
+            merged = (DynamicCache(ddp_cache_data=layers),
+                      torch.cat([_left_pad(b.mask, width, 1), _left_pad(mask, width, 1)], dim=0),
+                      torch.cat([b.next_pos, next_pos]), torch.cat([b.next_tokens, tokens]))
+            b.cache, b.mask, b.next_pos, b.next_tokens = merged
+            b.requests = b.requests + list(new)
         self.stats["peak_running_requests"] = max(self.stats["peak_running_requests"], len(b))
 
     def _decode(self) -> None:
@@ -500,6 +545,10 @@ class BatchEngine:
             if not torch.isfinite(tensor).all():
                 raise RequestError(f"tensor {name} at {path} holds NaN or infinite values")
         return state
+
+
+class _PrefillFailed(RuntimeError):
+    """Admission failed before the new requests joined the batch (the running batch is as it was)."""
 
 
 def _next_version(version: str) -> str:

@@ -727,6 +727,9 @@ class OpenAIRoutes:
                 for gen in requests:
                     engine.abort(rid=gen.rid)
                 raise
+            failed = next((gen for gen in requests if gen.error is not None), None)
+            if failed is not None:
+                raise OpenAIError(failed.error, code="internal_error", status=500, error_type="server_error")
             for (_, sample), gen in zip(pending, requests):
                 sample.output_ids += gen.output_ids
                 sample.logprobs += gen.output_logprobs

@@ -131,6 +131,9 @@ class InferenceServer:
             for gen in gens:
                 self.engine.abort(rid=gen.rid)
             raise
+        failed = next((g for g in gens if g.error is not None), None)
+        if failed is not None:  # the server's fault: 500, which clients retry and then report, never resend as paused
+            return error_response(failed.error, 500)
         replies = [self._reply(g, with_text) for g in gens]
         return web.json_response(replies if batched else replies[0])
 
@@ -307,8 +310,11 @@ class InferenceServer:
         except (KeyError, TypeError, ValueError) as e:
             raise RequestError(f"init_weights_update_group needs master_address, master_port, rank_offset and "
                                f"world_size: {e!r}") from e
-        if args[0] != "gloo":
-            raise RequestError(f"the CPU server joins weight-update groups over gloo, not {args[0]!r}")
+        if args[0] not in ("gloo", "nccl"):
+            raise RequestError(f"unknown weight-update backend {args[0]!r}; valid: gloo, nccl")
+        if args[0] == "nccl" and self.engine.device.type != "cuda":
+            raise RequestError(f"this server runs on {self.engine.device}: it joins weight-update groups over "
+                               "gloo, not 'nccl' (NCCL needs the server on a GPU: --device cuda)")
         try:  # joining blocks until every member is there: keep it off the event loop and the engine
             group = await asyncio.get_running_loop().run_in_executor(None, lambda: create_weight_update_group(*args))
         except Exception as e:
@@ -389,6 +395,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=128)
     p.add_argument("--context-length", type=int, default=0, help="0: the model's max_position_embeddings")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", type=_device,
+                   help="cpu, cuda or cuda:N: where the model and everything the engine builds live")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="on CUDA, the share of the GPU's memory this server may allocate (as SGLang's flag; for a "
+                        "GPU shared with the trainer); default: no cap")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: default)")
     p.add_argument("--weight-version", default="0")
@@ -399,14 +410,46 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _device(value: str) -> str:
+    """--device as torch names it; cuda:N must be a number (whether that GPU exists is checked at start-up)."""
+    kind, _, index = value.partition(":")
+    if kind == "cpu" and not index or kind == "cuda" and (not index or index.isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is not cpu, cuda or cuda:N")
+
+
+def check_device(device: str, mem_fraction: Optional[float]) -> torch.device:
+    """The torch device of `--device`, with a clear error where this machine has no such GPU; on CUDA, caps the
+    allocator at `mem_fraction` of the device's memory (None: no cap)."""
+    if mem_fraction is not None and not 0 < mem_fraction <= 1:
+        raise SystemExit(f"--mem-fraction-static={mem_fraction}: must be in (0, 1]")
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        raise SystemExit(f"--device {device}: no CUDA GPU is visible to this process (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); serve on --device cpu")
+    if dev.index is None:
+        dev = torch.device("cuda", 0)
+    if dev.index >= visible:
+        raise SystemExit(f"--device {device}: only {visible} GPU(s) are visible to this process (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+    torch.cuda.set_device(dev)
+    if mem_fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(mem_fraction, dev)
+    return dev
+
+
 def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = check_device(args.device, args.mem_fraction_static)
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     exit_when_parent_dies()
     # A model that cannot load ends the server (non-zero exit), as SGLang does, so launchers fail fast.
     engine = BatchEngine(args.model, max_batch_size=args.max_batch_size, context_length=args.context_length,
-                         seed=args.seed, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+                         seed=args.seed, dtype=args.dtype, device=str(device), trust_remote_code=args.trust_remote_code,
                          weight_version=args.weight_version,
                          on_load_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
     # Listen at once (health says 503 while the model loads), as SGLang does.
