@@ -202,6 +202,21 @@ def cmd_branch(args) -> None:
     branch_main(args)
 
 
+def cmd_prefect_server(args) -> None:
+    from areal_pipeline.prefect_server import PrefectServerError, main as server_main
+
+    try:
+        server_main(args.action, args.dir, args.port, args.pg_port)
+    except PrefectServerError as e:
+        sys.exit(f"prefect-server error: {e}")
+
+
+def cmd_sweep(args) -> None:
+    from flows.sweep import main as sweep_main
+
+    sweep_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from areal_pipeline.inference.server import build_arg_parser
 
@@ -314,6 +329,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dotted overrides of the parent's config, e.g. trainer.optimizer.lr=5e-4")
     p.set_defaults(func=cmd_branch)
 
+    p = sub.add_parser("sweep", help="one train run per combination of the values given (cartesian product), at "
+                                     "most --max-parallel at once, each its own flow run; a table of their figures")
+    p.add_argument("--config", default="configs/tiny_cpu.yaml")
+    p.add_argument("--run-id", default=None, help="the base of the runs' ids (default: the config's run_id); "
+                                                  "each run is BASE-key=value[-key=value...]")
+    p.add_argument("--iterations", type=int, default=None, help="as train --iterations, for every run")
+    p.add_argument("--max-parallel", type=int, default=1, metavar="N", help="runs at once (default 1)")
+    p.add_argument("--verbose", action="store_true", help="every log record of the sweep on the terminal (each "
+                                                          "run's output goes to runs/<run_id>/logs/sweep.log)")
+    p.add_argument("axes", nargs="+", metavar="key=v1,v2,...",
+                   help="dotted config keys and their values, comma-separated; a single value applies to every run")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("prefect-server", help="a standing Prefect server on a local PostgreSQL (initdb/pg_ctl "
+                                              "from PATH), on 127.0.0.1: start, stop, status")
+    p.add_argument("action", choices=["start", "stop", "status"])
+    p.add_argument("--dir", default=None, help="where the database and the server's files live (default: "
+                                               "~/.local/state/areal-pipeline/prefect-server; as root "
+                                               "/var/lib/areal-pipeline/prefect-server)")
+    p.add_argument("--port", type=int, default=4200, help="the Prefect API and UI port")
+    p.add_argument("--pg-port", type=int, default=5433, help="PostgreSQL's port (127.0.0.1)")
+    p.set_defaults(func=cmd_prefect_server)
+
     p = sub.add_parser("rollout", help="roll out one iteration's batch into Parquet shards, or show N decoded "
                                        "episodes (--show N)")
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
@@ -340,7 +378,7 @@ def _interrupted_message(args) -> str:
     return message
 
 
-FLOW_COMMANDS = ("train", "evaluate", "branch")
+FLOW_COMMANDS = ("train", "evaluate", "branch", "sweep")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
