@@ -84,6 +84,8 @@ class SGLangConfig:
 
     tp_size: int = 1
     dp_size: int = 1
+    # The server's share of its GPUs' memory (weights + KV cache); the project's own server on CUDA caps its
+    # allocator at it too when it shares its GPU with the trainer (trainer.colocate)
     mem_fraction_static: float = 0.8
     context_length: Optional[int] = None
     dtype: str = "bfloat16"
@@ -107,6 +109,16 @@ class InferenceConfig:
     context_length: int = 1024
     num_threads: int = 0  # 0: torch default
     max_body_bytes: int = 64 << 20  # largest request body the CPU server takes (413 beyond)
+    device: str = "cpu"  # the project's own server: cpu | cuda (one GPU a server, from `gpus`)
+    dtype: str = "float32"  # the project's own server's weights
+    # GPU indices (as this process numbers them, i.e. within CUDA_VISIBLE_DEVICES) of the launched servers: server
+    # i takes the i-th tp_size*dp_size of them (sglang) or the i-th one (device=cuda). Empty: automatic (the
+    # first ones the trainer leaves, or the trainer's own with trainer.colocate)
+    gpus: list[int] = field(default_factory=list)
+    # Servers already running (SGLang, an SGLang router, or this project's), as host:port: the run uses them,
+    # launches none and never stops them. Weights reach them by trainer.weight_sync: disk (trainer.weights_dir must
+    # be a path they read at the same name) or distributed (trainer.weight_sync_master_address must reach them)
+    addresses: list[str] = field(default_factory=list)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
@@ -260,6 +272,20 @@ class TrainerConfig:
     gradient_checkpointing: bool = False
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     weight_sync: str = "disk"  # disk | distributed
+    # weight_sync=disk: where the trainer writes each version for the servers to load (<dir>/<run_id>/v<k>); empty:
+    # <run_dir>/weights. Servers on another host need a shared path, the same on both
+    weights_dir: str = ""
+    # weight_sync=distributed: the address the servers reach the trainer's weight-update group at (a local master
+    # binds it alone), and its port (0: a free one)
+    weight_sync_master_address: str = "127.0.0.1"
+    weight_sync_master_port: int = 0
+    # GPU indices (as this process numbers them) of the ranks on each node, rank r on gpus[r]; empty: automatic (the
+    # first ones the inference servers leave)
+    gpus: list[int] = field(default_factory=list)
+    # The trainer may share GPUs with the inference servers (one-GPU use): their memory is then split, the
+    # servers' share inference.sglang.mem_fraction_static, each rank's memory_fraction
+    colocate: bool = False
+    memory_fraction: float = 1.0  # share of its GPU's memory a rank may allocate (1: no cap)
     setup_timeout: float = 300.0
     command_timeout: float = 3600.0
 
@@ -501,6 +527,12 @@ _FRACTION = within(0, 1)
 _PORT = within(0, 65535)  # 0: a free port
 _HOST_PORT = Rule("empty or host:port", lambda value: not value or bool(_ADDRESS.fullmatch(value)))
 _ADAM_BETA = within(0, 1, open_high=True)
+_GPU_LIST = Rule("a list of distinct GPU indices >= 0",
+                 lambda ids: all(type(i) is int and i >= 0 for i in ids) and len(set(ids)) == len(ids))
+_ADDRESSES = Rule("a list of distinct host:port addresses",
+                  lambda addresses: all(isinstance(a, str) and _ADDRESS.fullmatch(a) for a in addresses)
+                  and len(set(addresses)) == len(addresses))
+_HOST = Rule("a host name or IP address", lambda host: bool(re.fullmatch(r"[\w.:-]+", host)))
 _NORM_LEVEL = one_of("group", "batch", "none")
 _DTYPES = ("float32", "bfloat16", "float16")  # model.DTYPES
 
@@ -522,7 +554,8 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
     InferenceConfig: {"backend": one_of("cpu", "sglang"), "num_servers": _COUNT, "base_port": _PORT,
                       "setup_timeout": _POSITIVE, "request_timeout": _POSITIVE, "request_retries": _NON_NEGATIVE,
                       "max_batch_size": _COUNT, "context_length": _COUNT, "num_threads": _NON_NEGATIVE,
-                      "max_body_bytes": _COUNT},
+                      "max_body_bytes": _COUNT, "device": one_of("cpu", "cuda"), "dtype": one_of(*_DTYPES),
+                      "gpus": _GPU_LIST, "addresses": _ADDRESSES},
     GenerationConfig: {"n_samples": _COUNT, "max_new_tokens": _COUNT, "temperature": _NON_NEGATIVE,
                        "top_p": within(0, 1, open_low=True),
                        "top_k": Rule("-1 (no top-k) or >= 1", lambda value: value == -1 or value >= 1),
@@ -553,7 +586,8 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                     "param_dtype": one_of("auto", *_DTYPES),
                     "num_threads": _NON_NEGATIVE, "mb_max_tokens": _COUNT,
                     "weight_sync": one_of("disk", "distributed"), "setup_timeout": _POSITIVE,
-                    "command_timeout": _POSITIVE},
+                    "command_timeout": _POSITIVE, "gpus": _GPU_LIST, "memory_fraction": within(0, 1, open_low=True),
+                    "weight_sync_master_address": _HOST, "weight_sync_master_port": _PORT},
 }
 
 Key = Callable[[str], str]  # a field name (or dotted path) within a section -> its dotted key in the config
@@ -626,12 +660,73 @@ def _warm_start_in_the_run_format(cfg: ExperimentConfig, key: Key) -> Iterator[s
                    f"{key('model.tiny.pretrain_steps')}=0, or {key('model.path')}")
 
 
+def _gpus_placed_consistently(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    """The GPU lists against what the processes need (areal_pipeline/placement.py places them at launch, against the
+    GPUs the machine has): one GPU per NCCL rank, tp_size*dp_size per SGLang server, shared ones only when asked."""
+    from areal_pipeline.placement import gpus_per_server
+
+    inf, t = cfg.inference, cfg.trainer
+    per_server = gpus_per_server(inf)
+    if inf.addresses:
+        if inf.gpus:
+            yield (f"{key('inference.gpus')}={inf.gpus}: must be empty with {key('inference.addresses')} set (the "
+                   "run launches no server)")
+        if inf.num_servers not in (1, len(inf.addresses)):
+            yield (f"{key('inference.num_servers')}={inf.num_servers}: must be the number of "
+                   f"{key('inference.addresses')} ({len(inf.addresses)}) or left at 1 (the run launches no server)")
+    elif inf.gpus and per_server == 0:
+        yield (f"{key('inference.gpus')}={inf.gpus}: must be empty while the servers run on the CPU "
+               f"({key('inference.backend')}=cpu, {key('inference.device')}=cpu); set {key('inference.device')}=cuda "
+               f"or {key('inference.backend')}=sglang to serve on GPUs")
+    elif inf.gpus and len(inf.gpus) != per_server * inf.num_servers:
+        yield (f"{key('inference.gpus')}={inf.gpus}: must name {per_server * inf.num_servers} GPU(s): "
+               f"{inf.num_servers} server(s) x {per_server} ("
+               + ("tp_size x dp_size" if inf.backend == "sglang" else "one for each of the project's servers") + ")")
+    if t.gpus and t.device == "cpu":
+        yield f"{key('trainer.gpus')}={t.gpus}: must be empty with {key('trainer.device')}=cpu"
+    elif t.gpus and t.backend != "gloo" and len(t.gpus) != t.nproc:
+        yield (f"{key('trainer.gpus')}={t.gpus}: must name {key('trainer.nproc')}={t.nproc} GPU(s), one per rank"
+               + (": NCCL never puts two ranks on one GPU" if len(t.gpus) < t.nproc else ""))
+    shared = sorted(set(inf.gpus) & set(t.gpus)) if per_server else []
+    if shared and not t.colocate:
+        yield (f"{key('inference.gpus')}={inf.gpus} and {key('trainer.gpus')}={t.gpus} share GPU(s) {shared}: set "
+               f"{key('trainer.colocate')}=true to share them (splitting their memory), or place them apart")
+    if t.colocate and per_server and t.device != "cpu":
+        share = inf.sglang.mem_fraction_static
+        if share + t.memory_fraction >= 1:
+            yield (f"{key('trainer.memory_fraction')}={t.memory_fraction}: with {key('trainer.colocate')}=true it "
+                   f"and {key('inference.sglang.mem_fraction_static')}={share} split one GPU's memory: their sum "
+                   "must be below 1, with room left for both processes' CUDA contexts and activations "
+                   "(e.g. 0.4 and 0.5)")
+
+
+_LOOPBACK = re.compile(r"(127\.\d+\.\d+\.\d+|localhost)")
+
+
+def _weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    """Weight updates must be able to reach every server: SGLang takes them over NCCL only from a trainer on a
+    GPU, and servers on other hosts neither read this host's run directory nor reach its loopback."""
+    inf, t = cfg.inference, cfg.trainer
+    if t.weight_sync == "distributed" and t.device == "cpu" and inf.backend == "sglang" and not inf.addresses:
+        yield (f"{key('trainer.weight_sync')}='distributed': SGLang servers receive weights over NCCL, which a "
+               f"trainer on the CPU ({key('trainer.device')}=cpu) cannot take part in; use "
+               f"{key('trainer.weight_sync')}=disk")
+    remote = [a for a in inf.addresses if not _LOOPBACK.fullmatch(a.rsplit(":", 1)[0])]
+    if remote and t.weight_sync == "distributed" and _LOOPBACK.fullmatch(t.weight_sync_master_address):
+        yield (f"{key('trainer.weight_sync_master_address')}={t.weight_sync_master_address!r}: servers on other "
+               f"hosts ({', '.join(remote)}) cannot reach it; set it to this host's address they reach")
+    if remote and t.weight_sync == "disk" and not t.weights_dir:
+        yield (f"{key('trainer.weights_dir')}='': servers on other hosts ({', '.join(remote)}) load each version "
+               "from a directory: set it to one they read at the same path (a shared file system)")
+
+
 # Rules between fields of one section, run once every field passed its own rules (they divide and compare them).
 CROSS_RULES: dict[type, tuple[Callable[[Any, Key], Iterator[str]], ...]] = {
     TinyModelConfig: (_attention_heads_divide,),
     RetrievalConfig: (_default_topk_within_max,),
     ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, _warm_start_in_the_run_format,
-                       _agent_entry_named, _remax_trains_with_reinforce),
+                       _agent_entry_named, _remax_trains_with_reinforce, _gpus_placed_consistently,
+                       _weights_reach_the_servers),
 }
 
 

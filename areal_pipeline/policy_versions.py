@@ -12,8 +12,10 @@ services and trainer lock).
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 from areal_pipeline.data.shards import ShardError, has_manifest
@@ -116,7 +118,7 @@ class PolicyVersions:
         with self._trainer_lock:
             epoch = self.services.forget_served()  # unknown until the push succeeded
             version = self._push_weights(version, or_newer)
-            self.services.record_served(epoch, [version] * len(self.services.inference))
+            self.services.record_served(epoch, [version] * len(self.services.addresses))
         self._notify_version(version)
         self._prune_weights(keep=version)
         return {"version": version, "pushed": True, "seconds": time.perf_counter() - started}
@@ -127,19 +129,25 @@ class PolicyVersions:
             current = self.services.ensure_trainer_alive().current_version()
             version = max(version, 0 if current is None else current)
         client = self.ensure_trainer_version(version)
-        if self.cfg.trainer.weight_sync == "distributed":
+        t = self.cfg.trainer
+        if t.weight_sync == "distributed":
             async def push():
                 async with self._engine() as engine:
+                    # what each server holds its model on and in (SGLang's and this project's servers say): the
+                    # group's backend and the wire dtype follow them
+                    infos = [await engine.get_server_info(a) for a in engine.addresses]
                     await engine.pause()
                     try:
                         client.call("update_weights_distributed", servers=engine.addresses,
-                                    master_address="127.0.0.1", master_port=find_free_port(),
-                                    dtype=self._wire_dtype())
+                                    master_address=t.weight_sync_master_address,
+                                    master_port=t.weight_sync_master_port or find_free_port(),
+                                    dtype=self._wire_dtype(infos[0]),
+                                    server_devices=[str(i.get("device") or "cuda") for i in infos])
                         engine.set_version(version)
                     finally:
                         await engine.resume()
         else:
-            path = self.paths.weights(version)
+            path = self._weights_path(version)
             if not (path / "config.json").is_file():
                 client.call("save_weights", path=str(path))
 
@@ -153,12 +161,25 @@ class PolicyVersions:
         if self._async_rollout is not None:
             self._async_rollout.set_version(version)
 
-    def _wire_dtype(self) -> str:
+    def _wire_dtype(self, server_info: dict) -> str:
         inf = self.cfg.inference
-        return inf.sglang.dtype if inf.backend == "sglang" else self.cfg.model.dtype
+        if server_info.get("dtype") in ("float32", "bfloat16", "float16"):  # SGLang's may say "auto"
+            return server_info["dtype"]
+        return inf.sglang.dtype if inf.backend == "sglang" or inf.addresses else inf.dtype
+
+    def _weights_root(self) -> Path:
+        """Where weight_sync=disk writes the versions: trainer.weights_dir/<run_id> (a path the servers read, given
+        whole: a server elsewhere resolves no relative path against this one's directory), or <run_dir>/weights."""
+        configured = self.cfg.trainer.weights_dir
+        if configured:
+            return Path(os.path.abspath(os.path.expanduser(configured))) / self.cfg.run_id
+        return Path(os.path.abspath(self.paths.run_dir / "weights"))
+
+    def _weights_path(self, version: int) -> Path:
+        return self._weights_root() / f"v{version}"
 
     def _prune_weights(self, keep: int) -> None:
-        root = self.paths.run_dir / "weights"
+        root = self._weights_root()
         for path in root.glob("v*") if root.is_dir() else []:
             if path.name != f"v{keep}":
                 shutil.rmtree(path, ignore_errors=True)

@@ -35,6 +35,9 @@ class Services:
         self.trainer: Optional[ServerProcess] = None
         self.trainer_client: Optional[TrainerClient] = None
         self.tools: dict[str, ServerProcess] = {}
+        # inference.addresses: servers someone else runs; used, never started, restarted or stopped
+        self.external: list[str] = []
+        self._placement = None
         self.stopped = False  # after stop(), nothing is started or restarted again
         self._inference_checked = self._trainer_checked = False
         # The policy version each inference server serves, as last read or pushed (None: ask them). Threads
@@ -71,16 +74,52 @@ class Services:
         if self.stopped:
             raise ServicesStoppedError("the run's services were stopped (the run is ending)")
 
+    @property
+    def placement(self):
+        """The GPUs of the inference servers and the trainer (areal_pipeline/placement.py), planned once."""
+        if self._placement is None:
+            from areal_pipeline.placement import plan
+
+            self._placement = plan(self.cfg)
+        return self._placement
+
     def start_inference(self) -> list[str]:
         self._refuse_if_stopped()
-        if not self.inference:
-            self.inference = launch_servers(self.model_path, self.cfg.inference, self.cfg.seed, self.log_dir)
+        if self.cfg.inference.addresses:
+            if not self.external:
+                self._check_external(self.cfg.inference.addresses)
+                # Their weight_version says nothing of whose weights they hold: the first sync pushes the trainer's.
+                self.record_served(self.forget_served(), [None] * len(self.cfg.inference.addresses))
+                self.external = list(self.cfg.inference.addresses)
+        elif not self.inference:
+            placement = self.placement
+            self.inference = launch_servers(self.model_path, self.cfg.inference, self.cfg.seed, self.log_dir,
+                                            gpus=list(placement.servers), colocated=bool(placement.shared))
         return self.addresses
+
+    def _check_external(self, addresses: list[str]) -> None:
+        """Each server answers /health within inference.setup_timeout (one still loading its model is waited for);
+        else an error naming the ones that do not."""
+        import time
+
+        from areal_pipeline.inference.launcher import ServerLaunchError
+
+        probes = [ServerProcess([], address, kind="inference server (inference.addresses)") for address in addresses]
+        deadline = time.monotonic() + self.cfg.inference.setup_timeout
+        while pending := [p for p in probes if not p.is_healthy()]:
+            if time.monotonic() >= deadline:
+                raise ServerLaunchError(
+                    f"inference server(s) {', '.join(p.address for p in pending)} (inference.addresses) did not "
+                    f"answer GET /health with 200 within {self.cfg.inference.setup_timeout:.0f}s: start them first, "
+                    "or check the addresses")
+            time.sleep(0.5)
+        logger.info("using running inference servers %s (not started or stopped by this run)", ", ".join(addresses))
 
     def start_trainer(self) -> str:
         self._refuse_if_stopped()
         if self.trainer is None:
-            self.trainer, self.trainer_client = launch_trainer(self.cfg, self.model_path, self.log_dir)
+            self.trainer, self.trainer_client = launch_trainer(self.cfg, self.model_path, self.log_dir,
+                                                               gpus=self.placement.trainer)
         return self.trainer.address
 
     def start_tools(self) -> dict[str, str]:
@@ -98,7 +137,7 @@ class Services:
 
     @property
     def addresses(self) -> list[str]:
-        return [s.address for s in self.inference]
+        return list(self.external) if self.external else [s.address for s in self.inference]
 
     def ensure_inference_alive(self) -> None:
         """Restart servers that died (they come back at version 0; the next step pushes the weights)."""
@@ -113,7 +152,8 @@ class Services:
                 s.stop()
             self.inference = [s for s in self.inference if s not in dead]
             # restart on the same ports, so that addresses recorded elsewhere stay valid
-            self.inference += [ServerProcess(s.command, s.address, s.log_path, s.env, s.fork).start() for s in dead]
+            self.inference += [ServerProcess(s.command, s.address, s.log_path, s.env, s.fork, s.kind).start()
+                               for s in dead]
             for s in self.inference[-len(dead):]:
                 s.wait_healthy(self.cfg.inference.setup_timeout)
 

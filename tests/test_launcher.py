@@ -14,7 +14,9 @@ from areal_pipeline.inference.launcher import (
     build_cpu_server_command,
     build_sglang_command,
     launch_servers,
+    server_processes,
 )
+from areal_pipeline.training.client import trainer_process
 from areal_pipeline.utils import find_free_port
 
 PY = sys.executable
@@ -89,9 +91,93 @@ def test_cpu_server_command():
         PY, "-m", "areal_pipeline.inference.server",
         "--model", "/m", "--host", "127.0.0.1", "--port", "4000",
         "--max-batch-size", "64", "--context-length", "512", "--seed", "3", "--max-body-bytes", str(64 << 20),
+        "--device", "cpu", "--dtype", "float32",
     ]  # fmt: skip
     cfg.num_threads = 2
     assert build_cpu_server_command("/m", "127.0.0.1", 4000, cfg, seed=3)[-2:] == ["--num-threads", "2"]
+
+
+def _placed(*overrides: str, visible: int):
+    from areal_pipeline.config import load_config
+    from areal_pipeline.placement import plan
+
+    cfg = load_config(None, list(overrides))
+    return cfg, plan(cfg, visible=visible)
+
+
+def test_sglang_servers_each_on_their_own_gpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,4,5,6,7")  # a scheduler's allocation: indices count within it
+    cfg, placement = _placed("inference.backend=sglang", "inference.sglang.tp_size=2", "inference.num_servers=2",
+                             "inference.sglang.mem_fraction_static=0.7", "trainer.device=cuda", "trainer.nproc=2",
+                             visible=6)
+    servers = server_processes("/m", cfg.inference, 1, tmp_path, list(placement.servers), bool(placement.shared))
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in servers] == ["2,3", "4,5"]
+    for server in servers:
+        cmd = server.command
+        assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--base-gpu-id") + 1] == "0"
+        assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.7"
+        assert server.fork is None
+        assert server.env["PATH"] == os.environ["PATH"]  # the rest of the environment is passed on
+    trainer = trainer_process(cfg, "/m", tmp_path, placement.trainer)
+    assert trainer.env["CUDA_VISIBLE_DEVICES"] == "6,7" and trainer.fork is None and trainer.kind == "trainer"
+    assert trainer.command[trainer.command.index("--nproc-per-node") + 1] == "2"
+
+
+def test_one_gpu_colocated_commands(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # SGLang and the trainer on GPU 0, SGLang's share 0.4 (the trainer's 0.5 is applied by its ranks, from its config)
+    cfg, placement = _placed("inference.backend=sglang", "inference.sglang.mem_fraction_static=0.4",
+                             "trainer.device=cuda", "trainer.colocate=true", "trainer.memory_fraction=0.5", visible=1)
+    [server] = server_processes("/m", cfg.inference, 1, tmp_path, list(placement.servers), bool(placement.shared))
+    assert server.env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert server.command[server.command.index("--mem-fraction-static") + 1] == "0.4"
+    trainer = trainer_process(cfg, "/m", tmp_path, placement.trainer)
+    assert trainer.env["CUDA_VISIBLE_DEVICES"] == "0"
+    from areal_pipeline.config import load_config
+
+    saved = load_config(trainer.command[trainer.command.index("--config") + 1])
+    assert saved.trainer.memory_fraction == 0.5 and saved.trainer.colocate
+    # the project's own server on the GPU: --device cuda, its allocator capped at the same share
+    cfg, placement = _placed("inference.device=cuda", "inference.dtype=bfloat16",
+                             "inference.sglang.mem_fraction_static=0.3", "trainer.device=cuda", "trainer.colocate=true",
+                             "trainer.memory_fraction=0.6", visible=1)
+    [server] = server_processes("/m", cfg.inference, 1, tmp_path, list(placement.servers), bool(placement.shared))
+    cmd = server.command
+    assert cmd[cmd.index("--device") + 1] == "cuda" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.3"
+    assert server.env["CUDA_VISIBLE_DEVICES"] == "0" and server.fork is None
+    # on a GPU of its own, no cap
+    cfg, placement = _placed("inference.device=cuda", "trainer.device=cpu", visible=1)
+    [server] = server_processes("/m", cfg.inference, 1, tmp_path, list(placement.servers), bool(placement.shared))
+    assert "--mem-fraction-static" not in server.command and server.env["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_cpu_services_keep_their_fork_and_environment(tmp_path):
+    from areal_pipeline.config import load_config
+
+    cfg = load_config(None, ["inference.dtype=bfloat16", "trainer.device=cpu"])
+    [server] = server_processes("/m", cfg.inference, 1, tmp_path)
+    module, argv, extra = server.fork
+    assert module == "areal_pipeline.inference.server" and server.env is None
+    assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--dtype") + 1] == "bfloat16"
+    trainer = trainer_process(cfg, "/m", tmp_path)
+    assert trainer.fork is not None and trainer.env is None
+
+
+def test_a_trainer_that_fails_to_start_is_called_the_trainer_and_says_why(tiny_model, tmp_path):
+    import torch
+
+    from areal_pipeline.config import load_config
+    from areal_pipeline.training.client import launch_trainer
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    # a rank on CUDA where no GPU is visible: it exits at once, naming the problem (not "invalid device ordinal")
+    cfg = load_config(None, [f"output_dir={tmp_path}", "trainer.device=cuda", "trainer.setup_timeout=120"])
+    with pytest.raises(ServerLaunchError, match=r"^trainer 127.0.0.1:\d+ exited with code") as error:
+        launch_trainer(cfg, str(tiny_model), tmp_path)
+    assert "inference server" not in str(error.value)
+    assert "trainer rank 0 is to run on CUDA but sees no GPU" in str(error.value)
 
 
 def test_unknown_backend_names_valid_ones(tmp_path):

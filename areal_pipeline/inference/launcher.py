@@ -25,6 +25,7 @@ from typing import Optional
 import psutil
 
 from areal_pipeline.config import InferenceConfig, SGLangConfig
+from areal_pipeline.placement import gpu_env
 from areal_pipeline.utils import PARENT_PID_ENV, find_free_port, get_logger
 
 logger = get_logger(__name__)
@@ -38,7 +39,10 @@ class ServerLaunchError(RuntimeError):
     pass
 
 
-def build_sglang_command(model_path: str, host: str, port: int, cfg: SGLangConfig, seed: int) -> list[str]:
+def build_sglang_command(model_path: str, host: str, port: int, cfg: SGLangConfig, seed: int,
+                         base_gpu_id: Optional[int] = None) -> list[str]:
+    """`base_gpu_id`: the first GPU of the server's, among those it sees (0 where its CUDA_VISIBLE_DEVICES names
+    its own GPUs alone); None leaves it to SGLang."""
     cmd = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_path),
@@ -51,6 +55,8 @@ def build_sglang_command(model_path: str, host: str, port: int, cfg: SGLangConfi
         "--random-seed", str(seed),
         "--log-level", cfg.log_level,
     ]  # fmt: skip
+    if base_gpu_id is not None:
+        cmd += ["--base-gpu-id", str(base_gpu_id)]
     if cfg.context_length is not None:
         cmd += ["--context-length", str(cfg.context_length)]
     if cfg.disable_radix_cache:
@@ -60,7 +66,9 @@ def build_sglang_command(model_path: str, host: str, port: int, cfg: SGLangConfi
     return cmd + list(cfg.extra_args)
 
 
-def build_cpu_server_command(model_path: str, host: str, port: int, cfg: InferenceConfig, seed: int) -> list[str]:
+def build_cpu_server_command(model_path: str, host: str, port: int, cfg: InferenceConfig, seed: int,
+                             mem_fraction: Optional[float] = None) -> list[str]:
+    """The project's own server; `mem_fraction`: its share of a GPU it shares with the trainer."""
     cmd = [
         sys.executable, "-m", "areal_pipeline.inference.server",
         "--model", str(model_path),
@@ -70,9 +78,13 @@ def build_cpu_server_command(model_path: str, host: str, port: int, cfg: Inferen
         "--context-length", str(cfg.context_length),
         "--seed", str(seed),
         "--max-body-bytes", str(cfg.max_body_bytes),
+        "--device", cfg.device,
+        "--dtype", cfg.dtype,
     ]  # fmt: skip
     if cfg.num_threads > 0:
         cmd += ["--num-threads", str(cfg.num_threads)]
+    if mem_fraction is not None:
+        cmd += ["--mem-fraction-static", str(mem_fraction)]
     return cmd
 
 
@@ -94,9 +106,11 @@ class ServerProcess:
     """One server process, in its own session so that `stop` can take down everything it started."""
 
     def __init__(self, command: list[str], address: str, log_path: Optional[Path] = None,
-                 env: Optional[dict[str, str]] = None, fork: Optional[tuple[str, list[str], dict[str, str]]] = None):
+                 env: Optional[dict[str, str]] = None, fork: Optional[tuple[str, list[str], dict[str, str]]] = None,
+                 kind: str = "inference server"):
         """`fork`: (module, argv, extra environment) of the same service as a fork of the preloaded forkserver
-        (areal_pipeline/forkserver.py), tried before `command`."""
+        (areal_pipeline/forkserver.py), tried before `command`. `kind` names the service in logs and errors."""
+        self.kind = kind
         self.command = list(command)
         self.address = address
         self.log_path = Path(log_path) if log_path is not None else None
@@ -120,7 +134,7 @@ class ServerProcess:
             os.close(fd)
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        logger.info("starting inference server %s (log: %s): %s", self.address, self.log_path, " ".join(self.command))
+        logger.info("starting %s %s (log: %s): %s", self.kind, self.address, self.log_path, " ".join(self.command))
         env = {**(self.env if self.env is not None else os.environ), PARENT_PID_ENV: str(os.getpid())}
         # Idle OpenMP threads spin by default: a server waiting for the trainer (or the other way round)
         # would then eat the cores the busy one needs (5x slower iterations measured on 2 cores).
@@ -157,7 +171,7 @@ class ServerProcess:
         if code is not None:
             self.stop()
             raise ServerLaunchError(
-                f"inference server {self.address} exited with code {code} before becoming healthy. "
+                f"{self.kind} {self.address} exited with code {code} before becoming healthy. "
                 f"Last lines of {self.log_path}:\n{self.log_tail()}"
             )
         return self.is_healthy()
@@ -212,36 +226,17 @@ def _wait_all_healthy(servers: list[ServerProcess], timeout: float) -> None:
             for server in pending:
                 server.stop()
             raise ServerLaunchError("\n".join(
-                f"inference server {s.address} not healthy after {timeout:.0f}s. "
+                f"{s.kind} {s.address} not healthy after {timeout:.0f}s. "
                 f"Last lines of {s.log_path}:\n{s.log_tail()}" for s in pending
             ))
         time.sleep(0.05)  # a forked server is healthy ~0.15 s after it is asked for
 
 
-def launch_servers(model_path: str, cfg: InferenceConfig, seed: int, log_dir: Path) -> list[ServerProcess]:
-    """Start `cfg.num_servers` servers together and wait until all are healthy; on any failure stop them all.
-
-    Server i gets seed `seed + i`, so that samples from different servers are not correlated.
-    """
-    builders = {
-        "cpu": lambda port, s: build_cpu_server_command(model_path, cfg.host, port, cfg, s),
-        "sglang": lambda port, s: build_sglang_command(model_path, cfg.host, port, cfg.sglang, s),
-    }
-    if cfg.backend not in builders:
-        raise ValueError(f"unknown inference backend '{cfg.backend}'; valid: {', '.join(builders)}")
-    ports: list[int] = []
-    for i in range(cfg.num_servers):
-        port = cfg.base_port + i if cfg.base_port else find_free_port(cfg.host)
-        while port in ports:
-            port = find_free_port(cfg.host)
-        ports.append(port)
-    log_dir = Path(log_dir)
-    commands = [builders[cfg.backend](port, seed + i) for i, port in enumerate(ports)]
-    servers = [
-        ServerProcess(command, f"{cfg.host}:{port}", log_dir / f"inference-server-{i}.log",
-                      fork=_forked_cpu_server(command) if cfg.backend == "cpu" else None)
-        for i, (port, command) in enumerate(zip(ports, commands))
-    ]
+def launch_servers(model_path: str, cfg: InferenceConfig, seed: int, log_dir: Path,
+                   gpus: Optional[list[tuple[int, ...]]] = None, colocated: bool = False) -> list[ServerProcess]:
+    """Start `cfg.num_servers` servers together (as `server_processes` builds them) and wait until all are healthy;
+    on any failure stop them all."""
+    servers = server_processes(model_path, cfg, seed, log_dir, gpus, colocated)
     try:
         for server in servers:
             server.start()
@@ -251,4 +246,42 @@ def launch_servers(model_path: str, cfg: InferenceConfig, seed: int, log_dir: Pa
             server.stop()
         raise
     logger.info("inference servers ready: %s", ", ".join(s.address for s in servers))
+    return servers
+
+
+def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: Path,
+                     gpus: Optional[list[tuple[int, ...]]] = None, colocated: bool = False) -> list[ServerProcess]:
+    """The `cfg.num_servers` servers' processes, not started: each one's command, environment and fork.
+
+    Server i gets seed `seed + i`, so that samples from different servers are not correlated, and GPUs `gpus[i]`
+    (areal_pipeline/placement.py; None or empty: the CPU) as its CUDA_VISIBLE_DEVICES. `colocated`: they share
+    GPUs with the trainer, and the project's own server caps its memory at `sglang.mem_fraction_static` too.
+    """
+    share = cfg.sglang.mem_fraction_static if colocated and cfg.device == "cuda" else None
+    builders = {
+        "cpu": lambda port, s, on_gpu: build_cpu_server_command(model_path, cfg.host, port, cfg, s, share),
+        "sglang": lambda port, s, on_gpu: build_sglang_command(model_path, cfg.host, port, cfg.sglang, s,
+                                                               0 if on_gpu else None),
+    }
+    if cfg.backend not in builders:
+        raise ValueError(f"unknown inference backend '{cfg.backend}'; valid: {', '.join(builders)}")
+    gpus = list(gpus) if gpus else [()] * cfg.num_servers
+    if len(gpus) != cfg.num_servers:
+        raise ValueError(f"{len(gpus)} GPU placements for {cfg.num_servers} servers")
+    ports: list[int] = []
+    for i in range(cfg.num_servers):
+        port = cfg.base_port + i if cfg.base_port else find_free_port(cfg.host)
+        while port in ports:
+            port = find_free_port(cfg.host)
+        ports.append(port)
+    log_dir = Path(log_dir)
+    commands = [builders[cfg.backend](port, seed + i, bool(gpus[i])) for i, port in enumerate(ports)]
+    servers = [
+        ServerProcess(command, f"{cfg.host}:{port}", log_dir / f"inference-server-{i}.log",
+                      env=gpu_env(gpus[i]) if gpus[i] else None,
+                      # forked only on the CPU: the forkserver's process may have initialised the CUDA driver (a
+                      # fork of it cannot use CUDA), and a GPU server's start-up is not the critical path
+                      fork=_forked_cpu_server(command) if cfg.backend == "cpu" and not gpus[i] else None)
+        for i, (port, command) in enumerate(zip(ports, commands))
+    ]
     return servers

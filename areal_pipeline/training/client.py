@@ -82,13 +82,11 @@ def build_trainer_command(cfg: ExperimentConfig, config_path: Path, model_path: 
             "--host", "127.0.0.1", "--port", str(port)]
 
 
-def launch_trainer(cfg: ExperimentConfig, model_path: str, log_dir: Path) -> tuple[ServerProcess, TrainerClient]:
-    """Start the trainer, wait for its endpoint, initialise it (model + optimizer loaded once)."""
-    config_path = save_config(cfg, Path(log_dir) / "trainer-config.yaml")
-    port = find_free_port()
-    command = build_trainer_command(cfg, config_path, model_path, port)
-    process = ServerProcess(command, f"127.0.0.1:{port}", Path(log_dir) / "trainer.log",
-                            fork=single_rank_fork(cfg, command, Path(log_dir))).start()
+def launch_trainer(cfg: ExperimentConfig, model_path: str, log_dir: Path,
+                   gpus: tuple[int, ...] = ()) -> tuple[ServerProcess, TrainerClient]:
+    """Start the trainer on `gpus` (areal_pipeline/placement.py; empty: as the environment is), wait for its
+    endpoint, initialise it (model + optimizer loaded once)."""
+    process = trainer_process(cfg, model_path, log_dir, gpus).start()
     try:
         process.wait_healthy(cfg.trainer.setup_timeout)
         client = TrainerClient(process.address, cfg.trainer.command_timeout)
@@ -97,6 +95,19 @@ def launch_trainer(cfg: ExperimentConfig, model_path: str, log_dir: Path) -> tup
         process.stop()
         raise
     return process, client
+
+
+def trainer_process(cfg: ExperimentConfig, model_path: str, log_dir: Path, gpus: tuple[int, ...] = ()) -> ServerProcess:
+    """The trainer's process, not started: its command, environment (CUDA_VISIBLE_DEVICES: `gpus`) and fork."""
+    from areal_pipeline.placement import gpu_env
+
+    config_path = save_config(cfg, Path(log_dir) / "trainer-config.yaml")
+    port = find_free_port()
+    command = build_trainer_command(cfg, config_path, model_path, port)
+    # On GPUs never forked: the forkserver's process may have initialised the CUDA driver, which a fork cannot use
+    fork = None if gpus else single_rank_fork(cfg, command, Path(log_dir))
+    return ServerProcess(command, f"127.0.0.1:{port}", Path(log_dir) / "trainer.log",
+                         env=gpu_env(gpus) if gpus else None, fork=fork, kind="trainer")
 
 
 def single_rank_fork(cfg: ExperimentConfig, command: list[str], log_dir: Path):

@@ -39,13 +39,19 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], tuple[torch.Tensor, 
 WeightFn = Callable[[MicroBatch], float]
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, backend: str = "auto") -> torch.device:
+    """The rank's device: on CUDA its own GPU among those it sees (the trainer's, areal_pipeline/placement.py), or
+    with gloo a shared one; PlacementError where NCCL would put two ranks on one GPU."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         import os
 
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        from areal_pipeline.placement import rank_cuda_index
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        backend = "nccl" if backend == "auto" else backend
+        return torch.device("cuda", rank_cuda_index(int(os.environ.get("LOCAL_RANK", 0)), visible, backend))
     return torch.device(device)
 
 
@@ -75,7 +81,7 @@ class TrainEngine:
         self.temperature = temperature
         self.trust_remote_code = trust_remote_code
         self.trainable = trainable
-        self.device = resolve_device(trainer_cfg.device)
+        self.device = resolve_device(trainer_cfg.device, trainer_cfg.backend)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.version = 0

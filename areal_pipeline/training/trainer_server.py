@@ -161,12 +161,16 @@ class Trainer:
         return {"path": path, "version": actor.version}
 
     def update_weights_distributed(self, servers: list[str], master_address: str, master_port: int,
-                                   dtype: str = "float32", group_name: str = "weight_update_group") -> dict:
+                                   dtype: str = "float32", group_name: str = "weight_update_group",
+                                   server_devices: Optional[list[str]] = None) -> dict:
+        """`server_devices`: where each server holds its model (its /get_server_info "device"; None: where this
+        trainer is). NCCL needs both ends on GPUs; otherwise the group is gloo, the trainer sending host copies."""
         from areal_pipeline.training.weight_sync import broadcast_weights
 
         actor = self.require_actor()
+        on_gpus = server_devices is None or all(str(d).startswith("cuda") for d in server_devices)
+        backend = "nccl" if actor.device.type == "cuda" and on_gpus else "gloo"
         state = actor.full_state_dict()  # a collective: every rank takes part in gathering
-        backend = "nccl" if actor.device.type == "cuda" else "gloo"
         version = actor.version
         if self.rank == 0:
             seconds = broadcast_weights(self.weight_groups, state, servers, version, master_address, master_port,
@@ -280,10 +284,12 @@ def trainer_threads(cfg: ExperimentConfig, device: torch.device, cores: Optional
 
 
 def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int) -> None:
-    device = resolve_device(cfg.trainer.device)
+    device = resolve_device(cfg.trainer.device, cfg.trainer.backend)
     backend = cfg.trainer.backend if cfg.trainer.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if cfg.trainer.memory_fraction < 1:  # a GPU shared with the inference servers (trainer.colocate)
+            torch.cuda.set_per_process_memory_fraction(cfg.trainer.memory_fraction, device)
     threads = trainer_threads(cfg, device)
     if threads > 0:
         torch.set_num_threads(threads)
