@@ -158,51 +158,37 @@ class RetrievalConfig:
     setup_timeout: float = 120.0
 
 
-@dataclass
-class AgentConfig:
-    """Settings of the multi-turn and tool-using workflows (ignored by single-turn rlvr)."""
+def _builtin_agent_section() -> Any:
+    from areal_pipeline.workflows.agent_config import AgentConfig
 
-    max_turns: int = 2
-    # reflection: final reward x turn_discount per extra turn; openai_agent: rewards discounted back over the
-    # completions, R_i = r_i + turn_discount * R_{i+1}
-    turn_discount: float = 0.9
-    turn_level_discount: float = 0.9  # multi_turn: per-turn rewards discounted backwards over turns
-    reward_bias: float = 0.0  # multi_turn per-turn reward: ((success - 0.5) * 2 - bias) * scaling
-    reward_scaling: float = 1.0
-    # multi_turn's feedback after a wrong and a right answer (MathMultiTurnAgent's), and whether a right answer
-    # ends the episode (false: always max_turns turns, as MathMultiTurnAgent runs num_turns)
-    wrong_message: str = "Unfortunately your answer is wrong. Let's try again."
-    correct_message: str = "Congratulations! You are correct!"
-    stop_on_success: bool = True
-    max_tokens: int = 1024  # search agent: budget of the whole episode (prompt + all turns)
-    reward: str = "f1"  # search agent: f1 | exact_match
-    # search agent's prompt: chat (the instruction in the chat template) | tutorial (ASearcher's raw "A
-    # conversation between User and Assistant..." ending in a prefilled <think>, no chat template: base models)
-    # | question (the question alone in the chat template: the warm-started tiny model, which learned the format)
-    prompt: str = "chat"
-    # search agent's results: docs ("Doc 1 (Title: t) text" lines) | tutorial (ASearcher's <p title="t">...</p>)
-    information: str = "docs"
-    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
-    # openai_agent: the user's `async def agent(client: AsyncOpenAI, data: dict) -> float | dict[str, float]`, as
-    # "module:function" (importable from the working directory) or "path/to/file.py:function"
-    entry: str = ""
-    # openai_agent's trajectories: concat (a conversation's completions as one sequence) | individual (one each)
-    export_style: str = "concat"
+    return AgentConfig()
+
+
+def _agent_section_class() -> type:
+    from areal_pipeline.workflows.agent_config import AgentConfig
+
+    return AgentConfig
 
 
 @dataclass
 class RolloutConfig:
+    # the agent that plays the episodes: rlvr | reflection | multi_turn | remax | search_agent | openai_agent, or a
+    # class of your own as "module:MyWorkflow" / "path/to/file.py:MyWorkflow" (areal_pipeline/workflows/protocol.py)
     workflow: str = "rlvr"
     batch_size: int = 16  # prompts per iteration
     # eta: iteration k's episodes may be generated while the policy is at version >= k - 1 - eta, i.e. during
     # the updates of up to eta earlier iterations. 0: synchronous.
     max_head_offpolicyness: int = 0
-    max_concurrent_rollouts: int = 128
+    max_concurrent_rollouts: int = 128  # episodes in flight at once (each a group of gconfig.n_samples)
+    # seconds a reward function may take on one answer before it scores 0 (its worker is killed and replaced)
     reward_timeout: float = 5.0
-    reward_workers: int = 1
-    shard_rows: int = 256
+    reward_workers: int = 1  # processes of the reward pool that score answers
+    shard_rows: int = 256  # trajectories per Parquet shard of a rollout
+    # sampling of the episodes' generations (evaluation: greedy, one sample)
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
-    agent: AgentConfig = field(default_factory=AgentConfig)
+    # the selected workflow's own section (its config_class): the package's workflows share one, AgentConfig
+    # (workflows/agent_config.py); a workflow of your own gets its keys here
+    agent: Any = field(default_factory=_builtin_agent_section, metadata={"section": _agent_section_class})
 
 
 @dataclass
@@ -317,21 +303,41 @@ class ExperimentConfig:
         return Path(self.output_dir) / self.run_id
 
 
-def _valid_keys(schema: type, prefix: str = "") -> list[str]:
+@dataclass(frozen=True)
+class ChosenSection:
+    """A section whose class depends on another value (`rollout.agent` on `rollout.workflow`), as chosen at load."""
+
+    schema: type  # the dataclass its values load into
+    owner: str  # what chose it, for messages: "workflow reflection"
+    keys: tuple[str, ...]  # the keys the owner reads (a subset of schema's fields)
+
+
+Chosen = dict[str, ChosenSection]  # dotted key of a section -> its chosen class
+
+
+def _valid_keys(schema: type, prefix: str = "", chosen: Optional[Chosen] = None) -> list[str]:
     keys = []
     for f in dataclasses.fields(schema):
         name = prefix + f.name
         keys.append(name)
-        sub = _dataclass_type(schema, f)
+        sub = _dataclass_type(schema, f, chosen, name)
         if sub is not None:
-            keys.extend(_valid_keys(sub, name + "."))
+            keys.extend(_valid_keys(sub, name + ".", chosen))
     return keys
 
 
-def _dataclass_type(schema: type, f: dataclasses.Field) -> Optional[type]:
+def _dataclass_type(schema: type, f: dataclasses.Field, chosen: Optional[Chosen] = None,
+                    dotted: str = "") -> Optional[type]:
+    """The section class of field `f` (None: a plain value). A field typed Any whose metadata names a "section"
+    (a function returning its default class) holds a section chosen at load: `chosen[dotted]` when given."""
+    if chosen and dotted in chosen:
+        return chosen[dotted].schema
     hints = _type_hints(schema)
     t = hints.get(f.name)
-    return t if dataclasses.is_dataclass(t) else None
+    if dataclasses.is_dataclass(t):
+        return t
+    section = f.metadata.get("section")
+    return section() if section else None
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -345,23 +351,49 @@ def _type_hints(schema: type) -> dict[str, Any]:
     return _HINTS[schema]
 
 
-def _check_keys(data: Any, schema: type, where: str, prefix: str = "") -> None:
+def _check_keys(data: Any, schema: type, where: str, prefix: str = "", chosen: Optional[Chosen] = None) -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
     names = {f.name: f for f in dataclasses.fields(schema)}
     for key, value in data.items():
         dotted = prefix + str(key)
         if key not in names:
-            valid = _valid_keys(schema, prefix)
+            valid = _valid_keys(schema, prefix, chosen)
             close = difflib.get_close_matches(dotted, valid, n=3, cutoff=0.5)
             hint = f"did you mean {', '.join(close)}?" if close else ""
-            siblings = ", ".join(prefix + f for f in names)
-            raise ConfigError(
-                f"{where}: unknown config key '{dotted}'. {hint} Valid keys here: {siblings}".replace("  ", " ")
-            )
-        sub = _dataclass_type(schema, names[key])
+            section = (chosen or {}).get(prefix.rstrip("."))
+            if section is not None:  # name the keys of what chose the section, not every key it happens to hold
+                here = f"Keys of {section.owner}: {', '.join(prefix + k for k in section.keys) or 'none'}"
+            else:
+                here = f"Valid keys here: {', '.join(prefix + f for f in names)}"
+            raise ConfigError(f"{where}: unknown config key '{dotted}'. {hint} {here}".replace("  ", " "))
+        sub = _dataclass_type(schema, names[key], chosen, dotted)
         if sub is not None and value is not None:
-            _check_keys(value, sub, where, dotted + ".")
+            _check_keys(value, sub, where, dotted + ".", chosen)
+
+
+def _selected_workflow(given: list[tuple[Any, str]]) -> tuple[str, str]:
+    """`rollout.workflow` as the layers (data, where) set it, before they are merged, and where the last one that
+    sets it comes from."""
+    workflow, where = RolloutConfig.workflow, "the default"
+    for data, layer in given:
+        rollout = data.get("rollout") if isinstance(data, dict) else None
+        if isinstance(rollout, dict) and isinstance(rollout.get("workflow"), str):
+            workflow, where = rollout["workflow"], layer
+    return workflow, where
+
+
+def _workflow_sections(workflow: str, where: str) -> Chosen:
+    """`rollout.agent`'s class for `workflow`: the selected workflow's own section (workflows.agent_section_class)."""
+    from areal_pipeline.workflows import agent_section_class, workflow_class
+
+    try:
+        own = getattr(workflow_class(workflow), "config_class", None)
+        schema = agent_section_class(workflow)
+    except ValueError as error:
+        raise ConfigError(f"{where}: rollout.workflow={workflow!r}: {error}") from None
+    keys = tuple(f.name for f in dataclasses.fields(own)) if own is not None else ()
+    return {"rollout.agent": ChosenSection(schema, f"workflow {workflow}", keys)}
 
 
 def load_config(
@@ -369,9 +401,10 @@ def load_config(
     overrides: list[str] | None = None,
     schema: type = ExperimentConfig,
 ) -> Any:
-    """Build a `schema` instance from defaults <- YAML file <- `key=value` overrides."""
+    """Build a `schema` instance from defaults <- YAML file <- `key=value` overrides. `rollout.agent` takes the
+    section of the workflow that `rollout.workflow` names once the layers are read (workflows/__init__.py)."""
     merged = OmegaConf.structured(schema)
-    layers = []
+    layers, given = [], []  # the layers, and each one's plain data with where it came from, for key checks
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -380,15 +413,20 @@ def load_config(
             file_cfg = OmegaConf.load(path)
         except yaml.YAMLError as e:  # the problem and its place, on one line
             raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
-        data = OmegaConf.to_container(file_cfg, resolve=False) or {}
-        _check_keys(data, schema, str(path))
+        given.append((OmegaConf.to_container(file_cfg, resolve=False) or {}, str(path)))
         layers.append(file_cfg)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
         override = OmegaConf.from_dotlist([item])
-        _check_keys(OmegaConf.to_container(override), schema, f"override '{item}'")
+        given.append((OmegaConf.to_container(override), f"override '{item}'"))
         layers.append(override)
+    chosen: Chosen = {}
+    if schema is ExperimentConfig:
+        chosen = _workflow_sections(*_selected_workflow(given))
+        merged.rollout.agent = OmegaConf.structured(chosen["rollout.agent"].schema)
+    for data, where in given:
+        _check_keys(data, schema, where, chosen=chosen)
     try:
         merged = OmegaConf.merge(merged, *layers)
         cfg = OmegaConf.to_object(merged)
@@ -522,6 +560,21 @@ def _loss_builder_exists(name: str) -> bool:
 
 _LOSS = Rule("ppo, reinforce, or 'module:attr' naming an importable loss builder (training/loss_registry.py)",
              _loss_builder_exists)
+
+
+def _workflow_loads(name: str) -> bool:
+    from areal_pipeline.workflows import workflow_class
+
+    try:
+        workflow_class(name)
+    except ValueError:
+        return False
+    return True
+
+
+_WORKFLOW = Rule("rlvr, reflection, multi_turn, remax, search_agent, openai_agent, or 'module:Class' / "
+                 "'path/to/file.py:Class' naming a workflow class of your own (workflows/protocol.py)",
+                 _workflow_loads)
 _POSITIVE = above(0)
 _FRACTION = within(0, 1)
 _PORT = within(0, 65535)  # 0: a free port
@@ -566,12 +619,9 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                       "max_queries": _COUNT, "max_body_bytes": _COUNT, "request_retries": _NON_NEGATIVE,
                       "setup_timeout": _POSITIVE,
                       "address": _HOST_PORT},
-    AgentConfig: {"max_turns": _COUNT, "turn_discount": _FRACTION, "turn_level_discount": _FRACTION,
-                  "reward_bias": _FINITE, "reward_scaling": _FINITE, "max_tokens": _COUNT,
-                  "reward": one_of("f1", "exact_match"), "prompt": one_of("chat", "tutorial", "question"),
-                  "information": one_of("docs", "tutorial"), "export_style": one_of("concat", "individual")},
-    RolloutConfig: {"batch_size": _COUNT, "max_head_offpolicyness": _NON_NEGATIVE, "max_concurrent_rollouts": _COUNT,
-                    "reward_timeout": _POSITIVE, "reward_workers": _COUNT, "shard_rows": _COUNT},
+    # rollout.agent: each workflow's section carries its own rules (`field_rules`, see field_rules_of)
+    RolloutConfig: {"workflow": _WORKFLOW, "batch_size": _COUNT, "max_head_offpolicyness": _NON_NEGATIVE,
+                    "max_concurrent_rollouts": _COUNT, "reward_timeout": _POSITIVE, "reward_workers": _COUNT, "shard_rows": _COUNT},
     NormConfig: {"mean_level": _NORM_LEVEL, "std_level": _NORM_LEVEL, "eps": _POSITIVE},
     PPOConfig: {"loss": _LOSS, "ppo_n_minibatches": _COUNT, "eps_clip": within(0, 1, open_low=True),
                 "eps_clip_higher": _POSITIVE, "c_clip": above(1), "importance_sampling_level": one_of("token", "sequence"),
@@ -613,14 +663,14 @@ def _generation_fits_context(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
                f"{key('inference.context_length')}={cfg.inference.context_length} (the prompt needs room too)")
 
 
-_AGENT_ENTRY = re.compile(r"[^:\s]+:[A-Za-z_]\w*")  # module:function or path/to/file.py:function
+def _selected_workflows_own_rules(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    """What the selected workflow requires of the rest of the config (its optional `config_problems`, such as
+    remax's REINFORCE loss or openai_agent's named agent)."""
+    from areal_pipeline.workflows import workflow_class
 
-
-def _agent_entry_named(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
-    entry = cfg.rollout.agent.entry
-    if cfg.rollout.workflow == "openai_agent" and not _AGENT_ENTRY.fullmatch(entry):
-        yield (f"{key('rollout.agent.entry')}={entry!r}: must name the agent as 'module:function' or "
-               "'path/to/file.py:function' (rollout.workflow=openai_agent runs it)")
+    config_problems = getattr(workflow_class(cfg.rollout.workflow), "config_problems", None)
+    if config_problems is not None:
+        yield from config_problems(cfg, key)
 
 
 def _evaluation_has_prompts(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
@@ -630,14 +680,6 @@ def _evaluation_has_prompts(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
     if cfg.eval_freq > 0 and empty:
         yield (f"{key('eval_freq')}={cfg.eval_freq}: must be 0 when the test split is empty "
                f"({key(empty)}=0), or evaluation scores no prompts")
-
-
-def _remax_trains_with_reinforce(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
-    """ReMax's advantage is reward(sample) - reward(greedy), unnormalised, for the REINFORCE loss; PPO's clipped
-    ratio would clip the +-1 signals it is made of."""
-    if cfg.rollout.workflow == "remax" and cfg.ppo.loss == "ppo":
-        yield (f"{key('ppo.loss')}='ppo': must be reinforce (or a loss of your own, module:attr) with "
-               f"{key('rollout.workflow')}=remax")
 
 
 def _warm_start_in_the_run_format(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
@@ -725,7 +767,7 @@ CROSS_RULES: dict[type, tuple[Callable[[Any, Key], Iterator[str]], ...]] = {
     TinyModelConfig: (_attention_heads_divide,),
     RetrievalConfig: (_default_topk_within_max,),
     ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, _warm_start_in_the_run_format,
-                       _agent_entry_named, _remax_trains_with_reinforce, _gpus_placed_consistently,
+                       _selected_workflows_own_rules, _gpus_placed_consistently,
                        _weights_reach_the_servers),
 }
 
@@ -751,8 +793,18 @@ def _sections(node: Any, prefix: str) -> Iterator[tuple[Any, str]]:
             yield from _sections(value, f"{prefix}{f.name}.")
 
 
+def field_rules_of(schema: type) -> dict[str, Rule | tuple[Rule, ...]]:
+    """A section's field rules: FIELD_RULES' for its class, and those the class (or a base) declares itself as a
+    ClassVar `field_rules`, as a workflow's own config section does, so its rules come with it."""
+    rules: dict[str, Rule | tuple[Rule, ...]] = {}
+    for klass in reversed(schema.__mro__):
+        rules.update(vars(klass).get("field_rules", {}))
+        rules.update(FIELD_RULES.get(klass, {}))
+    return rules
+
+
 def _field_problems(node: Any, prefix: str) -> Iterator[str]:
-    rules = FIELD_RULES.get(type(node), {})
+    rules = field_rules_of(type(node))
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
         if value is None or dataclasses.is_dataclass(value):

@@ -1,6 +1,7 @@
 """Help for config keys, as `areal-pipeline config KEY ...` prints it: a key's type, default, the values its
-rules take (config.FIELD_RULES), and the comments written beside its field in config.py, which are its
-documentation. A section's key lists its fields."""
+rules take (config.field_rules_of), and the comments written beside its field in its class (config.py, or a
+workflow's own section beside the workflow), which are its documentation. A section's key lists its fields.
+`rollout.agent.*` documents the package's workflows' keys, or with `workflow=` given, that workflow's own."""
 
 from __future__ import annotations
 
@@ -10,11 +11,23 @@ import inspect
 import re
 from typing import Any, Optional
 
-from areal_pipeline.config import (FIELD_RULES, ConfigError, ExperimentConfig, _dataclass_type, _type_hints,
-                                   _valid_keys)
+from areal_pipeline.config import (Chosen, ConfigError, ExperimentConfig, _dataclass_type, _type_hints, _valid_keys,
+                                   _workflow_sections, field_rules_of)
 
 
 def _field_comments(schema: type) -> dict[str, str]:
+    """Field name -> its comments in `schema` and in the bases that declare it too (a section made of several
+    workflows' sections documents a shared key once per workflow, each comment naming its workflow)."""
+    texts: dict[str, list[str]] = {}
+    for klass in reversed(schema.__mro__):
+        if dataclasses.is_dataclass(klass):
+            for name, text in _own_field_comments(klass).items():
+                if text and text not in texts.setdefault(name, []):
+                    texts[name].append(text)
+    return {name: "; ".join(parts) for name, parts in texts.items() if parts}
+
+
+def _own_field_comments(schema: type) -> dict[str, str]:
     """Field name -> the comment lines just above its line in the class body and the comment at its end."""
     lines, _ = inspect.getsourcelines(schema)
     comments: dict[str, str] = {}
@@ -40,7 +53,7 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
-def _resolve(key: str) -> tuple[type, Optional[dataclasses.Field]]:
+def _resolve(key: str, chosen: Optional[Chosen] = None) -> tuple[type, Optional[dataclasses.Field]]:
     """(the section class holding `key`, its field); (ExperimentConfig, None) for the empty key."""
     schema: type = ExperimentConfig
     field: Optional[dataclasses.Field] = None
@@ -48,32 +61,34 @@ def _resolve(key: str) -> tuple[type, Optional[dataclasses.Field]]:
     for i, part in enumerate(parts):
         fields = {f.name: f for f in dataclasses.fields(schema)}
         if part not in fields:
-            close = difflib.get_close_matches(key, _valid_keys(ExperimentConfig), n=3, cutoff=0.5)
+            close = difflib.get_close_matches(key, _valid_keys(ExperimentConfig, chosen=chosen), n=3, cutoff=0.5)
             raise ConfigError(f"unknown config key '{key}'" + (f"; did you mean {', '.join(close)}?" if close else ""))
         field = fields[part]
         if i < len(parts) - 1:
-            sub = _dataclass_type(schema, field)
+            sub = _dataclass_type(schema, field, chosen, ".".join(parts[:i + 1]))
             if sub is None:
                 raise ConfigError(f"unknown config key '{key}': '{'.'.join(parts[:i + 1])}' has no keys below it")
             schema = sub
     return schema, field
 
 
-def key_help(key: str) -> str:
-    """Help for one dotted key (or a section: its fields, one line each)."""
-    schema, field = _resolve(key)
-    section = _dataclass_type(schema, field) if field is not None else ExperimentConfig
+def key_help(key: str, workflow: Optional[str] = None) -> str:
+    """Help for one dotted key (or a section: its fields, one line each). `workflow`: document `rollout.agent` as
+    that workflow's section (a class of the user's own included) rather than the package's workflows' keys."""
+    chosen = _workflow_sections(workflow, "workflow") if workflow else None
+    schema, field = _resolve(key, chosen)
+    section = _dataclass_type(schema, field, chosen, key) if field is not None else ExperimentConfig
     if section is not None:
         comments = _field_comments(section)
         rows = []
         for f in dataclasses.fields(section):
-            sub = _dataclass_type(section, f)
+            sub = _dataclass_type(section, f, chosen, (key + "." if key else "") + f.name)
             shown = "(section)" if sub is not None else repr(_default(f))
             text = comments.get(f.name, "")
             rows.append(f"  {(key + '.' if key else '') + f.name} = {shown}" + (f"  # {text}" if text else ""))
         own_doc = section.__doc__ if section.__doc__ and not section.__doc__.startswith(section.__name__ + "(") else ""
         return f"{key or 'the config'}: {own_doc.splitlines()[0] if own_doc else 'a section'}\n" + "\n".join(rows)
-    rules = FIELD_RULES.get(schema, {}).get(field.name)
+    rules = field_rules_of(schema).get(field.name)
     allowed = " and ".join(r.allowed for r in (rules if isinstance(rules, tuple) else (rules,))) if rules else None
     kind = _type_hints(schema).get(field.name)
     kind_name = str(kind).replace("typing.", "") if getattr(kind, "__args__", None) else kind.__name__

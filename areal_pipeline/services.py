@@ -123,16 +123,17 @@ class Services:
         return self.trainer.address
 
     def start_tools(self) -> dict[str, str]:
+        """Start the tool servers the run's workflow declares (its `tools`); name -> address of those started. A
+        tool whose config names a server already running is checked instead (the workflow uses that one)."""
+        from areal_pipeline.tools import tool_server_starter
+        from areal_pipeline.workflows import required_tools
+
         self._refuse_if_stopped()
-        address = self.cfg.rollout.agent.retrieval.address
-        if self.cfg.rollout.workflow == "search_agent" and address:
-            from areal_pipeline.tools.retrieval_client import check_retrieval_server
-
-            check_retrieval_server(address)  # a server already running: the workflow uses it, none is started
-        elif self.cfg.rollout.workflow == "search_agent" and "retrieval" not in self.tools:
-            from areal_pipeline.tools.retrieval_server import launch_retrieval_server
-
-            self.tools["retrieval"] = launch_retrieval_server(self.cfg, self.log_dir)
+        for name in required_tools(self.cfg):
+            if name not in self.tools:
+                process = tool_server_starter(name, self.cfg.rollout.workflow)(self.cfg, self.log_dir)
+                if process is not None:
+                    self.tools[name] = process
         return {name: p.address for name, p in self.tools.items()}
 
     @property

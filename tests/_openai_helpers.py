@@ -25,7 +25,7 @@ TAUGHT_ANSWER = "The answer is 42."
 def taught_conversation_ids(tokenizer) -> tuple[list[int], list[int], list[int], list[int]]:
     """(prompt, the call as generated, what the template writes after the call for its result, the answer), each
     generated turn ending with EOS."""
-    from areal_pipeline.workflows.openai_agent import ids_after_reply
+    from areal_pipeline.workflows.openai_recording import ids_after_reply
 
     eos = tokenizer.eos_token_id
     prompt = chat_prompt_ids(tokenizer, parse_messages(QUESTION), [CALCULATOR])

@@ -310,7 +310,7 @@ def test_the_example_agent_is_plain_openai_and_its_curriculum_writes_the_workflo
     from areal_pipeline.config import TinyModelConfig
     from areal_pipeline.warm_start import IGNORE
     from areal_pipeline.warm_start.calculator import TOOL, WRITTEN_FOR, curriculum
-    from areal_pipeline.workflows.openai_agent import ids_after_reply
+    from areal_pipeline.workflows.openai_recording import ids_after_reply
     from examples import calculator_agent
 
     source = inspect.getsource(calculator_agent)

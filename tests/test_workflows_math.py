@@ -17,7 +17,8 @@ from areal_pipeline.rewards.pool import RewardPool
 from areal_pipeline.training.ppo import compute_batch, read_batch, write_batch
 from areal_pipeline.workflows import build_workflow
 from areal_pipeline.workflows.multi_turn import CORRECT_MESSAGE, WRONG_MESSAGE, MultiTurnWorkflow, per_version_log
-from areal_pipeline.workflows.reflection import REFLECTION_MESSAGE, ReflectionWorkflow, user_turn_ids
+from areal_pipeline.workflows.reflection import REFLECTION_MESSAGE, ReflectionWorkflow
+from areal_pipeline.workflows.turns import user_turn_ids
 from areal_pipeline.workflows.remax import ReMaxWorkflow
 from areal_pipeline.workflows.rlvr import chat_prompt_ids
 from test_workflows_common import (

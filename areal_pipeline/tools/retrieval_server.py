@@ -351,3 +351,15 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def start_for_run(cfg, log_dir: Path) -> Optional[ServerProcess]:
+    """The retrieval tool of a run (TOOL_SERVERS["retrieval"]): None when `rollout.agent.retrieval.address` names a
+    server already running, once it answers (the workflow searches that one), else the run's own server, started."""
+    address = cfg.rollout.agent.retrieval.address
+    if address:
+        from areal_pipeline.tools.retrieval_client import check_retrieval_server
+
+        check_retrieval_server(address)
+        return None
+    return launch_retrieval_server(cfg, log_dir)

@@ -1,4 +1,5 @@
-"""The policy losses the trainer trains with: `ppo.loss` names one of `LOSSES`, or a user's own as "module:attr".
+"""The policy losses the trainer trains with: `ppo.loss` names one of `LOSSES`, or a user's own as "module:attr" or
+"path/to/file.py:attr" (loaded by `user_code.load_attr`, as every extension point is).
 
 A loss is made from the run's `ppo` config section by a builder, `build(ppo_cfg) -> Loss`:
 
@@ -26,7 +27,6 @@ A loss of your own is a builder in your module, named in the config, with nothin
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, NamedTuple
 
 LOSSES: dict[str, str] = {
@@ -42,17 +42,18 @@ class Loss(NamedTuple):  # a tuple too: loss_fn, weight_fn, columns = make_loss(
 
 
 def loss_builder(name: str) -> Callable[[Any], Loss]:
-    """The builder `ppo.loss` names: a registered name, or "module:attr" importable here."""
+    """The builder `ppo.loss` names: a registered name, or "module:attr" / "path/to/file.py:attr" (user_code)."""
+    from areal_pipeline.user_code import is_reference, load_attr
+
     target = LOSSES.get(name, name)
-    if ":" not in target:
+    if not is_reference(target):
         raise ValueError(f"unknown loss '{name}'; valid: {', '.join(sorted(LOSSES))}, or 'module:attr' naming a "
                          "builder of your own (see areal_pipeline/training/loss_registry.py)")
-    module, _, attr = target.partition(":")
     try:
-        builder = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"loss '{name}': cannot import {attr} from {module} ({error}); the module must be "
-                         "importable where the run starts (its directory, or PYTHONPATH)") from None
+        builder = load_attr(target, "ppo.loss", "builder")
+    except (ImportError, AttributeError, FileNotFoundError) as error:
+        raise ValueError(f"loss '{name}': {error}; the module must be importable where the run starts (its "
+                         "directory, or PYTHONPATH)") from None
     if not callable(builder):
         raise ValueError(f"loss '{name}': {target} is not callable (a builder: ppo_cfg -> Loss)")
     return builder

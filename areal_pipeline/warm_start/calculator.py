@@ -50,7 +50,7 @@ def curriculum(tokenizer, tiny: Any, seed: int) -> Sampler:
     from areal_pipeline.config import DatasetConfig
     from areal_pipeline.data.datasets import load_records
     from areal_pipeline.inference.openai_api import chat_prompt_ids, parse_messages
-    from areal_pipeline.workflows.openai_agent import ids_after_reply
+    from areal_pipeline.workflows.openai_recording import ids_after_reply
 
     dataset = DatasetConfig(arithmetic_operators=OPERATORS, arithmetic_max_operand=9)
     questions = {r["question"]: r for r in load_records(dataset, "train", seed)}

@@ -40,7 +40,7 @@ def multi_turn(tokenizer, tiny: Any, seed: int) -> Sampler:
 def episodes(tokenizer, tiny: Any, seed: int, wrong_message: str, max_turns: int) -> Sampler:
     """Episodes on the arithmetic train questions (`arithmetic.train_questions`)."""
     from areal_pipeline.warm_start.arithmetic import answer_ids, train_questions
-    from areal_pipeline.workflows.reflection import user_turn_ids
+    from areal_pipeline.workflows.turns import user_turn_ids
 
     closing, message = user_turn_ids(tokenizer, wrong_message)
     feedback = closing + message  # after a turn that ended with its EOS, as every curriculum turn does

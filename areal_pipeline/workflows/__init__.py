@@ -1,79 +1,85 @@
-"""Agent workflows: one file each, each a class with one `arun_episode(engine, data) -> list[Trajectory]`."""
+"""Rollout workflows: one file each, each a class of the `RolloutWorkflow` protocol (protocol.py), named by
+`rollout.workflow`: a name registered in `WORKFLOWS`, or a class of the user's own as "module:MyWorkflow" or
+"path/to/file.py:MyWorkflow" (loaded by `user_code.load_attr`). Nothing here imports a workflow's module until its
+name is looked up.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
 from typing import Any, Callable, Optional
 
-WORKFLOWS = ("rlvr", "reflection", "multi_turn", "remax", "search_agent", "openai_agent")
+from areal_pipeline.user_code import is_reference, load_attr, reference_form
+
+WORKFLOWS: dict[str, str] = {
+    "rlvr": "areal_pipeline.workflows.rlvr:RLVRWorkflow",
+    "reflection": "areal_pipeline.workflows.reflection:ReflectionWorkflow",
+    "multi_turn": "areal_pipeline.workflows.multi_turn:MultiTurnWorkflow",
+    "remax": "areal_pipeline.workflows.remax:ReMaxWorkflow",
+    "search_agent": "areal_pipeline.workflows.search_agent:SearchAgentWorkflow",
+    "openai_agent": "areal_pipeline.workflows.openai_agent:OpenAIAgentWorkflow",
+}
 
 
-def build_workflow(cfg, tokenizer, reward_pool, *, tool_addresses: Optional[dict[str, str]] = None) -> Any:
-    """The workflow named by `cfg.rollout.workflow`, wired to its reward and generation settings.
+def workflow_class(name: str) -> type:
+    """The class `rollout.workflow` names. ValueError, naming the valid names, when it names none."""
+    target = WORKFLOWS.get(name, name)
+    if not is_reference(target):
+        raise ValueError(f"unknown workflow '{name}'; valid: {', '.join(WORKFLOWS)}, or {reference_form('Class')} "
+                         "naming a workflow class of your own (areal_pipeline/workflows/protocol.py)")
+    try:
+        cls = load_attr(target, "rollout.workflow", "Class")
+    except (ImportError, AttributeError, FileNotFoundError) as error:
+        raise ValueError(str(error)) from None
+    missing = [attr for attr in ("from_config", "arun_episode") if not callable(getattr(cls, attr, None))]
+    if missing:
+        raise ValueError(f"rollout.workflow={name!r}: {getattr(cls, '__name__', cls)} is not a workflow class (it has "
+                         f"no {' or '.join(missing)}; see areal_pipeline/workflows/protocol.py)")
+    config_class = getattr(cls, "config_class", None)
+    if config_class is not None and not (isinstance(config_class, type) and dataclasses.is_dataclass(config_class)):
+        raise ValueError(f"rollout.workflow={name!r}: {cls.__name__}.config_class must be a dataclass or None")
+    return cls
 
-    `tool_addresses` names running tool servers, e.g. {"retrieval": "127.0.0.1:8000"} for the search agent
-    (see `tools.retrieval_server.launch_retrieval_server`); without one the search agent retrieves in
-    process, from the same index.
-    """
-    name = cfg.rollout.workflow
-    reward_fn = pooled_reward_function(cfg)
-    g, agent = cfg.rollout.gconfig, cfg.rollout.agent
-    if name == "rlvr":
-        from areal_pipeline.workflows.rlvr import RLVRWorkflow
 
-        return RLVRWorkflow(reward_fn, g, tokenizer, reward_pool)
-    if name == "reflection":
-        from areal_pipeline.workflows.reflection import ReflectionWorkflow
+def is_builtin(name: str) -> bool:
+    return name in WORKFLOWS
 
-        return ReflectionWorkflow(reward_fn, g, tokenizer, reward_pool, max_turns=agent.max_turns,
-                                  turn_discount=agent.turn_discount)
-    if name == "multi_turn":
-        from areal_pipeline.workflows.multi_turn import MultiTurnWorkflow
 
-        return MultiTurnWorkflow(reward_fn, g, tokenizer, reward_pool, max_turns=agent.max_turns,
-                                 turn_level_discount=agent.turn_level_discount, reward_bias=agent.reward_bias,
-                                 reward_scaling=agent.reward_scaling, wrong_message=agent.wrong_message,
-                                 correct_message=agent.correct_message, stop_on_success=agent.stop_on_success)
-    if name == "remax":
-        from areal_pipeline.workflows.remax import ReMaxWorkflow
+def agent_section_class(name: str) -> type:
+    """The dataclass `rollout.agent` is an instance of when `rollout.workflow` is `name`. For the package's own
+    workflows: `AgentConfig`, which has every built-in workflow's keys (each workflow reads its own; a key of another
+    built-in workflow is accepted, as it was before each workflow declared its section). For a workflow of the
+    user's own: its `config_class`, and no key at all when it declares none."""
+    if is_builtin(name):
+        from areal_pipeline.workflows.agent_config import AgentConfig
 
-        return ReMaxWorkflow(reward_fn, g, tokenizer, reward_pool)
-    if name == "openai_agent":
-        from areal_pipeline.workflows.openai_agent import OpenAIAgentWorkflow, load_agent
+        return AgentConfig
+    return getattr(workflow_class(name), "config_class", None) or NoAgentConfig
 
-        return OpenAIAgentWorkflow(load_agent(agent.entry), g, tokenizer, entry=agent.entry,
-                                   turn_discount=agent.turn_discount, export_style=agent.export_style)
-    return _search_agent(cfg, tokenizer, (tool_addresses or {}).get("retrieval"))
+
+@dataclasses.dataclass
+class NoAgentConfig:
+    """rollout.agent of a workflow that declares no config_class: no keys."""
 
 
 def pooled_reward_function(cfg) -> Optional[Callable[[str, Any], float]]:
-    """The reward function the workflow runs in the reward pool (None: the search agent scores in process, an
-    OpenAI agent scores itself)."""
-    if cfg.rollout.workflow not in WORKFLOWS:
-        raise ValueError(f"unknown workflow '{cfg.rollout.workflow}'; valid: {', '.join(WORKFLOWS)}")
-    if cfg.rollout.workflow in ("search_agent", "openai_agent"):
-        return None
-    from areal_pipeline.rewards import math_reward
-
-    return math_reward
+    """The reward function the selected workflow runs in the reward pool (its `reward_function`, "module:attr"),
+    or None when it scores in process (the search agent) or is scored by the agent (openai_agent)."""
+    cls = workflow_class(cfg.rollout.workflow)
+    reference = getattr(cls, "reward_function", None)
+    return None if reference is None else load_attr(reference, f"{cls.__name__}.reward_function")
 
 
-def _search_agent(cfg, tokenizer, address: Optional[str]) -> Any:
-    from areal_pipeline.rewards import exact_match_reward, f1_reward
-    from areal_pipeline.tools.retrieval_client import LocalRetrievalClient, RetrievalClient
-    from areal_pipeline.workflows.search_agent import SearchAgentWorkflow
+def required_tools(cfg) -> tuple[str, ...]:
+    """The tool servers the selected workflow declares (its `tools`), for `Services.start_tools`."""
+    return tuple(getattr(workflow_class(cfg.rollout.workflow), "tools", ()))
 
-    agent, r = cfg.rollout.agent, cfg.rollout.agent.retrieval
-    rewards = {"f1": f1_reward, "exact_match": exact_match_reward}
-    if agent.reward not in rewards:
-        raise ValueError(f"unknown search agent reward '{agent.reward}'; valid: {', '.join(rewards)}")
-    address = r.address or address  # a server already running (retrieval.address), else the run's own
-    if address:
-        retrieval = RetrievalClient(address, retries=r.request_retries)
-    else:
-        from areal_pipeline.tools.retrieval_server import RetrievalService
 
-        retrieval = LocalRetrievalClient(RetrievalService.from_config(r, Path(cfg.output_dir) / "_indexes"))
-    return SearchAgentWorkflow(rewards[agent.reward], cfg.rollout.gconfig, tokenizer, retrieval,
-                               max_turns=agent.max_turns, max_tokens=agent.max_tokens, topk=r.topk,
-                               max_query_chars=r.max_query_chars, prompt=agent.prompt, information=agent.information)
+def build_workflow(cfg, tokenizer, reward_pool, *, tool_addresses: Optional[dict[str, str]] = None) -> Any:
+    """The workflow named by `cfg.rollout.workflow`, built by its `from_config`.
+
+    `tool_addresses` names running tool servers, e.g. {"retrieval": "127.0.0.1:8000"} for the search agent
+    (see `Services.start_tools`); without one the search agent retrieves in process, from the same index.
+    """
+    return workflow_class(cfg.rollout.workflow).from_config(
+        cfg, tokenizer, reward_pool, reward_fn=pooled_reward_function(cfg), tool_addresses=dict(tool_addresses or {}))

@@ -18,18 +18,18 @@ trajectory's `metadata["turns"]`, so `per_version_log(run_dir)` reads them back 
 from __future__ import annotations
 
 import json
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
-from areal_pipeline.config import GenerationConfig
-from areal_pipeline.data.shards import is_complete, read_trajectories
-from areal_pipeline.data.trajectory import NO_VERSION, SequenceBuilder, Trajectory
-from areal_pipeline.inference.types import ModelRequest
-from areal_pipeline.rewards.pool import RewardPool
+from areal_pipeline.config import at_least, within
+from areal_pipeline.data.trajectory import NO_VERSION, Trajectory
 from areal_pipeline.utils import atomic_write_text
-from areal_pipeline.workflows.reflection import TurnsWithFeedbackWorkflow, next_turn_ids, turn_record, user_turn_ids
-from areal_pipeline.workflows.rlvr import sample_seed
+from areal_pipeline.workflows.turns import FeedbackTurnsWorkflow, Outcome
+
+if TYPE_CHECKING:
+    from areal_pipeline.config import GenerationConfig
+    from areal_pipeline.rewards.pool import RewardPool
 
 # MathMultiTurnAgent's feedback
 CORRECT_MESSAGE = "Congratulations! You are correct!"
@@ -45,62 +45,77 @@ def discounted_returns(rewards: list[float], discount: float) -> list[float]:
     return returns[::-1]
 
 
-class MultiTurnWorkflow(TurnsWithFeedbackWorkflow):
-    user_message = WRONG_MESSAGE
+@dataclass
+class MultiTurnConfig:
+    """rollout.agent of rollout.workflow=multi_turn."""
 
-    def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: GenerationConfig, tokenizer,
-                 reward_pool: RewardPool, max_turns: int = 2, turn_level_discount: float = 0.9,
+    # multi_turn: model turns per episode at most
+    max_turns: int = 2
+    # multi_turn: per-turn rewards discounted backwards over turns, G_t = r_t + turn_level_discount * G_{t+1}
+    turn_level_discount: float = 0.9
+    # multi_turn per-turn reward: ((success - 0.5) * 2 - reward_bias) * reward_scaling
+    reward_bias: float = 0.0
+    # multi_turn per-turn reward: ((success - 0.5) * 2 - reward_bias) * reward_scaling
+    reward_scaling: float = 1.0
+    # multi_turn: the user message after a wrong answer (MathMultiTurnAgent's)
+    wrong_message: str = WRONG_MESSAGE
+    # multi_turn: the user message after a right answer, when the episode goes on (stop_on_success=false)
+    correct_message: str = CORRECT_MESSAGE
+    # multi_turn: whether a right answer ends the episode (false: always max_turns turns, as MathMultiTurnAgent runs
+    # num_turns)
+    stop_on_success: bool = True
+
+    field_rules: ClassVar[dict] = {"max_turns": at_least(1), "turn_level_discount": within(0, 1)}
+
+
+class MultiTurnWorkflow(FeedbackTurnsWorkflow):
+    config_class = MultiTurnConfig
+    reward_function = "areal_pipeline.rewards.math:math_reward"
+    tools = ()
+
+    def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: "GenerationConfig", tokenizer,
+                 reward_pool: "RewardPool", max_turns: int = 2, turn_level_discount: float = 0.9,
                  reward_bias: float = 0.0, reward_scaling: float = 1.0, correct_message: str = CORRECT_MESSAGE,
                  wrong_message: str = WRONG_MESSAGE, stop_on_success: bool = True):
-        self.user_message = self.wrong_message = wrong_message  # message_ids: the wrong answer's feedback
-        super().__init__(reward_fn, gconfig, tokenizer, reward_pool, max_turns)
-        self.correct_message = correct_message
-        self.correct_ids = user_turn_ids(tokenizer, correct_message)[1]
+        super().__init__(reward_fn, gconfig, tokenizer, reward_pool, max_turns, (wrong_message, correct_message))
+        self.wrong_message, self.correct_message = wrong_message, correct_message
+        self.message_ids = self.feedback_ids[wrong_message]
+        self.correct_ids = self.feedback_ids[correct_message]
         self.stop_on_success = stop_on_success
         self.discount = turn_level_discount
         self.reward_bias = reward_bias
         self.reward_scaling = reward_scaling
 
+    @classmethod
+    def from_config(cls, cfg, tokenizer, reward_pool, *, reward_fn, tool_addresses) -> "MultiTurnWorkflow":
+        agent: MultiTurnConfig = cfg.rollout.agent
+        return cls(reward_fn, cfg.rollout.gconfig, tokenizer, reward_pool, max_turns=agent.max_turns,
+                   turn_level_discount=agent.turn_level_discount, reward_bias=agent.reward_bias,
+                   reward_scaling=agent.reward_scaling, wrong_message=agent.wrong_message,
+                   correct_message=agent.correct_message, stop_on_success=agent.stop_on_success)
+
     def turn_reward(self, success: bool) -> float:
         return ((float(success) - 0.5) * 2 - self.reward_bias) * self.reward_scaling
 
-    async def _episode(self, engine, data: dict[str, Any], prompt_ids: list[int], sample_idx: int) -> Trajectory:
-        seq = SequenceBuilder(prompt_ids)
-        rid = uuid.uuid4().hex
-        messages = list(data["messages"])
-        turns: list[dict[str, Any]] = []
-        for turn in range(self.max_turns):
-            if turn:
-                seq.add_environment(next_turn_ids(resp, self.tokenizer.eos_token_id, self.closing_ids,
-                                                  self.correct_ids if success else self.message_ids))
-                messages.append({"role": "user", "content": self.correct_message if success else self.wrong_message})
-            resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(seq.input_ids), gconfig=self.single,
-                                                       extra_sampling_params=sample_seed(data, sample_idx, turn)))
-            seq.add_model_turn(resp)
-            text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
-            success = await self.reward_pool.ascore(self.reward_fn, text, data["answer"]) > 0
-            messages.append({"role": "assistant", "content": text})
-            turns.append(turn_record(resp, text, success=success, reward=self.turn_reward(success)))
-            if success and self.stop_on_success:
-                break
+    def feedback(self, turn: dict[str, Any]) -> str:
+        return self.correct_message if turn["success"] else self.wrong_message
+
+    def turn_fields(self, score: float) -> dict[str, Any]:
+        success = score > 0
+        return {"success": success, "reward": self.turn_reward(success)}
+
+    def ends(self, turn: dict[str, Any]) -> bool:
+        return turn["success"] and self.stop_on_success
+
+    def outcome(self, turns: list[dict[str, Any]]) -> Outcome:
         returns = discounted_returns([t["reward"] for t in turns], self.discount)
         for record, value in zip(turns, returns):
             record["return"] = value
         first_right = next((i for i, t in enumerate(turns) if t["success"]), None)
-        return seq.trajectory(
-            prompt_id=data["prompt_id"],
-            group_id=data["prompt_id"],
-            sample_idx=sample_idx,
-            reward=0.0 if first_right is None else self.discount ** first_right,
-            stop_reason=resp.stop_reason,
-            messages=messages,
-            text=self.tokenizer.decode(seq.input_ids[seq.prompt_len:]),
-            metadata={"answer": data.get("answer"), "turns": turns, "server": resp.server,
-                      # per-episode facts, averaged into the rollout stats as agent/<key>
-                      "first_turn_correct": turns[0]["success"], "success": first_right is not None,
-                      "num_turns": len(turns), "return": returns[0]},
-            token_returns=seq.turn_returns(returns),
-        )
+        return Outcome(0.0 if first_right is None else self.discount ** first_right,
+                       {"first_turn_correct": turns[0]["success"], "success": first_right is not None,
+                        "num_turns": len(turns), "return": returns[0]},
+                       turn_returns=returns)
 
 
 def per_version_log(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -157,6 +172,8 @@ def write_answer_logs(run_dir: str | Path, out: str | Path) -> list[Path]:
 
 def _finished_trajectories(run_dir: str | Path) -> Iterator[tuple[int, Trajectory]]:
     """(iteration, trajectory) of every rollout of the run that finished (its manifest written)."""
+    from areal_pipeline.data.shards import is_complete, read_trajectories  # pyarrow: only for reading runs back
+
     for rollout in sorted(Path(run_dir).glob("iter_*/rollout"), key=lambda p: int(p.parent.name.split("_")[1])):
         if is_complete(rollout):
             iteration = int(rollout.parent.name.split("_")[1])

@@ -2,138 +2,65 @@
 
 While a turn's answer is wrong (the reward function on that turn's text) and turns remain
 (`agent.max_turns`), a fixed user message asks the model to try again and it generates once more. The
-episode's reward is the last turn's, times `agent.turn_discount` per extra turn. A group of
-`gconfig.n_samples` episodes per prompt runs concurrently, for GRPO.
-
-The appended message's token ids come from the chat template once, as a difference of templated
-prefixes, and are added to the ids the model actually produced: the conversation is never re-tokenized,
-so the trained sequence is exactly the one the model was conditioned on.
+episode's reward is the last turn's, times `agent.turn_discount` per extra turn. The turn loop is
+`turns.FeedbackTurnsWorkflow`'s.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import uuid
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
-from areal_pipeline.config import GenerationConfig
-from areal_pipeline.data.trajectory import SequenceBuilder, Trajectory
-from areal_pipeline.inference.types import ModelRequest, ModelResponse
-from areal_pipeline.rewards.pool import RewardPool
-from areal_pipeline.workflows.rlvr import chat_prompt_ids, sample_seed
+from areal_pipeline.config import at_least, within
+from areal_pipeline.workflows.turns import FeedbackTurnsWorkflow, Outcome
+
+if TYPE_CHECKING:
+    from areal_pipeline.config import GenerationConfig
+    from areal_pipeline.rewards.pool import RewardPool
 
 REFLECTION_MESSAGE = ("Your answer is either wrong or not parsable to the reward function. "
                       "Please try to answer it again.")
 
-# Any finished exchange will do: only the ids that follow it are kept.
-_PLACEHOLDER = [{"role": "user", "content": "What is 1+1?"}, {"role": "assistant", "content": "2"}]
+
+@dataclass
+class ReflectionConfig:
+    """rollout.agent of rollout.workflow=reflection."""
+
+    # reflection: model turns per episode at most (the first answer and up to max_turns - 1 retries)
+    max_turns: int = 2
+    # reflection: the episode's reward is the last turn's x turn_discount per extra turn
+    turn_discount: float = 0.9
+
+    field_rules: ClassVar[dict] = {"max_turns": at_least(1), "turn_discount": within(0, 1)}
 
 
-def _template(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                              tokenize=True, return_dict=False))
+class ReflectionWorkflow(FeedbackTurnsWorkflow):
+    config_class = ReflectionConfig
+    reward_function = "areal_pipeline.rewards.math:math_reward"
+    tools = ()
 
-
-def user_turn_ids(tokenizer, content: str) -> tuple[list[int], list[int]]:
-    """The ids that follow an assistant turn's EOS to add a user message and open the next assistant turn.
-
-    Returns `(closing, message)`: `closing` is what the template writes after the assistant's EOS (Qwen: a
-    newline), `message` is template(messages + [assistant, user], add_generation_prompt=True) minus
-    template(messages + [assistant]): the user message and the next assistant header.
-    """
-    eos = tokenizer.eos_token_id
-    closed = _template(tokenizer, _PLACEHOLDER, False)
-    full = _template(tokenizer, _PLACEHOLDER + [{"role": "user", "content": content}], True)
-    if full[: len(closed)] != closed:
-        raise ValueError("the chat template renders a conversation differently once a message follows it, so "
-                         "turns cannot be appended to the generated ids")
-    if eos is None or eos not in closed:
-        raise ValueError(f"the chat template does not end an assistant turn with the EOS token "
-                         f"{tokenizer.eos_token!r}; use a chat (instruct) model's tokenizer")
-    after_eos = len(closed) - closed[::-1].index(eos)
-    return closed[after_eos:], full[len(closed):]
-
-
-def next_turn_ids(resp: ModelResponse, eos: int, closing: list[int], message: list[int]) -> list[int]:
-    """What the environment appends after a model turn: its EOS if the model did not end with one
-    (stopped by length or another stop token), then the template's closing and the new message."""
-    return ([] if resp.output_tokens[-1:] == [eos] else [eos]) + closing + message
-
-
-def turn_record(resp: ModelResponse, text: str, **fields: Any) -> dict[str, Any]:
-    """One model turn, as kept in `metadata["turns"]` (see `multi_turn.per_version_log`)."""
-    versions = resp.output_versions or [-1]
-    return {"text": text, "num_tokens": resp.output_len, "seqlen": resp.input_len + resp.output_len,
-            "stop_reason": resp.stop_reason, "version_start": min(versions), "version_end": max(versions), **fields}
-
-
-class TurnsWithFeedbackWorkflow:
-    """Reflection and multi-turn feedback: `gconfig.n_samples` concurrent episodes per prompt, each up to
-    `max_turns` model turns, separated by a fixed user message whose token ids are computed once."""
-
-    user_message = ""
-
-    def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: GenerationConfig, tokenizer,
-                 reward_pool: RewardPool, max_turns: int = 2):
-        if max_turns < 1:
-            raise ValueError(f"agent.max_turns must be at least 1, got {max_turns}")
-        self.reward_fn = reward_fn
-        self.gconfig = gconfig
-        self.single = dataclasses.replace(gconfig, n_samples=1)
-        self.tokenizer = tokenizer
-        self.reward_pool = reward_pool
-        self.max_turns = max_turns
-        self.closing_ids, self.message_ids = user_turn_ids(tokenizer, self.user_message)
-
-    def feedback_ids(self, resp: ModelResponse) -> list[int]:
-        """What the environment appends after a model turn: its end (EOS inserted if missing), then the message."""
-        return next_turn_ids(resp, self.tokenizer.eos_token_id, self.closing_ids, self.message_ids)
-
-    async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
-        prompt_ids = chat_prompt_ids(self.tokenizer, data["messages"])
-        return list(await asyncio.gather(*(self._episode(engine, data, prompt_ids, i)
-                                           for i in range(self.gconfig.n_samples))))
-
-    async def _episode(self, engine, data: dict[str, Any], prompt_ids: list[int], sample_idx: int) -> Trajectory:
-        raise NotImplementedError
-
-
-class ReflectionWorkflow(TurnsWithFeedbackWorkflow):
-    user_message = REFLECTION_MESSAGE
-
-    def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: GenerationConfig, tokenizer,
-                 reward_pool: RewardPool, max_turns: int = 2, turn_discount: float = 0.9):
-        super().__init__(reward_fn, gconfig, tokenizer, reward_pool, max_turns)
+    def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: "GenerationConfig", tokenizer,
+                 reward_pool: "RewardPool", max_turns: int = 2, turn_discount: float = 0.9):
+        super().__init__(reward_fn, gconfig, tokenizer, reward_pool, max_turns, (REFLECTION_MESSAGE,))
+        self.message_ids = self.feedback_ids[REFLECTION_MESSAGE]
         self.turn_discount = turn_discount
 
-    async def _episode(self, engine, data: dict[str, Any], prompt_ids: list[int], sample_idx: int) -> Trajectory:
-        seq = SequenceBuilder(prompt_ids)
-        rid = uuid.uuid4().hex  # every turn on the same server, which keeps the prefix cached
-        messages = list(data["messages"])
-        turns: list[dict[str, Any]] = []
-        for turn in range(self.max_turns):
-            if turn:
-                seq.add_environment(self.feedback_ids(resp))
-                messages.append({"role": "user", "content": REFLECTION_MESSAGE})
-            resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(seq.input_ids), gconfig=self.single,
-                                                       extra_sampling_params=sample_seed(data, sample_idx, turn)))
-            seq.add_model_turn(resp)
-            text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
-            reward = await self.reward_pool.ascore(self.reward_fn, text, data["answer"])
-            messages.append({"role": "assistant", "content": text})
-            turns.append(turn_record(resp, text, reward=reward))
-            if reward > 0:
-                break
-        return seq.trajectory(
-            prompt_id=data["prompt_id"],
-            group_id=data["prompt_id"],
-            sample_idx=sample_idx,
-            reward=reward * self.turn_discount ** (len(turns) - 1),
-            stop_reason=resp.stop_reason,
-            messages=messages,
-            text=self.tokenizer.decode(seq.input_ids[seq.prompt_len:]),
-            metadata={"answer": data.get("answer"), "turns": turns, "server": resp.server,
-                      # per-episode facts, averaged into the rollout stats as agent/<key>
-                      "first_turn_correct": turns[0]["reward"] > 0, "success": reward > 0, "num_turns": len(turns)},
-        )
+    @classmethod
+    def from_config(cls, cfg, tokenizer, reward_pool, *, reward_fn, tool_addresses) -> "ReflectionWorkflow":
+        agent: ReflectionConfig = cfg.rollout.agent
+        return cls(reward_fn, cfg.rollout.gconfig, tokenizer, reward_pool, max_turns=agent.max_turns,
+                   turn_discount=agent.turn_discount)
+
+    def feedback(self, turn: dict[str, Any]) -> str:
+        return REFLECTION_MESSAGE
+
+    def turn_fields(self, score: float) -> dict[str, Any]:
+        return {"reward": score}
+
+    def ends(self, turn: dict[str, Any]) -> bool:
+        return turn["reward"] > 0
+
+    def outcome(self, turns: list[dict[str, Any]]) -> Outcome:
+        reward = turns[-1]["reward"]
+        return Outcome(reward * self.turn_discount ** (len(turns) - 1),
+                       {"first_turn_correct": turns[0]["reward"] > 0, "success": reward > 0, "num_turns": len(turns)})

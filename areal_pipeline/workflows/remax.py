@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.inference.types import ModelRequest
@@ -23,6 +23,14 @@ from areal_pipeline.workflows.rlvr import RLVRWorkflow, single_turn_trajectory
 
 
 class ReMaxWorkflow(RLVRWorkflow):
+    @classmethod
+    def config_problems(cls, cfg, key) -> Iterator[str]:
+        """ReMax's advantage is reward(sample) - reward(greedy), unnormalised, for the REINFORCE loss; PPO's clipped
+        ratio would clip the +-1 signals it is made of."""
+        if cfg.ppo.loss == "ppo":
+            yield (f"{key('ppo.loss')}='ppo': must be reinforce (or a loss of your own, module:attr) with "
+                   f"{key('rollout.workflow')}=remax")
+
     async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
         requests = self.group_requests(data)
         # With greedy sampling (evaluation) the samples are their own baseline.

@@ -10,20 +10,24 @@ import dataclasses
 import functools
 import json
 import uuid
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from areal_pipeline.config import GenerationConfig
 from areal_pipeline.data.trajectory import NO_VERSION, Trajectory
 from areal_pipeline.inference.types import ModelRequest, ModelResponse
-from areal_pipeline.rewards.pool import RewardPool
 
-PROMPT_CACHE_SIZE = 65536  # chat prompts whose token ids are remembered (~1-2 KB each on GSM8K)
+if TYPE_CHECKING:
+    from areal_pipeline.config import GenerationConfig
+    from areal_pipeline.rewards.pool import RewardPool
+
+# Chat prompts whose token ids are remembered: a data set's prompts repeat every epoch, and a GSM8K-sized train
+# split fits.
+PROMPT_CACHE_SIZE = 65536
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a chat prompt, ending with the assistant's turn header. Remembered per tokenizer and
     messages: data sets repeat prompts across iterations and epochs, and rendering the template is the main
-    client-side cost of a prompt (~0.15 ms on the default task)."""
+    client-side cost of a prompt."""
     return list(_templated_ids(tokenizer, json.dumps(messages, sort_keys=True)))
 
 
@@ -62,12 +66,20 @@ def single_turn_trajectory(data: dict[str, Any], sample_idx: int, resp: ModelRes
 
 
 class RLVRWorkflow:
-    def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: GenerationConfig, tokenizer,
-                 reward_pool: RewardPool):
+    config_class = None  # no rollout.agent keys of its own
+    reward_function = "areal_pipeline.rewards.math:math_reward"
+    tools = ()
+
+    def __init__(self, reward_fn: Callable[[str, Any], float], gconfig: "GenerationConfig", tokenizer,
+                 reward_pool: "RewardPool"):
         self.reward_fn = reward_fn
         self.gconfig = gconfig
         self.tokenizer = tokenizer
         self.reward_pool = reward_pool
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer, reward_pool, *, reward_fn, tool_addresses):
+        return cls(reward_fn, cfg.rollout.gconfig, tokenizer, reward_pool)
 
     def group_requests(self, data: dict[str, Any]) -> list[ModelRequest]:
         """One request per sample of the prompt's group, each its own trajectory (rid) and seed."""

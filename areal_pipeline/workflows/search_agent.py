@@ -9,9 +9,9 @@ t) text" lines, or the tutorial's `<p title="t">` blocks) and the same assistant
 cut off by `max_new_tokens` before a closed tag goes on in the next generation (a tag may span them). The
 episode ends at an answer, at EOS or a stopped turn with no action, after `agent.max_turns` generations, or
 when the sequence would pass `agent.max_tokens` (prompt and all turns). Reward: F1 (or exact match,
-`agent.reward`) of the answer against the reference answers; 0 without an answer. A retrieval that still fails after `retrieval.request_retries` retries ends the
-episode with reward 0 and stop_reason "retrieval_error" (the message in metadata["error"]) rather than
-failing the batch.
+`agent.reward`) of the answer against the reference answers; 0 without an answer. A retrieval that still fails
+after `retrieval.request_retries` retries ends the episode with reward 0 and stop_reason "retrieval_error" (the
+message in metadata["error"]) rather than failing the batch.
 """
 
 from __future__ import annotations
@@ -19,14 +19,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
-from areal_pipeline.config import GenerationConfig
+from areal_pipeline.config import RetrievalConfig, at_least, one_of
 from areal_pipeline.data.trajectory import SequenceBuilder, Trajectory
 from areal_pipeline.inference.types import ModelRequest
-from areal_pipeline.tools.retrieval_client import RetrievalError
-from areal_pipeline.workflows.reflection import turn_record
 from areal_pipeline.workflows.rlvr import chat_prompt_ids, sample_seed
+from areal_pipeline.workflows.turns import turn_record
+
+if TYPE_CHECKING:
+    from areal_pipeline.config import GenerationConfig
 
 INSTRUCTION = (
     "Answer the question. Think inside <think> and </think>. To look something up, write <search> query "
@@ -47,6 +50,31 @@ TUTORIAL_PROMPT = (
 STOP_STRINGS = ["</search>", "</answer>"]
 PROMPTS = ("chat", "tutorial", "question")
 INFORMATION = ("docs", "tutorial")
+REWARDS = {"f1": "areal_pipeline.rewards.qa:f1_reward", "exact_match": "areal_pipeline.rewards.qa:exact_match_reward"}
+
+
+@dataclasses.dataclass
+class SearchAgentConfig:
+    """rollout.agent of rollout.workflow=search_agent."""
+
+    # search_agent: generations per episode at most (a search, and the reading of its results, count as one)
+    max_turns: int = 2
+    # search_agent: token budget of the whole episode (prompt, generations and retrieved results)
+    max_tokens: int = 1024
+    # search_agent: the episode's reward, of its <answer> against the reference answers: f1 | exact_match
+    reward: str = "f1"
+    # search_agent's prompt: chat (the instruction in the chat template) | tutorial (ASearcher's raw "A
+    # conversation between User and Assistant..." ending in a prefilled <think>, no chat template: base models)
+    # | question (the question alone in the chat template: the warm-started tiny model, which learned the format)
+    prompt: str = "chat"
+    # search_agent's results: docs ("Doc 1 (Title: t) text" lines) | tutorial (ASearcher's <p title="t">...</p>)
+    information: str = "docs"
+    # search_agent: the retrieval server it searches (started by the run unless retrieval.address names one)
+    retrieval: RetrievalConfig = dataclasses.field(default_factory=RetrievalConfig)
+
+    field_rules: ClassVar[dict] = {"max_turns": at_least(1), "max_tokens": at_least(1),
+                                   "reward": one_of(*REWARDS), "prompt": one_of(*PROMPTS),
+                                   "information": one_of(*INFORMATION)}
 
 
 def _question(data: dict[str, Any]) -> str:
@@ -95,7 +123,11 @@ def format_information(docs: list[dict[str, Any]], style: str = "docs") -> str:
 
 
 class SearchAgentWorkflow:
-    def __init__(self, reward_fn: Callable[[str, list[str]], float], gconfig: GenerationConfig, tokenizer,
+    config_class = SearchAgentConfig
+    reward_function = None  # F1 and exact match are plain string work that cannot hang: scored in process
+    tools = ("retrieval",)
+
+    def __init__(self, reward_fn: Callable[[str, list[str]], float], gconfig: "GenerationConfig", tokenizer,
                  retrieval, *, max_turns: int = 2, max_tokens: int = 1024, topk: int = 3,
                  max_query_chars: int = 2000, prompt: str = "chat", information: str = "docs"):
         """`retrieval` has `async retrieve(queries, topk) -> list[list[doc]]` raising RetrievalError
@@ -117,6 +149,28 @@ class SearchAgentWorkflow:
         self.topk = topk
         self.max_query_chars = max_query_chars
 
+    @classmethod
+    def from_config(cls, cfg, tokenizer, reward_pool, *, reward_fn, tool_addresses) -> "SearchAgentWorkflow":
+        """Searches the server at `retrieval.address` (one already running), else the run's own (`tool_addresses`),
+        else an index of the corpus in this process."""
+        from areal_pipeline.tools.retrieval_client import LocalRetrievalClient, RetrievalClient
+        from areal_pipeline.user_code import load_attr
+
+        agent: SearchAgentConfig = cfg.rollout.agent
+        r = agent.retrieval
+        if agent.reward not in REWARDS:
+            raise ValueError(f"unknown search agent reward '{agent.reward}'; valid: {', '.join(REWARDS)}")
+        address = r.address or tool_addresses.get("retrieval")
+        if address:
+            retrieval = RetrievalClient(address, retries=r.request_retries)
+        else:
+            from areal_pipeline.tools.retrieval_server import RetrievalService
+
+            retrieval = LocalRetrievalClient(RetrievalService.from_config(r, Path(cfg.output_dir) / "_indexes"))
+        return cls(load_attr(REWARDS[agent.reward], "rollout.agent.reward"), cfg.rollout.gconfig, tokenizer,
+                   retrieval, max_turns=agent.max_turns, max_tokens=agent.max_tokens, topk=r.topk,
+                   max_query_chars=r.max_query_chars, prompt=agent.prompt, information=agent.information)
+
     async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
         messages = search_prompt(data, self.prompt)
         prompt_ids = search_prompt_ids(self.tokenizer, messages, self.prompt)
@@ -125,6 +179,8 @@ class SearchAgentWorkflow:
 
     async def _episode(self, engine, data: dict[str, Any], messages: list[dict[str, str]], prompt_ids: list[int],
                        sample_idx: int) -> Trajectory:
+        from areal_pipeline.tools.retrieval_client import RetrievalError  # aiohttp: imported once episodes run
+
         seq = SequenceBuilder(prompt_ids)
         rid = uuid.uuid4().hex
         turns: list[dict[str, Any]] = []
