@@ -346,6 +346,57 @@ def test_body_limit_is_configurable(tiny_model_dir, tmp_path):
         server.stop()
 
 
+def test_bfloat16_on_the_device_given(tiny_model_dir, tmp_path):
+    """--device cpu --dtype bfloat16: the engine serves in bfloat16 (the path a GPU without SGLang takes, on the
+    CPU), its logprobs those of the bfloat16 model, and a float32 checkpoint loads into it."""
+    server = start_cpu_server(tiny_model_dir, tmp_path, "--device", "cpu", "--dtype", "bfloat16")
+    try:
+        info = http(server.address, "/get_server_info")[1]
+        assert info["device"] == "cpu" and info["dtype"] == "bfloat16"
+        status, reply = generate(server.address, return_logprob=True,
+                                 sampling_params={"max_new_tokens": 8, "ignore_eos": True, "top_k": 5, "top_p": 0.9})
+        assert status == 200 and reply["meta_info"]["completion_tokens"] == 8
+        output = [t for _, t, _ in reply["meta_info"]["output_token_logprobs"]]
+        served = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
+        assert all(math.isfinite(lp) and lp <= 0 for lp in served)
+        from areal_pipeline.model import load_model
+
+        bf16 = teacher_forced_logprobs(load_model(tiny_model_dir, "bfloat16"), PROMPT, output, 1.0)
+        assert max(abs(a - b) for a, b in zip(served, bf16)) < 0.05
+        status, reply = http(server.address, "/update_weights_from_disk",
+                             {"model_path": str(tiny_model_dir), "weight_version": "3"})
+        assert status == 200 and reply["success"], reply
+        status, weights = http(server.address, "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 4})
+        assert status == 200 and len(weights) == 4
+        # a CPU server joins weight-update groups over gloo only, and says why
+        status, body = http(server.address, "/init_weights_update_group",
+                            {"master_address": "127.0.0.1", "master_port": find_free_port(), "rank_offset": 1,
+                             "world_size": 2, "backend": "nccl"})
+        assert status == 400 and "NCCL needs the server on a GPU" in body["error"]["message"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "--device cuda: no CUDA GPU is visible to this process"),
+    ("cuda:x", "'cuda:x' is not cpu, cuda or cuda:N"),
+    ("tpu", "'tpu' is not cpu, cuda or cuda:N"),
+])
+def test_a_device_this_machine_lacks_ends_the_server_with_the_reason(tiny_model_dir, tmp_path, device, message):
+    if torch.cuda.is_available() and device == "cuda":
+        pytest.skip("this machine has a GPU")
+    port = find_free_port()
+    server = ServerProcess([sys.executable, "-m", "areal_pipeline.inference.server", "--model", str(tiny_model_dir),
+                            "--host", "127.0.0.1", "--port", str(port), "--device", device],
+                           f"127.0.0.1:{port}", tmp_path / "server.log").start()
+    try:
+        with pytest.raises(Exception, match="exited with code"):
+            server.wait_healthy(120)
+        assert message in server.log_tail()
+    finally:
+        server.stop()
+
+
 def test_server_info_from_the_command_line_server(tiny_model_dir, tmp_path):
     """`areal-pipeline inference-server` (its args carry the CLI's dispatch function) answers /get_server_info."""
     port = find_free_port()
