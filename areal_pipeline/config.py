@@ -35,26 +35,27 @@ class ModelConfig:
     # A Hugging Face hub id or local directory. Empty means the embedded tiny model, built once
     # from `tiny` below into `<output_dir>/_models/`.
     path: str = ""
-    dtype: str = "float32"
-    trust_remote_code: bool = False
+    dtype: str = "float32"  # the weights' dtype as loaded (the trainer's own precision: trainer.param_dtype)
+    trust_remote_code: bool = False  # let transformers run the model repository's own code (custom architectures)
+    # the embedded model's shape and warm start, used when path is empty
     tiny: "TinyModelConfig" = field(default_factory=lambda: TinyModelConfig())
 
 
 @dataclass
 class TinyModelConfig:
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 1024
+    hidden_size: int = 128  # width of the embedded Qwen2-architecture model
+    intermediate_size: int = 384  # width of its MLP layers
+    num_hidden_layers: int = 4  # its transformer layers
+    num_attention_heads: int = 4  # its query heads (must divide hidden_size)
+    num_key_value_heads: int = 2  # its key/value heads, grouped-query attention (must divide num_attention_heads)
+    max_position_embeddings: int = 1024  # the longest sequence it takes (prompt and generation)
     # Warm start ("pretraining") on the arithmetic train split, so that RL starts from a base model that
     # answers in the right format but is often wrong. 0 steps: random weights (what the unit tests use).
     pretrain_steps: int = 0
     # The warm start's curriculum (areal_pipeline/warm_start/): each task's own format and habits.
     pretrain_task: str = "arithmetic"
-    pretrain_batch_size: int = 32
-    pretrain_lr: float = 3e-3
+    pretrain_batch_size: int = 32  # sequences per warm-start step
+    pretrain_lr: float = 3e-3  # the warm start's learning rate (AdamW)
     # Share of pretraining answers written one too high: a habit the base model picks up (greedy answers
     # are mostly wrong, sampled ones right about 1 - this share of the time) and RL has to unlearn.
     pretrain_off_by_one: float = 0.7
@@ -66,16 +67,16 @@ class DatasetConfig:
     name: str = "arithmetic"
     # A local jsonl file / directory, or a hub id ("openai/gsm8k"). Empty: the built-in source.
     path: str = ""
-    train_split: str = "train"
-    test_split: str = "test"
-    max_train_size: Optional[int] = None
-    max_test_size: Optional[int] = None
-    system_prompt: str = ""
-    # arithmetic generator
+    train_split: str = "train"  # the split rollouts draw their prompts from
+    test_split: str = "test"  # the split evaluation (pass@1) scores
+    max_train_size: Optional[int] = None  # the first N records of the train split (None: all)
+    max_test_size: Optional[int] = None  # the first N records of the test split (None: all)
+    system_prompt: str = ""  # a system message put before every question (empty: none)
+    # arithmetic generator: questions in the train split
     arithmetic_train_size: int = 2000
-    arithmetic_test_size: int = 200
-    arithmetic_max_operand: int = 9
-    arithmetic_operators: list[str] = field(default_factory=lambda: ["+"])
+    arithmetic_test_size: int = 200  # arithmetic generator: questions in the test split
+    arithmetic_max_operand: int = 9  # arithmetic generator: operands are drawn from 0..this
+    arithmetic_operators: list[str] = field(default_factory=lambda: ["+"])  # arithmetic generator: + - *
 
 
 @dataclass
@@ -124,14 +125,15 @@ class InferenceConfig:
 
 @dataclass
 class GenerationConfig:
-    n_samples: int = 4
-    max_new_tokens: int = 32
+    n_samples: int = 4  # episodes per prompt: the group GRPO normalises rewards within
+    max_new_tokens: int = 32  # tokens one generation may add (a multi-turn episode makes one per turn)
+    # sampling temperature; the trainer recomputes logprobs at the same one
     temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    greedy: bool = False
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this much probability (1: off)
+    top_k: int = -1  # sample among the k most likely tokens (-1: off)
+    stop: list[str] = field(default_factory=list)  # strings that end a generation
+    stop_token_ids: list[int] = field(default_factory=list)  # token ids that end a generation, besides EOS
+    greedy: bool = False  # argmax decoding (evaluation sets it, with one sample per prompt)
 
 
 @dataclass
@@ -145,17 +147,17 @@ class RetrievalConfig:
     retriever: str = "bm25"  # bm25 | dense
     embedding_model: str = ""  # a local sentence-embedding model directory, for retriever=dense
     index_dir: str = ""  # empty: <output_dir>/_indexes/<corpus digest>
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the interface the run's retrieval server listens on
     port: int = 0  # 0: a free port
-    topk: int = 3
-    max_topk: int = 50
-    max_query_chars: int = 2000
-    # A request is searched in one go by the server's single search worker: these bound how long it holds it
-    # (413 beyond)
+    topk: int = 3  # documents a search returns to the agent
+    max_topk: int = 50  # the most documents the server returns for one query (a larger topk is refused)
+    max_query_chars: int = 2000  # a query is cut to this many characters before it is searched
+    # A request is searched in one go by the server's single search worker: max_queries and max_body_bytes bound
+    # how long it holds it (413 beyond). Queries in one request at most
     max_queries: int = 256
-    max_body_bytes: int = 1 << 20
-    request_retries: int = 3
-    setup_timeout: float = 120.0
+    max_body_bytes: int = 1 << 20  # the largest request body the server reads (413 beyond)
+    request_retries: int = 3  # retries of a failed search before the episode ends with reward 0
+    setup_timeout: float = 120.0  # seconds the run's server may take to build its index and answer /health
 
 
 def _builtin_agent_section() -> Any:
@@ -198,7 +200,7 @@ class NormConfig:
     mean_level: str = "group"  # group | batch | none
     std_level: str = "group"  # group | batch | none
     mean_leave_one_out: bool = False  # RLOO: each sample's baseline excludes itself
-    eps: float = 1e-5
+    eps: float = 1e-5  # added to the standard deviation before dividing by it
 
 
 @dataclass
@@ -206,37 +208,41 @@ class PPOConfig:
     """The algorithm: reward shaping, advantages and the policy loss (AReaL's PPOActorConfig names)."""
 
     loss: str = "ppo"  # ppo | reinforce | "module:attr", a loss builder of your own (training/loss_registry.py)
-    ppo_n_minibatches: int = 1
-    eps_clip: float = 0.2
-    eps_clip_higher: Optional[float] = None
+    ppo_n_minibatches: int = 1  # an iteration's batch is split into this many minibatches, an optimizer step each
+    eps_clip: float = 0.2  # the ratio is clipped to [1 - eps_clip, 1 + eps_clip]
+    eps_clip_higher: Optional[float] = None  # the upper clip, 1 + eps_clip_higher, when it differs (DAPO's clip-higher)
     c_clip: Optional[float] = None  # dual clip (> 1)
     importance_sampling_level: str = "token"  # token | sequence (GSPO)
     use_decoupled_loss: Optional[bool] = None  # None: on in asynchronous mode (max_head_offpolicyness > 0)
+    # decoupled loss: tokens whose behaviour importance weight (proximal / behaviour policy) passes this are dropped
     behav_imp_weight_cap: Optional[float] = None
+    # recompute the "old" logprobs with the trainer before the update instead of the servers' (a rerun after a
+    # crash then reaches the same weights bit for bit)
     recompute_logprob: bool = False
-    reward_bias: float = 0.0
-    reward_scaling: float = 1.0
-    reward_clip: float = 20.0
-    reward_norm: NormConfig = field(default_factory=NormConfig)
+    reward_bias: float = 0.0  # rewards become clamp((r + reward_bias) * reward_scaling, -reward_clip, reward_clip)
+    reward_scaling: float = 1.0  # rewards become clamp((r + reward_bias) * reward_scaling, -reward_clip, reward_clip)
+    reward_clip: float = 20.0  # rewards become clamp((r + reward_bias) * reward_scaling, -reward_clip, reward_clip)
+    reward_norm: NormConfig = field(default_factory=NormConfig)  # normalisation of the rewards (per GRPO group)
+    # normalisation of the advantages (over the batch)
     adv_norm: NormConfig = field(default_factory=lambda: NormConfig(mean_level="batch", std_level="batch"))
-    kl_ctl: float = 0.0
+    kl_ctl: float = 0.0  # KL penalty on every generated token's reward, -kl_ctl * KL(policy || reference)
     kl_estimator: str = "k1"  # k1 | k2 | k3
-    discount: float = 1.0
-    gae_lambda: float = 1.0
-    mask_no_eos_with_zero: bool = False
+    discount: float = 1.0  # per-token discount of the returns (GAE's gamma)
+    gae_lambda: float = 1.0  # GAE's lambda
+    mask_no_eos_with_zero: bool = False  # sequences cut off before EOS get no reward (their KL penalty stays)
 
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    gradient_clipping: float = 1.0
+    lr: float = 1e-5  # AdamW's learning rate (the peak, with a scheduler)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.999  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
+    gradient_clipping: float = 1.0  # gradients are scaled to this global norm at most
     lr_scheduler_type: str = "constant"  # constant | linear | cosine
-    warmup_steps_proportion: float = 0.0
-    min_lr_ratio: float = 0.0
+    warmup_steps_proportion: float = 0.0  # share of the optimizer steps that warm the learning rate up linearly
+    min_lr_ratio: float = 0.0  # linear and cosine schedules decay to lr x min_lr_ratio
 
 
 @dataclass
@@ -278,16 +284,16 @@ class TrainerConfig:
 
 @dataclass
 class ExperimentConfig:
-    run_id: str = "tiny-cpu"
-    output_dir: str = "runs"
-    seed: int = 1
-    model: ModelConfig = field(default_factory=ModelConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    inference: InferenceConfig = field(default_factory=InferenceConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    total_iterations: int = 10
+    run_id: str = "tiny-cpu"  # the run's name: its directory under output_dir, and its Prefect flow runs'
+    output_dir: str = "runs"  # where runs (and the embedded model and retrieval indexes they build) are kept
+    seed: int = 1  # seeds the warm start, prompt order, sampling and training: a rerun repeats the run
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy: a model to load, or the embedded one
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # the prompts and reference answers
+    inference: InferenceConfig = field(default_factory=InferenceConfig)  # the servers that generate the episodes
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # the episodes: workflow, batch, sampling
+    ppo: PPOConfig = field(default_factory=PPOConfig)  # the algorithm: rewards, advantages, loss
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the training processes and the optimizer
+    total_iterations: int = 10  # RL iterations of the run (rollout, update, weights to the servers)
     save_freq: int = 1  # checkpoint every N iterations (and after the last)
     keep_checkpoints: int = 2  # newest K kept
     eval_freq: int = 0  # pass@1 on the test split every N iterations (and after the last); 0: off
@@ -621,7 +627,8 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                       "address": _HOST_PORT},
     # rollout.agent: each workflow's section carries its own rules (`field_rules`, see field_rules_of)
     RolloutConfig: {"workflow": _WORKFLOW, "batch_size": _COUNT, "max_head_offpolicyness": _NON_NEGATIVE,
-                    "max_concurrent_rollouts": _COUNT, "reward_timeout": _POSITIVE, "reward_workers": _COUNT, "shard_rows": _COUNT},
+                    "max_concurrent_rollouts": _COUNT, "reward_timeout": _POSITIVE, "reward_workers": _COUNT,
+                    "shard_rows": _COUNT},
     NormConfig: {"mean_level": _NORM_LEVEL, "std_level": _NORM_LEVEL, "eps": _POSITIVE},
     PPOConfig: {"loss": _LOSS, "ppo_n_minibatches": _COUNT, "eps_clip": within(0, 1, open_low=True),
                 "eps_clip_higher": _POSITIVE, "c_clip": above(1), "importance_sampling_level": one_of("token", "sequence"),
