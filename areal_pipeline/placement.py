@@ -100,7 +100,7 @@ def plan(cfg: "ExperimentConfig", visible: Optional[int] = None, cuda_available:
         free = [i for i in range(visible) if i not in taken]
         if len(free) < count:
             raise PlacementError(
-                f"the {what} need {count} GPU(s) and {len(free)} of the {seen} are left for them"
+                f"the {what} {'needs' if what == 'trainer' else 'need'} {count} GPU(s) and {len(free)} of the {seen} are left for them"
                 + ("" if t.colocate else f" ({len(taken)} taken by the {'trainer' if what != 'trainer' else 'inference servers'})")
                 + f": fewer {'ranks (trainer.nproc)' if what == 'trainer' else 'servers or a smaller tp_size'}, "
                   f"trainer.colocate=true to share GPUs, or {key} to place them")

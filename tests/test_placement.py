@@ -23,7 +23,7 @@ def test_automatic_placement_is_disjoint_servers_first():
 
 
 def test_automatic_placement_that_does_not_fit_names_the_ways_out():
-    with pytest.raises(PlacementError, match=r"trainer need 4 GPU\(s\) and 0 of the 4 GPU\(s\) visible.*"
+    with pytest.raises(PlacementError, match=r"trainer needs 4 GPU\(s\) and 0 of the 4 GPU\(s\) visible.*"
                                              r"trainer.colocate=true.*trainer.gpus"):
         plan(cfg(*SGLANG_TP2_X2, "trainer.nproc=4", "trainer.device=cuda"), visible=4)
 
@@ -57,7 +57,7 @@ def test_gpus_beyond_the_machine_are_refused():
 
 def test_nccl_ranks_need_a_gpu_each_when_the_trainer_is_automatic():
     # trainer.device=auto becomes cuda on a GPU machine: 2 ranks, 1 GPU left after the server
-    with pytest.raises(PlacementError, match="trainer need 2 GPU"):
+    with pytest.raises(PlacementError, match="trainer needs 2 GPU"):
         plan(cfg("inference.backend=sglang", "trainer.nproc=2"), visible=2)
 
 
