@@ -1,11 +1,11 @@
 """Services forked from a process that has already imported what they need, instead of each importing it again.
 
-A CPU inference server or a trainer started as `python -m ...` spends ~3-4.5 s importing torch and transformers'
-Qwen2 modules before it loads a model; on 2 cores, two of them plus the command's own imports and Prefect's API
-server made the start-up of a default run ~8-13 s. Python's forkserver start method (stdlib `multiprocessing`)
-does that import once, in a server process started as soon as a command knows it will need services
-(`start_preloading`), while the command goes on with its own set-up; each service is then a fork of it, healthy
-~0.15 s after it is asked for (measured: 3.0-4.6 s through `python -m`).
+A CPU inference server or a trainer started as `python -m ...` spends seconds importing torch and transformers'
+Qwen2 modules before it loads a model; on a small machine, two of them plus the command's own imports and
+Prefect's API server dominated the start-up of a default run. Python's forkserver start method (stdlib
+`multiprocessing`) does that import once, in a server process started as soon as a command knows it will need
+services (`start_preloading`), while the command goes on with its own set-up; each service is then a fork of it,
+healthy a fraction of a second after it is asked for (README, "Start-up", and `bench/startup.py` give the figures).
 
 A forked service is the same program as the launched one: the module's `main(argv)`, in a session of its own,
 its output in its log file, its environment the launcher's. A single-rank trainer is forked as the rank itself

@@ -23,7 +23,7 @@ from areal_pipeline.utils import get_logger
 logger = get_logger(__name__)
 
 # A body bigger than this is parsed on a worker thread, so that the server's other clients (a /health poll)
-# are not kept waiting while it is: 60 MB of token ids take ~1 s.
+# are not kept waiting while it is: a large batch of token ids takes long enough to parse to stall them.
 PARSE_ON_THREAD_BYTES = 1 << 20
 
 
@@ -58,8 +58,9 @@ def _is_json_media_type(media_type: str) -> bool:
 
 
 def _int_letting_other_threads_run(digits: str) -> int:
-    # json's C scanner holds the GIL for a whole parse, worker thread or not (/health waited ~1 s behind 60 MB
-    # of ids): running Python code for each integer lets the event loop take its turn (at ~2x the parse time).
+    # json's C scanner holds the GIL for a whole parse, worker thread or not (a /health poll waited behind a large
+    # body of ids): running Python code for each integer lets the event loop take its turn, at the price of a
+    # slower parse, paid only by bodies above PARSE_ON_THREAD_BYTES.
     return int(digits)
 
 

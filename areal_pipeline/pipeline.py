@@ -359,7 +359,7 @@ class Pipeline(PolicyVersions):
 
     def warm_up(self) -> None:
         """Load now what the first rollout would otherwise load on its critical path: the tokenizer, and the
-        reward workers (spawned in the background; each imports the reward module, ~1-2 s)."""
+        reward workers (spawned in the background; each imports the reward module, which takes seconds)."""
         from areal_pipeline.workflows import pooled_reward_function
 
         reward_fn = pooled_reward_function(self.cfg)
@@ -368,8 +368,8 @@ class Pipeline(PolicyVersions):
         self.tokenizer
         self.records(self.cfg.dataset.train_split)
         # What is loaded by now (modules, tokenizer, data set records) lives as long as the run: exempt it from
-        # the collector. Otherwise every full collection walks it all again, ~0.2 s with the orchestrating
-        # process stalled, a few times a minute (~5% of an asynchronous run's wall time).
+        # the collector. Otherwise every full collection walks it all again with the orchestrating process stalled,
+        # a few times a minute: a visible share of an asynchronous run's wall time.
         gc.freeze()
 
 

@@ -71,7 +71,7 @@ class RewardPool:
 
     def warm_up(self, fn: Callable[..., Any]) -> list[Future]:
         """Start the workers and import `fn`'s module in them now (in the background; a spawned worker
-        importing math-verify takes ~1-2 s), so that the first scores do not wait for it."""
+        importing math-verify takes seconds), so that the first scores do not wait for it."""
         return [self._pool.schedule(_import, args=(fn.__module__,)) for _ in range(self.max_workers)]
 
     def _submit(self, fn: Callable[..., Any], args: tuple) -> Future:

@@ -33,8 +33,9 @@ CURRICULA: dict[str, str] = {
 
 IGNORE = -100  # the label of a token the loss skips (prompts, environment turns)
 # A batch whose rows start with at least this many equal, unlabelled tokens (a tool-using agent's system prompt)
-# runs them once and its rows on from there: the same loss and gradients, ~4x less compute on 560 shared tokens of
-# ~700. Shorter shared starts (the arithmetic prompts' ~20 tokens) take the plain forward pass, bitwise as before.
+# runs them once and its rows on from there: the same loss and gradients for a fraction of the compute where the
+# shared start is most of each row. Shorter shared starts (the arithmetic prompts') take the plain forward pass,
+# bitwise as before.
 SHARED_PREFIX_MIN_TOKENS = 256
 
 
