@@ -83,32 +83,33 @@ class DatasetConfig:
 class SGLangConfig:
     """Flags for `python -m sglang.launch_server`, used when inference.backend == "sglang"."""
 
-    tp_size: int = 1
-    dp_size: int = 1
+    tp_size: int = 1  # tensor parallelism: GPUs one server's model is split over (--tp-size)
+    dp_size: int = 1  # data-parallel replicas inside one server (--dp-size); a server takes tp_size x dp_size GPUs
     # The server's share of its GPUs' memory (weights + KV cache); the project's own server on CUDA caps its
     # allocator at it too when it shares its GPU with the trainer (trainer.colocate)
     mem_fraction_static: float = 0.8
-    context_length: Optional[int] = None
-    dtype: str = "bfloat16"
-    disable_radix_cache: bool = False
-    enable_metrics: bool = False
-    log_level: str = "warning"
-    extra_args: list[str] = field(default_factory=list)
+    context_length: Optional[int] = None  # longest prompt + generation the server takes (None: the model's)
+    dtype: str = "bfloat16"  # the served weights' dtype (--dtype), also the wire dtype of distributed weight sync
+    disable_radix_cache: bool = False  # no prefix cache (multi-turn episodes then prefill every turn again)
+    enable_metrics: bool = False  # SGLang's Prometheus metrics endpoint
+    log_level: str = "warning"  # SGLang's log level (its log: <run_dir>/logs/inference-server-<i>.log)
+    extra_args: list[str] = field(default_factory=list)  # more launch_server flags, passed as they are
 
 
 @dataclass
 class InferenceConfig:
-    backend: str = "cpu"  # cpu | sglang
-    num_servers: int = 1
-    host: str = "127.0.0.1"
+    # cpu: the project's own server (transformers; on the CPU or, with device=cuda, a GPU) | sglang: SGLang's
+    backend: str = "cpu"
+    num_servers: int = 1  # servers launched, data parallel (round robin; a trajectory sticks to its server)
+    host: str = "127.0.0.1"  # the address launched servers listen on
     base_port: int = 0  # 0: pick free ports
-    setup_timeout: float = 300.0
-    request_timeout: float = 3600.0
-    request_retries: int = 3
-    # CPU server
+    setup_timeout: float = 300.0  # seconds a server has to answer /health after its launch
+    request_timeout: float = 3600.0  # seconds one generation request may take
+    request_retries: int = 3  # retries of a request that failed to connect or got a 5xx, then an error
+    # the project's server: requests decoded together at most (more wait their turn)
     max_batch_size: int = 128
-    context_length: int = 1024
-    num_threads: int = 0  # 0: torch default
+    context_length: int = 1024  # the project's server: longest prompt + generation it takes
+    num_threads: int = 0  # the project's server's torch threads; 0: torch default
     max_body_bytes: int = 64 << 20  # largest request body the CPU server takes (413 beyond)
     device: str = "cpu"  # the project's own server: cpu | cuda (one GPU a server, from `gpus`)
     dtype: str = "float32"  # the project's own server's weights
@@ -120,7 +121,7 @@ class InferenceConfig:
     # launches none and never stops them. Weights reach them by trainer.weight_sync: disk (trainer.weights_dir must
     # be a path they read at the same name) or distributed (trainer.weight_sync_master_address must reach them)
     addresses: list[str] = field(default_factory=list)
-    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)  # launch flags of SGLang servers (backend=sglang)
 
 
 @dataclass
@@ -248,7 +249,7 @@ class OptimizerConfig:
 @dataclass
 class TrainerConfig:
     nproc: int = 1  # ranks per node (torchrun --nproc-per-node)
-    nnodes: int = 1
+    nnodes: int = 1  # nodes (torchrun --nnodes); more than 1 needs rendezvous options in torchrun_args
     torchrun_args: list[str] = field(default_factory=list)  # e.g. rendezvous options for multi-node
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     device: str = "auto"  # auto | cpu | cuda
@@ -261,16 +262,18 @@ class TrainerConfig:
     # Sequences that start alike (a GRPO group's prompt) run their common prefix once, where it is at least as
     # long as each sequence's rest; the same logprobs and gradients for fewer forward tokens (sdpa/eager attention)
     share_prefix: bool = True
-    gradient_checkpointing: bool = False
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    weight_sync: str = "disk"  # disk | distributed
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # AdamW and its learning-rate schedule
+    # how new weights reach the servers: disk (a Hugging Face directory they load) | distributed (a broadcast
+    # over a process group they join: NCCL where trainer and servers are on CUDA, gloo otherwise)
+    weight_sync: str = "disk"
     # weight_sync=disk: where the trainer writes each version for the servers to load (<dir>/<run_id>/v<k>); empty:
     # <run_dir>/weights. Servers on another host need a shared path, the same on both
     weights_dir: str = ""
     # weight_sync=distributed: the address the servers reach the trainer's weight-update group at (a local master
     # binds it alone), and its port (0: a free one)
     weight_sync_master_address: str = "127.0.0.1"
-    weight_sync_master_port: int = 0
+    weight_sync_master_port: int = 0  # weight_sync=distributed: the group's port on that address (0: a free one)
     # GPU indices (as this process numbers them) of the ranks on each node, rank r on gpus[r]; empty: automatic (the
     # first ones the inference servers leave)
     gpus: list[int] = field(default_factory=list)
@@ -278,8 +281,8 @@ class TrainerConfig:
     # servers' share inference.sglang.mem_fraction_static, each rank's memory_fraction
     colocate: bool = False
     memory_fraction: float = 1.0  # share of its GPU's memory a rank may allocate (1: no cap)
-    setup_timeout: float = 300.0
-    command_timeout: float = 3600.0
+    setup_timeout: float = 300.0  # seconds the trainer has to load the model and answer after its launch
+    command_timeout: float = 3600.0  # seconds one trainer command (an update, a save) may take
 
 
 @dataclass

@@ -275,13 +275,7 @@ def _sections_of(schema: type) -> list[type]:
     return found
 
 
-# Sections whose help another change of #17 writes: strict, so the mark goes once their fields are documented.
-_HELP_PENDING = {"SGLangConfig", "InferenceConfig", "TrainerConfig"}
-
-
-@pytest.mark.parametrize("section", [pytest.param(s, id=s.__name__, marks=[pytest.mark.xfail(
-    strict=True, reason="fields documented by the #17 change")] if s.__name__ in _HELP_PENDING else [])
-    for s in _sections_of(ExperimentConfig)])
+@pytest.mark.parametrize("section", [pytest.param(s, id=s.__name__) for s in _sections_of(ExperimentConfig)])
 def test_every_config_key_has_help_the_config_command_prints(section):
     import dataclasses
 
