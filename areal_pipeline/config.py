@@ -302,6 +302,10 @@ class ExperimentConfig:
     eval_freq: int = 0  # pass@1 on the test split every N iterations (and after the last); 0: off
     eval_max_prompts: int = 0  # 0: the whole test split
     tensorboard: bool = False  # also write <run_dir>/tensorboard (needs the tensorboard package)
+    # Iterations per Prefect flow run of the `train` flow (`<run>/iter-<k>`, or `<run>/iter-<k>..<k+n-1>`), each
+    # node still a task run of its own. A flow run costs the Prefect API several synchronous calls and CPU beside
+    # the nodes: worth it where an iteration takes minutes, not where it takes a fraction of a second.
+    iterations_per_flow_run: int = 1
 
     def __post_init__(self) -> None:
         if self.ppo.use_decoupled_loss is None:
@@ -602,7 +606,8 @@ _DTYPES = ("float32", "bfloat16", "float16")  # model.DTYPES
 # type rather than dotted key: a section used twice (ppo.reward_norm, ppo.adv_norm) has one set of rules.
 FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
     ExperimentConfig: {"seed": _NON_NEGATIVE, "total_iterations": _COUNT, "save_freq": _COUNT,
-                       "keep_checkpoints": _COUNT, "eval_freq": _NON_NEGATIVE, "eval_max_prompts": _NON_NEGATIVE},
+                       "keep_checkpoints": _COUNT, "eval_freq": _NON_NEGATIVE, "eval_max_prompts": _NON_NEGATIVE,
+                       "iterations_per_flow_run": _COUNT},
     ModelConfig: {"path": _local_path_or_hub_id("Qwen/Qwen2.5-1.5B-Instruct"), "dtype": one_of(*_DTYPES)},
     TinyModelConfig: {"hidden_size": _COUNT, "intermediate_size": _COUNT, "num_hidden_layers": _COUNT,
                       "num_attention_heads": _COUNT, "num_key_value_heads": _COUNT, "max_position_embeddings": _COUNT,

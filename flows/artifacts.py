@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import re
+import time
 from typing import Any, Optional
 from uuid import UUID
 
@@ -16,6 +17,7 @@ from areal_pipeline.metrics import plot_reward_curve, read_metrics, summarize
 from areal_pipeline.pipeline import Pipeline
 
 SAMPLES_SHOWN = 4
+PROGRESS_INTERVAL_S = 2.0
 
 
 def artifact_key(run_id: str, what: str) -> str:
@@ -66,10 +68,26 @@ def publish_curve(pipeline: Pipeline) -> Optional[dict[str, Any]]:
     return {"curve": str(png), **summary}
 
 
-def start_progress(total: int, done: int) -> Optional[UUID]:
-    return create_progress_artifact(progress=100.0 * done / max(1, total), description="iterations done")
+class Progress:
+    """The run's progress artifact (iterations done of `total`), updated at most every `min_interval_s` seconds
+    and at the end: each update is an API write, a cost a sub-second iteration need not pay every time."""
 
+    def __init__(self, total: int, done: int, min_interval_s: float = PROGRESS_INTERVAL_S):
+        self.total, self.done, self.min_interval_s = max(1, total), done, min_interval_s
+        self.artifact_id: Optional[UUID] = create_progress_artifact(progress=self._percent(),
+                                                                     description="iterations done")
+        self._published, self._published_at = done, time.monotonic()
 
-def update_progress(artifact_id: Optional[UUID], total: int, done: int) -> None:
-    if artifact_id is not None:
-        update_progress_artifact(artifact_id=artifact_id, progress=100.0 * done / max(1, total))
+    def _percent(self) -> float:
+        return 100.0 * self.done / self.total
+
+    def update(self, done: Optional[int]) -> None:
+        """`done` iterations are finished (None: publish what is known now, as at the end of a run)."""
+        if done is not None:
+            self.done = max(self.done, done)
+            if time.monotonic() - self._published_at < self.min_interval_s:
+                return
+        if self.artifact_id is None or self.done == self._published:
+            return
+        update_progress_artifact(artifact_id=self.artifact_id, progress=self._percent())
+        self._published, self._published_at = self.done, time.monotonic()

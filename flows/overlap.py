@@ -42,6 +42,7 @@ class Handoff:
     launched_at: float = field(default_factory=time.perf_counter)
     nodes_done_at: Optional[float] = None
     failed: bool = False
+    accounted: bool = False  # its orchestration record and progress are written
 
     def finish_unrun(self, failed: bool) -> None:
         """The iteration's call returned without running its body: Prefect handed back the iteration's earlier
@@ -143,47 +144,64 @@ def stop_everything_on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_iterations(iteration, pipeline: Pipeline, first: int, last: int, progress) -> None:
-    """Iterations first..last as runs of the flow `iteration(run_id, k)`, each started while the one before it
-    updates."""
-    run_id, total = pipeline.cfg.run_id, pipeline.cfg.total_iterations
-    in_flight: list[tuple[int, Future]] = []
+_PROGRESS: dict[str, artifacts.Progress] = {}
+
+
+def run_iterations(call: Callable[[int, int], Any], pipeline: Pipeline, first: int, last: int, per_run: int,
+                   progress: artifacts.Progress) -> None:
+    """Iterations first..last in units of `per_run` consecutive iterations, `call(k, until)` running iterations
+    k..until (a flow run of the `iteration` flow), each unit started while the last iteration of the unit before
+    it updates."""
+    run_id = pipeline.cfg.run_id
+    units = [(k, min(k + per_run - 1, last)) for k in range(first, last + 1, per_run)]
+    _PROGRESS[run_id] = progress
+    try:
+        _run_units(call, pipeline, units, progress)
+    finally:
+        progress.update(None)
+        del _PROGRESS[run_id]
+        for key in [key for key in _HANDOFFS if key[0] == run_id]:
+            del _HANDOFFS[key]
+
+
+def run_group(body: Callable[[int], Any], pipeline: Pipeline, first: int, last: int) -> None:
+    """Inside one flow run: iterations first..last, `body(k)` each, overlapping as separate runs do."""
+    _run_units(lambda k, _: body(k), pipeline, [(k, k) for k in range(first, last + 1)],
+               _PROGRESS[pipeline.cfg.run_id])
+
+
+def _run_units(call: Callable[[int, int], Any], pipeline: Pipeline, units: list[tuple[int, int]],
+               progress: artifacts.Progress) -> None:
+    """`call(k, until)` for each unit of iterations, in a pool of two threads: unit u + 1 starts once the last
+    iteration of unit u reaches its update (or u ended), and no unit starts after one failed."""
+    run_id = pipeline.cfg.run_id
+    in_flight: list[tuple[tuple[int, int], Future]] = []
     failure: Optional[BaseException] = None
 
     def finish_oldest() -> None:
         nonlocal failure
-        k, future = in_flight.pop(0)
-        handoff = _HANDOFFS[(run_id, k)]
+        (k, until), future = in_flight.pop(0)
         try:
             future.result()
-        except BaseException as error:  # the later run in flight sees the failure and does not run its nodes
+        except BaseException as error:  # the later unit in flight sees the failure and does not run its nodes
             failure = failure or error
-            if not handoff.nodes_done.is_set():
-                handoff.finish_unrun(failed=True)
-        else:
-            if not handoff.nodes_done.is_set():
-                handoff.finish_unrun(failed=False)
-                artifacts.update_progress(progress, total, k)
-                return
-            before = _HANDOFFS.get((run_id, k - 1))
-            # the period since the previous iteration's nodes ended, or since this one's launch when that one did
-            # not run here
-            started = before.nodes_done_at if before is not None and before.nodes_done_at else handoff.launched_at
-            record_orchestration(pipeline, k, handoff.nodes_done_at - started)
-            artifacts.update_progress(progress, total, k)
+        for i in range(k, until + 1):
+            _account(pipeline, i, failed=failure is not None, progress=progress)
 
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{run_id}-iteration") as pool:
         try:
-            for k in range(first, last + 1):
+            for k, until in units:
                 control.hold_while_paused(run_id)  # paused in Prefect: start nothing new until resumed
-                handoff = _HANDOFFS[(run_id, k)] = Handoff()
-                # the child run needs the parent's flow run context (and the heartbeat setting) in its thread
-                future = pool.submit(contextvars.copy_context().run, iteration, run_id, k)
-                in_flight.append((k, future))
-                while not handoff.next_may_start.wait(0.1) and not future.done():
+                for i in range(k, until + 1):
+                    _HANDOFFS.setdefault((run_id, i), Handoff())
+                last_of_unit = _HANDOFFS[(run_id, until)]
+                # a flow run started here needs the parent's flow run context (and the heartbeat setting)
+                future = pool.submit(contextvars.copy_context().run, call, k, until)
+                in_flight.append(((k, until), future))
+                while not last_of_unit.next_may_start.wait(0.1) and not future.done():
                     pass
-                # a failed iteration is waited for here: no later run is started only to be cancelled
-                while len(in_flight) > 1 or (in_flight and (in_flight[-1][1].done() or handoff.failed)):
+                # a failed unit is waited for here: no later one is started only to be cancelled
+                while len(in_flight) > 1 or (in_flight and (in_flight[-1][1].done() or last_of_unit.failed)):
                     finish_oldest()
                 if failure is not None:
                     break
@@ -195,7 +213,29 @@ def run_iterations(iteration, pipeline: Pipeline, first: int, last: int, progres
         finally:
             while in_flight:
                 finish_oldest()
-            for key in [key for key in _HANDOFFS if key[0] == run_id]:
-                del _HANDOFFS[key]
     if failure is not None:
         raise failure
+
+
+def _account(pipeline: Pipeline, k: int, failed: bool, progress: artifacts.Progress) -> None:
+    """Once iteration k's unit ended: its orchestration record and the progress, once (a group's iterations are
+    accounted inside its flow run, and again, as a no-op, by the unit of the train run)."""
+    handoff = _HANDOFFS[(pipeline.cfg.run_id, k)]
+    if handoff.accounted:
+        return
+    handoff.accounted = True
+    if not handoff.nodes_done.is_set():
+        # its body never ran: Prefect handed back the unit's earlier finished run (a retried train run), or
+        # an earlier iteration failed
+        handoff.finish_unrun(failed=failed)
+        if not failed:
+            progress.update(k)
+        return
+    if handoff.failed:
+        return
+    before = _HANDOFFS.get((pipeline.cfg.run_id, k - 1))
+    # the period since the previous iteration's nodes ended, or since this one's launch when that one did not
+    # run here
+    started = before.nodes_done_at if before is not None and before.nodes_done_at else handoff.launched_at
+    record_orchestration(pipeline, k, handoff.nodes_done_at - started)
+    progress.update(k)

@@ -1,4 +1,5 @@
-"""The `train` flow: set-up nodes, then one child flow run `<run>/iter-<k>` per RL iteration.
+"""The `train` flow: set-up nodes, then one child flow run `<run>/iter-<k>` per RL iteration (or per
+`iterations_per_flow_run` iterations, `<run>/iter-<k>..<k+n-1>`).
 
     rollout -> advantages -> ppo_update -> broadcast_weights -> checkpoint -> evaluate (every eval_freq)
 
@@ -16,6 +17,7 @@ from typing import Any, Optional
 
 from prefect import flow, get_run_logger
 from prefect.futures import wait
+from prefect.runtime import flow_run
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.states import Cancelled
 
@@ -29,24 +31,41 @@ from areal_pipeline.utils import atomic_write_text
 from flows import artifacts, control, events, overlap
 from tasks import registry
 
-@flow(name="iteration", flow_run_name="{run_id}/iter-{k}", persist_result=True, result_serializer="json")
-def iteration(run_id: str, k: int) -> Any:
-    """One RL iteration of run `run_id`: policy k - 1 -> k, node by node. Each node's task run waits for the one
-    before it (the DAG's edges in the Prefect UI); `turn` makes the node that needs policy k - 1 wait for
-    iteration k - 1, and lets iteration k + 1's run start meanwhile (flows/overlap.py)."""
+
+def _iteration_run_name() -> str:
+    parameters = flow_run.parameters
+    k, until = parameters["k"], parameters.get("until")
+    return f"{parameters['run_id']}/iter-{k}" + (f"..{until}" if until not in (None, k) else "")
+
+
+@flow(name="iteration", flow_run_name=_iteration_run_name, persist_result=True, result_serializer="json")
+def iteration(run_id: str, k: int, until: Optional[int] = None) -> Any:
+    """Iteration k of run `run_id` (policy k - 1 -> k), or iterations k..until in one flow run
+    (`iterations_per_flow_run`): each iteration's nodes are its own task runs, as in a run of one."""
     pipeline = registry.get(run_id)
     try:
-        with overlap.turn(run_id, k, pipeline) as turn:
-            rollout = turn.node(tasks.rollout)  # episodes of policy k - 1 -> rollout shards
-            batch = turn.node(tasks.advantages, after=rollout)  # rewards, advantages -> batch shards
-            update = turn.node(tasks.ppo_update, after=batch)  # trainer: policy k - 1 -> k
-            weights = turn.node(tasks.broadcast_weights, after=update)  # servers: policy k
-            if pipeline.wants_checkpoint(k):
-                turn.node(tasks.checkpoint, after=weights)
-            if pipeline.wants_evaluation(k):
-                turn.node(tasks.evaluate, after=weights)
+        if until is None or until == k:
+            return _one_iteration(pipeline, run_id, k)
+        done = set(pipeline.paths.completed_iterations())  # a retried flow run: its finished iterations stay done
+        overlap.run_group(lambda i: None if i in done else _one_iteration(pipeline, run_id, i), pipeline, k, until)
     except overlap.PreviousIterationFailed as failed:
         return Cancelled(message=str(failed))
+    return {"iterations": [k, until]}
+
+
+def _one_iteration(pipeline: Pipeline, run_id: str, k: int) -> Any:
+    """One RL iteration, node by node. Each node's task run waits for the one before it (the DAG's edges in the
+    Prefect UI); `turn` makes the node that needs policy k - 1 wait for iteration k - 1 (and raises
+    PreviousIterationFailed if it failed), and lets iteration k + 1 start meanwhile (flows/overlap.py)."""
+    with overlap.turn(run_id, k, pipeline) as turn:
+        rollout = turn.node(tasks.rollout)  # episodes of policy k - 1 -> rollout shards
+        batch = turn.node(tasks.advantages, after=rollout)  # rewards, advantages -> batch shards
+        update = turn.node(tasks.ppo_update, after=batch)  # trainer: policy k - 1 -> k
+        weights = turn.node(tasks.broadcast_weights, after=update)  # servers: policy k
+        if pipeline.wants_checkpoint(k):
+            turn.node(tasks.checkpoint, after=weights)
+        if pipeline.wants_evaluation(k):
+            turn.node(tasks.evaluate, after=weights)
     return turn.report(lambda: _report(pipeline, k, turn.results))
 
 
@@ -62,14 +81,14 @@ def _report(pipeline: Pipeline, k: int, results: dict[str, Any]) -> dict[str, An
     return record
 
 
-def planned_iterations(cfg) -> tuple[int, int]:
-    """The iterations this flow run trains, (first, last), fixed when it first runs.
+def planned_iterations(cfg) -> tuple[int, int, int]:
+    """The iterations this flow run trains, (first, last, iterations per flow run), fixed when it first runs.
 
     A retry of a failed train run (the UI's Retry button, `prefect flow-run retry`) runs the same flow run again,
     and Prefect matches the retried run's child-flow calls to the earlier child runs by the order of the calls:
     its n-th `iteration` call gets the n-th earlier child run (a finished one is handed back without running).
-    So a retry must call the same iterations as the first attempt, from the same first one, and must not
-    recompute the end of a run started with `iterations=N` from the iterations finished since."""
+    So a retry must call the same iterations as the first attempt, from the same first one, in the same units,
+    and must not recompute the end of a run started with `iterations=N` from the iterations finished since."""
     from prefect.context import FlowRunContext
 
     flow_run = FlowRunContext.get().flow_run
@@ -80,9 +99,10 @@ def planned_iterations(cfg) -> tuple[int, int]:
             get_run_logger().info("retry %d of flow run %s: iterations %d..%d as first planned",
                                   flow_run.run_count - 1, flow_run.name, plan["first"], plan["last"])
     else:
-        plan = {"first": newest_completed_iteration(cfg.run_dir) + 1, "last": cfg.total_iterations}
+        plan = {"first": newest_completed_iteration(cfg.run_dir) + 1, "last": cfg.total_iterations,
+                "per_run": cfg.iterations_per_flow_run}
         atomic_write_text(plan_path, json.dumps(plan) + "\n")
-    return plan["first"], plan["last"]
+    return plan["first"], plan["last"], plan.get("per_run", 1)
 
 
 def _start_services(pipeline: Pipeline) -> None:
@@ -115,16 +135,17 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
         try:
             tasks.prepare_dataset(cfg.run_id)
             _start_services(pipeline)
-            first, cfg.total_iterations = planned_iterations(cfg)
+            first, cfg.total_iterations, per_run = planned_iterations(cfg)
             if first > 1:
                 logger.info("run %s: iterations 1..%d are finished; continuing at %d", cfg.run_id, first - 1, first)
-            progress = artifacts.start_progress(cfg.total_iterations, first - 1)
+            progress = artifacts.Progress(cfg.total_iterations, first - 1)
             # A flow waits for its heartbeat thread on exit (~1 s): too much for one child run per iteration.
             with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
                 # run events, and Prefect's Cancel / Pause of this flow run (see flows/control.py)
                 with control.watch(pipeline, first, cfg.total_iterations, to_dict(cfg)) as watched:
                     with overlap.stop_everything_on_sigterm():
-                        overlap.run_iterations(iteration, pipeline, first, cfg.total_iterations, progress)
+                        overlap.run_iterations(lambda k, until: iteration(cfg.run_id, k, until if until > k else None),
+                                               pipeline, first, cfg.total_iterations, per_run, progress)
             if watched.cancelled is not None:
                 return control.cancelled_state(watched)
             summary = artifacts.publish_curve(pipeline) or {}

@@ -58,7 +58,8 @@ def _node_task(node: Node):
     # key (inputs and code) would be the same for every node made here
     cached = (dict(persist_result=True, result_serializer="json", cache_key_fn=registry.output_cache_key(node.output))
               if node.output is not None else dict(cache_policy=NO_CACHE))
-    return task(run, name=node.name, retries=node.retries, retry_delay_seconds=node.retry_delay_seconds,
+    # named by iteration: a flow run of several iterations holds several runs of each node
+    return task(run, name=node.name, task_run_name=f"{node.name}-{{k}}", retries=node.retries, retry_delay_seconds=node.retry_delay_seconds,
                 retry_condition_fn=registry.retry_while_running, **cached)
 
 

@@ -33,10 +33,12 @@ def prefect_api(tmp_path_factory):
         yield PREFECT_API_URL.value()
 
 
-def fast_overrides(tmp_path: Path, model_dir: Path, run_id: str = "t", iterations: int = 3) -> list[str]:
+def fast_overrides(tmp_path: Path, model_dir: Path, run_id: str = "t", iterations: int = 3,
+                   per_flow_run: int = 1) -> list[str]:
     return [f"output_dir={tmp_path}", f"run_id={run_id}", f"model.path={model_dir}", f"total_iterations={iterations}",
             "rollout.batch_size=4", "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=8",
-            "eval_freq=3", "eval_max_prompts=8", "trainer.optimizer.lr=1e-3", "dataset.arithmetic_train_size=64"]
+            "eval_freq=3", "eval_max_prompts=8", "trainer.optimizer.lr=1e-3", "dataset.arithmetic_train_size=64",
+            f"iterations_per_flow_run={per_flow_run}"]
 
 
 def our_service_processes(launcher_pid: int, forkserver: bool = False) -> list[psutil.Process]:
@@ -181,7 +183,8 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     assert "data:image/png;base64," in curve.data
     library_logs = wait_until(lambda: asyncio.run(_library_logs()), 30, "library logs in the Prefect API")
     assert any("inference servers ready" in log.message for log in library_logs)
-    assert {p.pid for p in our_service_processes(os.getpid())} == before  # teardown left nothing behind
+    left = [p for p in our_service_processes(os.getpid()) if p.pid not in before]
+    assert not left, [(p.pid, p.cmdline(), p.status()) for p in left]  # teardown left nothing behind
 
     # a second call with the same run id finds every iteration finished: nothing is redone
     started = time.monotonic()
@@ -189,6 +192,40 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
                   overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="e2e"))
     assert again["iterations"] == 3 and len(asyncio.run(_flow_runs("e2e/iter-"))) == 3
     assert time.monotonic() - started < 120
+
+
+def test_iterations_share_flow_runs_and_keep_a_task_run_per_node(prefect_api, tiny_model_dir, tmp_path):
+    """iterations_per_flow_run=3 over 4 iterations: flow runs g/iter-1..3 and g/iter-4, each iteration's nodes
+    their own task runs (`<node>-<k>`), in order and never overlapping; the run's records as with a flow run each."""
+    from flows.train import train
+
+    train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
+          overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="g", iterations=4, per_flow_run=3))
+    runs = sorted(asyncio.run(_flow_runs("g/iter-")), key=lambda r: r.name)
+    assert [(r.name, r.state.type.value) for r in runs] == [("g/iter-1..3", "COMPLETED"), ("g/iter-4", "COMPLETED")]
+
+    def finished(run, expected: int):
+        found = [r for r in asyncio.run(_task_runs(run.id)) if r.state.is_final()]
+        return found if len(found) == expected else None
+
+    # every iteration: rollout, advantages, ppo_update, broadcast_weights; iteration 3 also evaluate (eval_freq=3),
+    # iteration 4 (the last) checkpoint and evaluate
+    task_runs = [task_run for run, expected in zip(runs, (3 * 4 + 1, 4 + 2))
+                 for task_run in wait_until(lambda: finished(run, expected), 60, f"the task runs of {run.name}", 1)]
+    by_iteration: dict[int, dict[str, object]] = {}
+    for task_run in task_runs:
+        node, k = task_run.name.rsplit("-", 1)
+        by_iteration.setdefault(int(k), {})[node] = task_run
+    assert sorted(by_iteration) == [1, 2, 3, 4] and all(r.state.is_completed() for r in task_runs)
+    assert set(by_iteration[4]) == {"rollout", "advantages", "ppo_update", "broadcast_weights", "checkpoint",
+                                    "evaluate"}
+    for k in (1, 2, 3):
+        before, after = by_iteration[k].values(), by_iteration[k + 1].values()
+        assert min(n.start_time for n in after) >= max(n.end_time for n in before), k
+    records = [json.loads(line) for line in (tmp_path / "g" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    assert all((tmp_path / "g" / f"iter_{k}" / "orchestration.json").is_file() for k in range(1, 5))
+    assert {r.name for r in asyncio.run(_flow_runs("g/iter-"))} == {"g/iter-1..3", "g/iter-4"}
 
 
 def test_evaluate_flow_scores_the_newest_checkpoint(prefect_api, tiny_model_dir, tmp_path):

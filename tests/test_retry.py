@@ -5,6 +5,7 @@ real `serve` and `prefect` processes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -60,12 +61,11 @@ def wait_final(flow_run_id, timeout: float = 600):
                       timeout, f"flow run {flow_run_id} to finish", interval=0.5)
 
 
-def assert_resumed(run_id: str, tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
-    """Iteration 1 ran once; iteration 2 failed, then ran again under its own name; iteration 3 ran once, after
-    the retry; and the weights are those of a run that never failed."""
-    assert asyncio.run(_iteration_runs(run_id)) == [
-        (f"{run_id}/iter-1", "COMPLETED"), (f"{run_id}/iter-2", "COMPLETED"), (f"{run_id}/iter-2", "FAILED"),
-        (f"{run_id}/iter-3", "COMPLETED")]
+def assert_resumed(run_id: str, tmp_path: Path, reference: dict[str, torch.Tensor],
+                   iteration_runs: list[tuple[str, str]]) -> None:
+    """The iteration runs are `iteration_runs`: iteration 2 failed and ran again (iteration 1 not); the weights are
+    those of a run that never failed."""
+    assert asyncio.run(_iteration_runs(run_id)) == iteration_runs
     weights = final_weights(tmp_path / run_id, ITERATIONS)
     assert weights.keys() == reference.keys() and all(torch.equal(weights[n], reference[n]) for n in reference)
     lines = (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()
@@ -107,16 +107,18 @@ def test_the_ui_retry_button_resumes_a_failed_deployment_run(prefect_api, tiny_m
         assert retried.state.is_completed() and retried.run_count == 2, retried.state
     finally:
         stop_serve(serve)
-    assert_resumed("ui", tmp_path, reference_weights(tmp_path, tiny_model_dir))
+    assert_resumed("ui", tmp_path, reference_weights(tmp_path, tiny_model_dir), [
+        ("ui/iter-1", "COMPLETED"), ("ui/iter-2", "COMPLETED"), ("ui/iter-2", "FAILED"), ("ui/iter-3", "COMPLETED")])
 
 
 def test_prefect_flow_run_retry_resumes_a_failed_command_line_run(prefect_api, tiny_model_dir, tmp_path):
     """`areal-pipeline train` against a standing Prefect server fails in iteration 2; `prefect flow-run retry ID
-    --entrypoint flows/train.py:train` (the README's command) finishes it."""
+    --entrypoint flows/train.py:train` (the README's command) finishes it. Two iterations share a flow run: the
+    retry runs that flow run's iteration 2 again, not its finished iteration 1."""
     blocker = block_iteration_2(tmp_path / "cli")
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     run = cli("train", "--config", "configs/tiny_cpu.yaml",
-              *fast_overrides(tmp_path, tiny_model_dir, run_id="cli", iterations=ITERATIONS), env=env)
+              *fast_overrides(tmp_path, tiny_model_dir, run_id="cli", iterations=ITERATIONS, per_flow_run=2), env=env)
     out, _ = run.communicate(timeout=600)
     assert run.returncode != 0, out[-3000:]
     assert "Retrying" not in out and "Not a directory" in out.strip().splitlines()[-1], out[-3000:]
@@ -129,5 +131,8 @@ def test_prefect_flow_run_retry_resumes_a_failed_command_line_run(prefect_api, t
     assert retry.returncode == 0, (retry.stdout + retry.stderr)[-3000:]
     retried = asyncio.run(_read_flow_run(failed.id))
     assert retried.state.is_completed() and retried.run_count == 2, retried.state
-    assert_resumed("cli", tmp_path, reference_weights(tmp_path, tiny_model_dir))
+    assert_resumed("cli", tmp_path, reference_weights(tmp_path, tiny_model_dir), [
+        ("cli/iter-1..2", "COMPLETED"), ("cli/iter-1..2", "FAILED"), ("cli/iter-3", "COMPLETED")])
+    assert [json.loads(line)["iteration"] for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()
+            ] == [1, 2, 3]  # iteration 1 recorded once
 
