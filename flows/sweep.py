@@ -215,8 +215,10 @@ def run_one(config_path: str, run_id: str, overrides: list[str], iterations: Opt
 def _sweep_run_name() -> str:
     from prefect.runtime import flow_run
 
+    from areal_pipeline.config import load_config
+
     params = flow_run.parameters
-    return f"sweep/{params.get('run_id') or Path(params['config_path']).stem}"
+    return f"sweep/{params.get('run_id') or load_config(params['config_path'], []).run_id}"
 
 
 @flow(name="sweep", flow_run_name=_sweep_run_name)
