@@ -79,8 +79,8 @@ def whole_batch_setup(tmp_path, model_dir, seed: int):
     """A config whose one micro-batch holds the whole batch, a batch made with `seed`, and its loss."""
     cfg = trainer_config(tmp_path, "trainer.mb_max_tokens=100000")
     batch_dir = make_batch(model_dir, tmp_path, seed=seed, cfg=cfg)
-    loss_fn, _, columns = make_loss(cfg.ppo)
-    return cfg, read_batch(batch_dir, ("input_ids",) + columns), columns, loss_fn
+    loss = make_loss(cfg.ppo)
+    return cfg, read_batch(batch_dir, ("input_ids",) + loss.columns), loss.columns, loss.fn
 
 
 def whole_batch_loss_and_grads(cfg, model_dir, batch, columns, loss_fn, attention: str = "sdpa"):
@@ -134,7 +134,7 @@ def test_shared_prefixes_give_the_same_logprobs_loss_and_gradients(single_proces
     cfg = trainer_config(tmp_path, "trainer.mb_max_tokens=100000")
     batch_dir = make_batch(tiny_model_dir, tmp_path, seed=5, cfg=cfg, n_prompts=5, group=6, prompt_lengths=(14, 30),
                            completion_lengths=(1, 4), completion_vocab=3)
-    loss_fn, _, columns = make_loss(cfg.ppo)
+    loss_fn, _, columns, _ = make_loss(cfg.ppo)
     batch = read_batch(batch_dir, ("input_ids",) + columns)
     assert len({tuple(ids) for ids in batch["input_ids"]}) < len(batch["input_ids"])  # duplicates are in
     cfg.trainer.share_prefix = False
@@ -156,7 +156,7 @@ def test_shared_prefixes_give_the_same_logprobs_loss_and_gradients(single_proces
         engine = TrainEngine(str(tiny_model_dir), cfg.trainer, total_steps=4)
         engine.initialize()
         logp = engine.compute_logp(batch)
-        stats = engine.train_batch(batch, loss_fn, make_loss(cfg.ppo)[1], columns)
+        stats = engine.train_batch(batch, loss_fn, make_loss(cfg.ppo).weight, columns)
         return logp, stats
 
     (logp_a, stats_a), (logp_b, stats_b) = logp_and_update(False), logp_and_update(True)
@@ -171,8 +171,8 @@ def test_one_minibatch_takes_proximal_logprobs_from_its_own_forward(single_proce
     """The decoupled loss with one minibatch: the training forward's detached logprobs are the proximal ones, so
     the update equals the one with a separate proximal forward pass (which more minibatches still need)."""
     cfg = trainer_config(tmp_path, "trainer.mb_max_tokens=100000", "rollout.max_head_offpolicyness=1")
-    loss_fn, weight_fn, columns = make_loss(cfg.ppo)
-    assert "prox_logprobs" in columns
+    loss_fn, weight_fn, columns, policy_columns = make_loss(cfg.ppo)
+    assert "prox_logprobs" in columns and policy_columns == ("prox_logprobs",)
     behaviour_columns = tuple(c for c in columns if c != "prox_logprobs")
     batch = read_batch(make_batch(tiny_model_dir, tmp_path, seed=3, cfg=cfg), ("input_ids",) + behaviour_columns)
     rng = random.Random(0)  # stale behaviour logprobs, so that the behaviour weights are not all 1
@@ -186,7 +186,7 @@ def test_one_minibatch_takes_proximal_logprobs_from_its_own_forward(single_proce
         if not prox_from_forward:
             data["prox_logprobs"] = engine.compute_logp(batch)
         stats = engine.train_batch(data, loss_fn, weight_fn, behaviour_columns if prox_from_forward else columns,
-                                   prox_from_forward=prox_from_forward)
+                                   forward_logprob_columns=policy_columns if prox_from_forward else ())
         return stats, {k: v.clone() for k, v in engine.full_state_dict().items()}, engine
 
     (separate, separate_weights, _), (own, own_weights, engine) = update(False), update(True)
@@ -199,7 +199,8 @@ def test_one_minibatch_takes_proximal_logprobs_from_its_own_forward(single_proce
     initial = weights(tiny_model_dir)
     assert any(not torch.equal(own_weights[name], initial[name]) for name in initial)  # it did step
     with pytest.raises(ValueError, match="one minibatch"):
-        engine.train_batch(batch, loss_fn, weight_fn, behaviour_columns, n_minibatches=2, prox_from_forward=True)
+        engine.train_batch(batch, loss_fn, weight_fn, behaviour_columns, n_minibatches=2,
+                           forward_logprob_columns=policy_columns)
 
 
 def test_one_rank_full_state_dict_is_the_generic_gather(single_process_group, tiny_model_dir, tmp_path):
@@ -207,7 +208,7 @@ def test_one_rank_full_state_dict_is_the_generic_gather(single_process_group, ti
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     cfg = trainer_config(tmp_path)
-    loss_fn, weight_fn, columns = make_loss(cfg.ppo)
+    loss_fn, weight_fn, columns, _ = make_loss(cfg.ppo)
     engine = TrainEngine(str(tiny_model_dir), cfg.trainer, total_steps=4)
     engine.initialize()
     engine.train_batch(read_batch(make_batch(tiny_model_dir, tmp_path, seed=5, cfg=cfg), ("input_ids",) + columns),

@@ -217,19 +217,19 @@ class TrainEngine:
 
     def train_batch(self, batch: dict[str, list], loss_fn: LossFn, loss_weight_fn: WeightFn,
                     token_keys: tuple[str, ...], n_minibatches: int = 1,
-                    prox_from_forward: bool = False) -> dict[str, float]:
+                    forward_logprob_columns: tuple[str, ...] = ()) -> dict[str, float]:
         """One optimizer step per minibatch; returns the token-weighted stats of the whole batch.
-        `prox_from_forward` (one minibatch only): the loss's `prox_logprobs` are the forward's detached logprobs,
-        i.e. those of the weights before the step."""
-        if prox_from_forward and n_minibatches != 1:
-            raise ValueError("prox_from_forward needs one minibatch: later ones start from updated weights")
+        `forward_logprob_columns` (one minibatch only): columns the loss reads that are the forward's own detached
+        logprobs, i.e. those of the weights before the step (see loss_registry.Loss.policy_columns)."""
+        if forward_logprob_columns and n_minibatches != 1:
+            raise ValueError("forward_logprob_columns needs one minibatch: later ones start from updated weights")
         started = time.perf_counter()
         n = len(batch["input_ids"])
         bounds = [round(m * n / n_minibatches) for m in range(n_minibatches + 1)]
         totals: dict[str, float] = {}
         for m in range(n_minibatches):
             stats = self._train_minibatch(batch, list(range(bounds[m], bounds[m + 1])), loss_fn, loss_weight_fn,
-                                          token_keys, prox_from_forward)
+                                          token_keys, forward_logprob_columns)
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + (v if k == "forward_tokens" else v / n_minibatches)
         totals["n_minibatches"] = n_minibatches
@@ -239,7 +239,7 @@ class TrainEngine:
         return totals
 
     def _train_minibatch(self, batch, indices, loss_fn, loss_weight_fn, token_keys,
-                         prox_from_forward: bool = False) -> dict[str, float]:
+                         forward_logprob_columns: tuple[str, ...] = ()) -> dict[str, float]:
         mbs = self._micro_batches(indices, batch, token_keys)
         weights = [float(loss_weight_fn(mb)) if mb.indices else 0.0 for mb in mbs]
         total = torch.tensor([sum(weights)], dtype=torch.float64, device=self.device)
@@ -249,8 +249,8 @@ class TrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         for mb, weight in zip(mbs, weights):
             logp, entropy = self._forward(mb)
-            if prox_from_forward:
-                mb.tensors["prox_logprobs"] = logp.detach()
+            for column in forward_logprob_columns:
+                mb.tensors[column] = logp.detach()
             loss, stats = loss_fn(logp, entropy, mb)
             # FSDP averages gradients over ranks; scaling by world_size / global weight turns that average
             # into the weighted mean over every rank's tokens.

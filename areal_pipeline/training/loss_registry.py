@@ -10,6 +10,12 @@ A loss is made from the run's `ppo` config section by a builder, `build(ppo_cfg)
                                                       number of loss tokens), so 1 and N ranks train alike
     Loss.columns                                      the per-token batch columns `fn` reads ("loss_mask",
                                                       "advantages", "logprobs", "prox_logprobs", ...)
+    Loss.policy_columns                               those of `columns` that are the policy's own logprobs
+                                                      before the update (a proximal policy, e.g. decoupled
+                                                      PPO's "prox_logprobs"): the trainer fills them in, from
+                                                      the training forward itself where the update is one
+                                                      minibatch (its weights are still the pre-update ones),
+                                                      else by a forward pass before the update
 
 A loss of your own is a builder in your module, named in the config, with nothing of the package changed:
 
@@ -35,10 +41,11 @@ LOSSES: dict[str, str] = {
 }
 
 
-class Loss(NamedTuple):  # a tuple too: loss_fn, weight_fn, columns = make_loss(cfg)
+class Loss(NamedTuple):
     fn: Callable[..., Any]
     weight: Callable[..., float]
     columns: tuple[str, ...]
+    policy_columns: tuple[str, ...] = ()
 
 
 def loss_builder(name: str) -> Callable[[Any], Loss]:
@@ -65,4 +72,7 @@ def make_loss(ppo_cfg) -> Loss:
     if not isinstance(loss, Loss):
         raise TypeError(f"loss '{ppo_cfg.loss}': its builder returned {type(loss).__name__}, not a "
                         "loss_registry.Loss(fn, weight, columns)")
+    if not set(loss.policy_columns) <= set(loss.columns):
+        raise ValueError(f"loss '{ppo_cfg.loss}': policy_columns {loss.policy_columns} must be among its columns "
+                         f"{loss.columns}")
     return loss

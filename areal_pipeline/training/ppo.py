@@ -164,4 +164,5 @@ def ppo_loss(ppo_cfg) -> Loss:
             behav_imp_weight_cap=ppo_cfg.behav_imp_weight_cap,
             importance_sampling_level=ppo_cfg.importance_sampling_level, seq_ids=mb.seq_ids)
 
-    return Loss(fn, tokens_in_loss, ("loss_mask", "logprobs", "advantages") + (("prox_logprobs",) if uses_prox else ()))
+    prox = ("prox_logprobs",) if uses_prox else ()
+    return Loss(fn, tokens_in_loss, ("loss_mask", "logprobs", "advantages") + prox, policy_columns=prox)

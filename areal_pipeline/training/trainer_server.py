@@ -70,7 +70,7 @@ class Trainer:
         self.world_size = dist.get_world_size()
         self.actor: Optional[TrainEngine] = None
         self.ref: Optional[TrainEngine] = None
-        self.loss_fn, self.loss_weight_fn, self.token_columns = make_loss(cfg.ppo)
+        self.loss = make_loss(cfg.ppo)
         self.weight_groups: dict[str, Any] = {}
 
     def _engine(self, trainable: bool) -> TrainEngine:
@@ -125,17 +125,17 @@ class Trainer:
                 f"the trainer is at version {actor.version}; the update of iteration {iteration} needs "
                 f"version {iteration - 1} (load the right checkpoint first)",
                 "version_mismatch", 409, version=actor.version)
-        columns = tuple(c for c in self.token_columns if c != "prox_logprobs")
-        batch = read_batch(Path(batch_dir), ("input_ids",) + columns)
-        n_minibatches = self.cfg.ppo.ppo_n_minibatches
-        # With one minibatch its step starts from the proximal policy, so the training forward's own
-        # (detached) logprobs are the proximal ones: no separate forward pass.
-        prox_from_forward = "prox_logprobs" in self.token_columns and n_minibatches == 1
-        if "prox_logprobs" in self.token_columns and not prox_from_forward:
-            batch["prox_logprobs"] = actor.compute_logp(batch)
-            columns = self.token_columns
-        stats = actor.train_batch(batch, self.loss_fn, self.loss_weight_fn, columns, n_minibatches,
-                                  prox_from_forward=prox_from_forward)
+        loss, n_minibatches = self.loss, self.cfg.ppo.ppo_n_minibatches
+        from_data = tuple(c for c in loss.columns if c not in loss.policy_columns)
+        batch = read_batch(Path(batch_dir), ("input_ids",) + from_data)
+        if n_minibatches == 1:  # the forward of the one step is the pre-update policy's: no extra pass
+            stats = actor.train_batch(batch, loss.fn, loss.weight, from_data, n_minibatches,
+                                      forward_logprob_columns=loss.policy_columns)
+        else:
+            if loss.policy_columns:
+                logprobs = actor.compute_logp(batch)
+                batch.update({column: logprobs for column in loss.policy_columns})
+            stats = actor.train_batch(batch, loss.fn, loss.weight, loss.columns, n_minibatches)
         actor.version = iteration
         return {"version": actor.version, "stats": stats}
 
