@@ -25,7 +25,7 @@ class Services:
 
     A step asks each service over HTTP whether it is healthy only when that is in doubt: at first, and after
     any step failed (`distrust`). While every step succeeds, a running process that answered its last request
-    is taken as healthy: on a default iteration those checks were a dozen loopback round trips, ~5% of it."""
+    is taken as healthy: on a short iteration a dozen loopback round trips are a noticeable share of it."""
 
     def __init__(self, cfg: ExperimentConfig, model_path: str, log_dir: Path):
         self.cfg = cfg

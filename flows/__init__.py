@@ -12,21 +12,21 @@ PREFECT_DEFAULTS = {
     "DO_NOT_TRACK": "1",
     # the library's logs (servers, trainer, rollout) reach the Prefect run logs
     "PREFECT_LOGGING_EXTRA_LOGGERS": "areal_pipeline",
-    # one SQLite transaction per task-run event caused 'database is locked' storms (503 + 2 s back-off);
-    # batching them shows task runs in the UI up to 5 s late
+    # one SQLite transaction per task-run event caused 'database is locked' storms (503, then the client's
+    # back-off); batching them shows task runs in the UI up to the flush interval late
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "1000",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "5",
     # Server-side settings: they only reach a server this process starts (ephemeral mode, no PREFECT_API_URL),
     # which lives as long as the run. There, matching every task-run event against automations and storing
-    # every event cost its server enough CPU to slow the nodes by ~10% on 2 cores (flow vs plain wall 1.14 ->
-    # 1.04, bench/orchestration_overhead.py); automations cannot be set up against such a server anyway. Task
+    # every event cost its server CPU that the nodes beside it on the same cores lost (see
+    # bench/orchestration_overhead.py); automations cannot be set up against such a server anyway. Task
     # runs, flow runs, logs and artifacts are recorded as before; only the Events page stays empty.
     "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
     "PREFECT_SERVER_EVENTS_STREAM_OUT_ENABLED": "false",
     # the background rollout executor's thread logs outside any run: to the console only, without a warning
     "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
-    # the ephemeral (no server configured) API server takes 15-25 s to start on a loaded 2-core machine
+    # the ephemeral (no server configured) API server can take tens of seconds to start on a loaded machine
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
 }
 for _name, _value in PREFECT_DEFAULTS.items():

@@ -32,7 +32,7 @@ _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 class TemporaryAPIServer:
     """A Prefect API server process on 127.0.0.1 (no UI), started at once and waited for when first needed, so
-    that its ~5 s start overlaps the command's own set-up."""
+    that its start (seconds: it imports Prefect's server) overlaps the command's own set-up."""
 
     def __init__(self, startup_timeout: float = 180.0):
         self.port = find_free_port()

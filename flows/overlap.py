@@ -1,13 +1,16 @@
-"""How the iteration runs of one train run overlap: in their bookkeeping, never in their nodes.
+"""How the iterations of one train run overlap: in their bookkeeping, never in their nodes.
 
-A flow run costs ~150 ms of API calls to start and ~70 ms to finish (metrics, artifacts, final state) on SQLite,
-as much as a fifth of a default iteration. So iteration k+1's run starts while iteration k's ppo_update runs, and
-its first node waits until k's last node is done; iteration k reports while k+1 works. At most two iteration
-runs are in flight. In asynchronous mode (eta > 0) iteration k+1's rollout and advantages also run during k's
-update (`Pipeline.ahead_nodes`), and its own update is the node that waits.
+Starting and finishing a flow run are synchronous API calls (create, states, metrics, artifacts) that would
+otherwise sit between two iterations' nodes (README, "Benchmarks", has what they cost). So the flow run of
+iteration k+1 starts while iteration k's ppo_update runs, and its first node waits until k's last node is done;
+iteration k reports while k+1 works. At most two iterations are in flight. In asynchronous mode (eta > 0)
+iteration k+1's rollout and advantages also run during k's update (`Pipeline.ahead_nodes`), and its own update
+is the node that waits. Where one flow run holds several iterations (`iterations_per_flow_run`), its iterations
+overlap inside it the same way, and the next flow run starts during its last iteration's update.
 
-`run_iterations` starts the runs; inside one, `turn(run_id, k, pipeline)` is iteration k's place among them: its
-`node(task)` runs a node once the nodes it must follow have, and `report(...)` keeps the reports in order.
+`run_iterations` starts the flow runs (`run_group` the iterations inside one); `turn(run_id, k, pipeline)` is
+iteration k's place among them: its `node(task)` runs a node once the nodes it must follow have, and
+`report(...)` keeps the reports in order.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
             if first > 1:
                 logger.info("run %s: iterations 1..%d are finished; continuing at %d", cfg.run_id, first - 1, first)
             progress = artifacts.Progress(cfg.total_iterations, first - 1)
-            # A flow waits for its heartbeat thread on exit (~1 s): too much for one child run per iteration.
+            # A flow waits for its heartbeat thread on exit (up to its period): too much for a child run per iteration.
             with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
                 # run events, and Prefect's Cancel / Pause of this flow run (see flows/control.py)
                 with control.watch(pipeline, first, cfg.total_iterations, to_dict(cfg)) as watched:

@@ -42,8 +42,8 @@ def output_cache_key(output: Callable[[Pipeline, int], Path]) -> Callable[[Any, 
     """A Prefect `cache_key_fn` that exists only while the node's output is complete and intact on disk: the
     key is the digest of the output's manifest/record, so deleting or rewriting the output invalidates the
     cache, and a node whose output is missing, or whose shards fail their checksums, always runs (and finds
-    the corruption itself). The check (~0.2 ms for a default iteration's batch) runs only where an output
-    exists: on a rerun, not a first run."""
+    the corruption itself). The check (it reads and hashes the manifest) runs only where an output exists: on a
+    rerun, not a first run."""
 
     def key(context, parameters: dict) -> Optional[str]:
         pipeline = _PIPELINES.get(parameters["run_id"])

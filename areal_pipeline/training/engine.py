@@ -287,8 +287,8 @@ class TrainEngine:
         from torch.distributed.tensor import DTensor
 
         if self.world_size == 1:
-            # One rank holds every shard whole: its local tensors are the weights. get_model_state_dict's
-            # generic gather costs ~3 ms on the tiny model, half of a weight broadcast.
+            # One rank holds every shard whole: its local tensors are the weights, without
+            # get_model_state_dict's generic gather (on a small model, a large share of a weight broadcast).
             return {name: (t.to_local() if isinstance(t, DTensor) else t).detach().cpu()
                     for name, t in self.model.state_dict().items()}
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
