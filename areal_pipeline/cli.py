@@ -153,7 +153,7 @@ def cmd_answers(args) -> None:
 def cmd_config(args) -> None:
     from areal_pipeline.config_help import key_help
 
-    print("\n\n".join(key_help(key) for key in (args.keys or [""])))
+    print("\n\n".join(key_help(key, workflow=args.workflow) for key in (args.keys or [""])))
 
 
 def cmd_serve(args) -> None:
@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="what config keys mean: type, default, allowed values, documentation")
     p.add_argument("keys", nargs="*", help="dotted keys or sections, e.g. ppo.loss rollout.gconfig (none: the sections)")
+    p.add_argument("--workflow", default=None,
+                   help="document rollout.agent as this workflow's section: a built-in name, module:Class or "
+                        "path/to/file.py:Class")
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("serve", help="serve the train and evaluate deployments (Prefect UI runs, schedules)")
