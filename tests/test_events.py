@@ -167,11 +167,16 @@ def test_a_collapsing_run_is_cancelled_by_its_guard_and_notified(server, warm_mo
         webhook.close()
 
 
+# Iterations of a few tenths of a second, ten to a flow run (tiny_cpu.yaml): the pause reaches the run (the
+# automation, then the run's poll of its state) some seconds after the drop, so the run must last longer than that.
+HELD_RUN = 24
+
+
 def test_a_paused_run_holds_and_goes_on_when_resumed(server, warm_model, tmp_path):
     env = client_env(server, tmp_path / "prefect-home")
     _guard(env, "--run-id", "held", "--reward-drop", "0.2", "--action", "pause")
     run = cli("train", "--config", "configs/tiny_cpu.yaml", "--run-id", "held", f"output_dir={tmp_path}",
-              f"model.path={warm_model}", "total_iterations=8", *COLLAPSE, env=env, start_new_session=True)
+              f"model.path={warm_model}", f"total_iterations={HELD_RUN}", *COLLAPSE, env=env, start_new_session=True)
     try:
         paused = wait_until(lambda: _paused(server, "held") if run.poll() is None else pytest.fail(
             run.stdout.read()[-3000:]), 300, "the guard to pause the run", interval=0.5)
@@ -179,7 +184,7 @@ def test_a_paused_run_holds_and_goes_on_when_resumed(server, warm_model, tmp_pat
         time.sleep(8)  # the iterations in flight finish; no new one starts
         held_at = _iterations(tmp_path / "held")
         time.sleep(5)
-        assert _iterations(tmp_path / "held") == held_at and len(held_at) < 8
+        assert _iterations(tmp_path / "held") == held_at and len(held_at) < HELD_RUN
         assert run.poll() is None and our_service_processes(run.pid)  # servers and trainer kept
 
         # the person looks, decides to go on: removes the guard and presses Resume
@@ -190,8 +195,8 @@ def test_a_paused_run_holds_and_goes_on_when_resumed(server, warm_model, tmp_pat
     finally:
         stop_group(run)
     assert run.returncode == 0, out[-3000:]
-    assert _iterations(tmp_path / "held") == list(range(1, 9))
+    assert _iterations(tmp_path / "held") == list(range(1, HELD_RUN + 1))
     assert _train_flow_run(server, "held")["state_type"] == "COMPLETED"
     found = wait_until(lambda: (lambda f: f if f and f[-1]["event"] == "areal.run.finished" else None)(
         _events(server, "held")), 30, "the run's finished event", interval=1)
-    assert found[-1]["payload"]["iterations"] == 8
+    assert found[-1]["payload"]["iterations"] == HELD_RUN
