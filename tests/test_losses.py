@@ -166,6 +166,39 @@ def test_gather_logprobs():
     torch.testing.assert_close(logits.grad, torch.nn.functional.one_hot(labels, 7) - torch.softmax(logits, -1))
 
 
+def test_gather_logprobs_with_shared_rows_and_temperature_has_autograds_gradient():
+    """Labels read from shared rows (`rows`), at a temperature: values and gradients are those of the plain
+    log-softmax through autograd."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    rows, labels = torch.tensor([0, 0, 1, 3, 3, 3]), torch.tensor([2, 5, 8, 0, 1, 2])
+    out = gather_logprobs(logits, labels, temperature=0.7, chunk_size=3, rows=rows)
+    reference_logits = logits.detach().clone().requires_grad_(True)
+    reference = torch.log_softmax(reference_logits / 0.7, -1)[rows, labels]
+    torch.testing.assert_close(out, reference.float())
+    weights = torch.arange(1.0, 7.0, dtype=torch.float64)
+    (out.double() * weights).sum().backward()
+    (reference * weights).sum().backward()
+    torch.testing.assert_close(logits.grad, reference_logits.grad, rtol=1e-5, atol=1e-6)  # float32 inside
+
+
+def test_gather_logprobs_keeps_only_the_logits_for_backward():
+    """What autograd saves for the backward of bfloat16 logits' logprobs: the logits themselves and per-token
+    vectors, never a float32 [N, V] (the chunks' float32 copies and log-softmax), which is what ran a 0.5B model's
+    update out of memory on an 80 GB GPU."""
+    n, vocab = 64, 1000
+    logits = torch.randn(n, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (n,))
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = gather_logprobs(logits * 1, labels, chunk_size=16)
+    over_vocab = [(tuple(t.shape), t.dtype) for t in saved if t.dim() and t.shape[-1] == vocab]
+    assert over_vocab and all(dtype == torch.bfloat16 for _, dtype in over_vocab), over_vocab
+    out.sum().backward()
+    expected = torch.nn.functional.one_hot(labels, vocab) - torch.softmax(logits.detach().float(), -1)
+    torch.testing.assert_close(logits.grad.float(), expected, atol=1e-2, rtol=0)
+
+
 def test_entropy_from_logits():
     # uniform over 4: log 4; p = [0.5, 0.25, 0.25]: 0.5 log 2 + 2 * 0.25 log 4 = 1.5 log 2;
     # a -inf logit has p = 0 and adds nothing (not nan)

@@ -148,18 +148,42 @@ def gather_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0, ch
                     rows: Optional[Tensor] = None) -> Tensor:
     """`log_softmax(logits / temperature)[label]` per token, computed as `z[label] - logsumexp(z)`.
 
-    `logits` is `[..., V]`, `labels` is `logits.shape[:-1]`. Gathering instead of normalising
-    the whole row spares autograd a saved `[N, V]` log-softmax. With `rows` (`[N]`), `logits` is `[R, V]` and
+    `logits` is `[..., V]`, `labels` is `logits.shape[:-1]`. Gathering instead of normalising the whole row, and
+    a logsumexp that keeps nothing of its float32 work for backward (`chunked_logsumexp`), leave autograd only the
+    logits themselves: no `[N, V]` log-softmax, no float32 copy. With `rows` (`[N]`), `logits` is `[R, V]` and
     label i is read from row `rows[i]`: rows that several labels share are normalised once.
     """
     if rows is not None:
-        def logsumexp(chunk: Tensor) -> Tensor:
-            return (chunk.float() / temperature).logsumexp(dim=-1)
+        return logits[rows, labels].float() / temperature - chunked_logsumexp(logits, temperature, chunk_size)[rows]
+    flat = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1)
+    picked = flat.gather(-1, flat_labels[:, None]).squeeze(-1).float() / temperature
+    return (picked - chunked_logsumexp(flat, temperature, chunk_size)).reshape(logits.shape[:-1])
 
-        return logits[rows, labels].float() / temperature - _over_tokens(logsumexp, chunk_size, logits)[rows]
 
-    def logprob(chunk: Tensor, chunk_labels: Tensor) -> Tensor:
-        z = chunk.float() / temperature
-        return z.gather(-1, chunk_labels[:, None]).squeeze(-1) - z.logsumexp(dim=-1)
+def chunked_logsumexp(logits: Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
+    """`logsumexp(logits.float() / temperature)` over the last dim of `[N, V]` logits, in chunks of tokens. Its
+    backward recomputes each chunk's softmax from the logits, so only the logits (which the model's output holds
+    anyway) and the `[N]` result are saved; autograd's own logsumexp would keep every chunk's float32 `[n, V]`."""
+    return _ChunkedLogSumExp.apply(logits, temperature, chunk_size)
 
-    return _over_tokens(logprob, chunk_size, logits, labels)
+
+class _ChunkedLogSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, temperature: float, chunk_size: int) -> Tensor:
+        out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for i in range(0, logits.shape[0], chunk_size):
+            out[i : i + chunk_size] = (logits[i : i + chunk_size].float() / temperature).logsumexp(dim=-1)
+        ctx.save_for_backward(logits, out)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, out = ctx.saved_tensors
+        t, n = ctx.temperature, ctx.chunk_size
+        grad = torch.empty_like(logits)
+        for i in range(0, logits.shape[0], n):
+            softmax = torch.exp(logits[i : i + n].float() / t - out[i : i + n, None])
+            grad[i : i + n] = softmax * (grad_out[i : i + n, None] / t)
+        return grad, None, None
