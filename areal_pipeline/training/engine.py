@@ -174,7 +174,7 @@ class TrainEngine:
         labels = torch.roll(mb.input_ids, -1)
         next_logp = gather_logprobs(logits, labels, self.temperature, rows=rows)
         with torch.no_grad():
-            next_entropy = entropy_from_logits(logits / self.temperature)[rows]
+            next_entropy = entropy_from_logits(logits, temperature=self.temperature)[rows]
         first = mb.position_ids == 0
         # logits at t predict token t + 1: shift by one so that position t holds token t's values
         logp = torch.where(first, 0.0, torch.roll(next_logp, 1))

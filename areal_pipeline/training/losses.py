@@ -133,11 +133,12 @@ def _over_tokens(fn: Callable[..., Tensor], chunk_size: int, logits: Tensor, *al
     return out.reshape(logits.shape[:-1])
 
 
-def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
-    """Per-token entropy `H = -sum_v p_v log p_v`, with `log p = log_softmax(logits)` in float32."""
+def entropy_from_logits(logits: Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> Tensor:
+    """Per-token entropy `H = -sum_v p_v log p_v`, with `log p = log_softmax(logits / temperature)` in float32
+    (divided chunk by chunk: no scaled copy of the whole logits)."""
 
     def entropy(chunk: Tensor) -> Tensor:
-        logp = torch.log_softmax(chunk.float(), dim=-1)
+        logp = torch.log_softmax(chunk.float() / temperature, dim=-1)
         # A -inf logit (masked vocabulary) has p = 0 and must add 0, not 0 * -inf = nan.
         return -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(dim=-1)
 
