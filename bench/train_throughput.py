@@ -2,11 +2,18 @@
 micro-batches, 1 vs 2 ranks (gloo on CPU, NCCL on GPU), and shared prompt prefixes on vs off.
 
     python bench/train_throughput.py [--trajectories 128] [--min-len 16] [--max-len 256] [--updates 3]
+    python bench/train_throughput.py --device cuda --shape qwen2.5-0.5b --min-len 4096 --max-len 4096 \
+        --trajectories 64 --mb-max-tokens 16384 --variants packed_1rank        (on a GPU)
 
 Lengths are spread uniformly (as agent trajectories are), which is where padding wastes compute; those
 trajectories share no prompt. The shared-prefix variants train on GRPO-shaped batches instead: groups of
 `--group` samples of one prompt (`--prompt-len` tokens) with short answers (up to `--answer-len`), as on the
 default task, where the prompt is most of every sequence.
+`--shape qwen2.5-0.5b` trains a model of Qwen2.5-0.5B's shape (24 layers, hidden 896, vocab 151936) built from a
+config with random weights (nothing downloaded); `--device cuda` trains in bfloat16 mixed precision (one rank: two
+ranks on one GPU are refused) and adds the update's peak GPU memory and its MFU: model FLOPs per trained token,
+6 x (non-embedding parameters + the output projection) + 12 x layers x hidden x mean sequence length (attention),
+times tokens/s, over `--peak-tflops` (an H100 SXM's dense bfloat16: 989).
 The last line is one JSON object of the figures.
 """
 
@@ -22,7 +29,7 @@ from pathlib import Path
 from areal_pipeline.config import load_config
 from areal_pipeline.data.shards import write_shards
 from areal_pipeline.data.trajectory import Trajectory
-from areal_pipeline.model import build_tiny_model
+from areal_pipeline.model import build_byte_tokenizer, build_tiny_model
 from areal_pipeline.training.client import launch_trainer
 from areal_pipeline.training.ppo import write_batch
 
@@ -64,15 +71,52 @@ def _write_batch(out: Path, samples: list[tuple[list[int], int, bool]], group: i
     return out / "batch"
 
 
-def measure(cfg, model_dir: str, batch_dir: Path, updates: int, log_dir: Path) -> float:
+SHAPES = {  # Qwen2Config fields; vocab_size None: the byte tokenizer's
+    "tiny": None,
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         tie_word_embeddings=True),
+}
+
+
+def build_model(shape: str, out: Path) -> Path:
+    """A model of `shape` with random weights, as a Hugging Face directory (the byte tokenizer beside it)."""
+    if SHAPES[shape] is None:
+        return build_tiny_model(out)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_byte_tokenizer()
+    config = Qwen2Config(**SHAPES[shape], eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         torch_dtype="float32")
+    Qwen2ForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def flops_per_token(model_dir: str, mean_length: float) -> float:
+    """Training FLOPs per token: 6 x (non-embedding parameters + output projection) + 12 x L x h x mean length."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head = c.head_dim if getattr(c, "head_dim", None) else c.hidden_size // c.num_attention_heads
+    kv = c.num_key_value_heads * head
+    per_layer = (c.hidden_size * (c.hidden_size + 2 * kv) + c.hidden_size * c.hidden_size  # q, k, v, o
+                 + 3 * c.hidden_size * c.intermediate_size)  # gate, up, down
+    dense = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size
+    return 6 * dense + 12 * c.num_hidden_layers * c.hidden_size * mean_length
+
+
+def measure(cfg, model_dir: str, batch_dir: Path, updates: int, log_dir: Path) -> dict:
+    """Median tokens/s over `updates` updates after a warm-up one, and the largest peak GPU memory (GiB)."""
     process, client = launch_trainer(cfg, model_dir, log_dir)
     try:
         client.call("train", batch_dir=str(batch_dir), iteration=1)  # warm-up
-        rates = [client.call("train", batch_dir=str(batch_dir), iteration=k)["stats"]["tokens_per_s"]
-                 for k in range(2, 2 + updates)]
+        stats = [client.call("train", batch_dir=str(batch_dir), iteration=k)["stats"] for k in range(2, 2 + updates)]
     finally:
         process.stop()
-    return statistics.median(rates)
+    peaks = [s["peak_memory_gib"] for s in stats if "peak_memory_gib" in s]
+    return {"tokens_per_s": statistics.median(s["tokens_per_s"] for s in stats),
+            "peak_memory_gib": max(peaks) if peaks else None}
 
 
 def main() -> None:
@@ -86,12 +130,16 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8, help="samples per prompt of the GRPO-shaped batch")
     p.add_argument("--prompt-len", type=int, default=56, help="its prompt length (the default task's: ~55)")
     p.add_argument("--answer-len", type=int, default=8, help="its longest answer (the default task's: 8)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="the model built when --model is not given")
+    p.add_argument("--variants", nargs="+", default=None, help="which to measure (default: all that fit the device)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's peak for MFU (H100 SXM bf16)")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
-    model_dir = args.model or str(build_tiny_model(work / "tiny"))
+    model_dir = args.model or str(build_model(args.shape, work / args.shape))
     base = [f"output_dir={work}", f"total_iterations={args.updates + 1}",
-            f"trainer.mb_max_tokens={args.mb_max_tokens}"]
+            f"trainer.mb_max_tokens={args.mb_max_tokens}", f"trainer.device={args.device}"]
     batch_dir = synthetic_batch(work, args.trajectories, args.min_len, args.max_len, load_config(None, base))
     grpo_dir = grpo_batch(work / "grpo", 2 * args.trajectories, args.group, args.prompt_len, args.answer_len,
                           load_config(None, base))
@@ -102,21 +150,34 @@ def main() -> None:
         "grpo_shared_prefix": (grpo_dir, ["trainer.nproc=1"]),
         "grpo_no_shared_prefix": (grpo_dir, ["trainer.nproc=1", "trainer.share_prefix=false"]),
     }
-    rates = {}
-    for name, (data, overrides) in variants.items():
+    chosen = args.variants or [name for name in variants if args.device == "cpu" or name != "packed_2ranks"]
+    unknown = sorted(set(chosen) - set(variants))
+    if unknown:
+        p.error(f"unknown variants {unknown}; valid: {', '.join(variants)}")
+    results = {}
+    for name in chosen:
+        data, overrides = variants[name]
         cfg = load_config(None, base + overrides)
-        rates[name] = measure(cfg, model_dir, data, args.updates, work / name)
-        print(f"{name}: {rates[name]:,.0f} trained tokens/s", flush=True)
-    print(json.dumps({
-        "trajectories": args.trajectories,
-        "tokens_per_s": round(rates["packed_1rank"], 1),
-        "padded_tokens_per_s": round(rates["padded_1rank"], 1),
-        "two_ranks_tokens_per_s": round(rates["packed_2ranks"], 1),
-        "packed_vs_padded": round(rates["packed_1rank"] / rates["padded_1rank"], 3),
-        "two_ranks_vs_one": round(rates["packed_2ranks"] / rates["packed_1rank"], 3),
-        "grpo_tokens_per_s": round(rates["grpo_shared_prefix"], 1),
-        "shared_prefix_vs_not": round(rates["grpo_shared_prefix"] / rates["grpo_no_shared_prefix"], 3),
-    }))
+        results[name] = measure(cfg, model_dir, data, args.updates, work / name)
+        print(f"{name}: {results[name]['tokens_per_s']:,.0f} trained tokens/s"
+              + (f", peak {results[name]['peak_memory_gib']:.1f} GiB" if results[name]["peak_memory_gib"] else ""),
+              flush=True)
+    rates = {name: r["tokens_per_s"] for name, r in results.items()}
+    figures = {"trajectories": args.trajectories, "device": args.device, "shape": args.model or args.shape,
+               **{f"{name}_tokens_per_s": round(rate, 1) for name, rate in rates.items()}}
+    if "packed_1rank" in rates:
+        figures["tokens_per_s"] = round(rates["packed_1rank"], 1)
+        if args.device == "cuda":
+            mean_length = (args.min_len + args.max_len) / 2
+            flops = flops_per_token(model_dir, mean_length) * rates["packed_1rank"]
+            figures["mfu"] = round(flops / (args.peak_tflops * 1e12), 4)
+            figures["peak_memory_gib"] = results["packed_1rank"]["peak_memory_gib"]
+    for ratio, (a, b) in {"packed_vs_padded": ("packed_1rank", "padded_1rank"),
+                          "two_ranks_vs_one": ("packed_2ranks", "packed_1rank"),
+                          "shared_prefix_vs_not": ("grpo_shared_prefix", "grpo_no_shared_prefix")}.items():
+        if a in rates and b in rates:
+            figures[ratio] = round(rates[a] / rates[b], 3)
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

@@ -223,6 +223,8 @@ class TrainEngine:
         logprobs, i.e. those of the weights before the step (see loss_registry.Loss.policy_columns)."""
         if forward_logprob_columns and n_minibatches != 1:
             raise ValueError("forward_logprob_columns needs one minibatch: later ones start from updated weights")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         started = time.perf_counter()
         n = len(batch["input_ids"])
         bounds = [round(m * n / n_minibatches) for m in range(n_minibatches + 1)]
@@ -236,6 +238,8 @@ class TrainEngine:
         totals["seconds"] = time.perf_counter() - started
         totals["tokens"] = float(sum(len(s) for s in batch["input_ids"]))
         totals["tokens_per_s"] = totals["tokens"] / totals["seconds"]
+        if self.device.type == "cuda":
+            totals["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return totals
 
     def _train_minibatch(self, batch, indices, loss_fn, loss_weight_fn, token_keys,
