@@ -125,6 +125,7 @@ from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 _children: dict[int, subprocess.Popen] = {}  # the runs in flight, by pid
 last_rows: list[dict[str, Any]] = []  # the figures of this process's last sweep, for the command to print
 _children_lock = threading.Lock()
+RUN_STOP_GRACE_S = 10.0  # a stopped run exits within shutdown.FORCED_EXIT_AFTER_S (8 s) of the signal
 
 
 def signal_runs() -> list[subprocess.Popen]:
@@ -140,9 +141,9 @@ def signal_runs() -> list[subprocess.Popen]:
     return children
 
 
-def stop_runs(grace: float = 6.0) -> None:
-    """`signal_runs`, then SIGKILL to the groups of those still there after `grace` (within the 8 s a stopped
-    command has: areal_pipeline/shutdown.py)."""
+def stop_runs(grace: float = RUN_STOP_GRACE_S) -> None:
+    """`signal_runs`, then SIGKILL to the groups of those still there after `grace` (by then each run has ended
+    itself: areal_pipeline/shutdown.py)."""
     children = signal_runs()
     deadline = time.monotonic() + grace
     for child in children:
@@ -228,8 +229,10 @@ def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] 
     `max_parallel` at once; each run's id is `run_id` (default: the config's) followed by its values."""
     from prefect.settings import PREFECT_API_URL
 
+    from areal_pipeline import shutdown
     from areal_pipeline.config import load_config
     from areal_pipeline.model import resolve_model_path
+    from flows import overlap
 
     if max_parallel < 1:
         raise SweepError(f"max_parallel={max_parallel}: must be >= 1")
@@ -247,11 +250,18 @@ def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] 
             resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
             built.add(key)
     api_url = PREFECT_API_URL.value()
-    with ThreadPoolTaskRunner(max_workers=max_parallel) as runner:
-        futures = [runner.submit(run_one, parameters={
-            "config_path": config_path, "run_id": r["run_id"], "overrides": r["overrides"], "iterations": iterations,
-            "run_dir": r["run_dir"], "api_url": api_url}) for r in runs]
-        wait(futures)
+    # A stop signal reaches this process only (each run is in a session of its own): pass it on to the runs at
+    # once, or the task runner would wait for them to finish. During a flow run SIGTERM goes to Prefect's handler
+    # first; stop_everything_on_sigterm puts the shutdown's clean-ups ahead of it.
+    stopping = shutdown.register("the sweep's runs", signal_runs)
+    try:
+        with overlap.stop_everything_on_sigterm(), ThreadPoolTaskRunner(max_workers=max_parallel) as runner:
+            futures = [runner.submit(run_one, parameters={
+                "config_path": config_path, "run_id": r["run_id"], "overrides": r["overrides"],
+                "iterations": iterations, "run_dir": r["run_dir"], "api_url": api_url}) for r in runs]
+            wait(futures)
+    finally:
+        shutdown.unregister(stopping)
     rows = []
     for r, future in zip(runs, futures):
         state = future.state
@@ -326,13 +336,15 @@ def main(args: argparse.Namespace) -> None:
         sys.exit(f"sweep error: {e}")
     print(f"sweep: {len(runs)} runs, at most {args.max_parallel} at once: " + ", ".join(r["run_id"] for r in runs),
           flush=True)
-    stopping = shutdown.register("the sweep's runs", signal_runs)
     # the terminal shows the runs starting and ending, warnings and the table; --verbose every log record
     muted = [] if args.verbose else [h for h in logging.getLogger().handlers if type(h) is logging.StreamHandler]
     levels = [h.level for h in muted]
     for handler in muted:
         handler.setLevel(logging.WARNING)
     last_rows.clear()
+    # After a stop signal each run has its own FORCED_EXIT_AFTER_S to record its end through the API; the sweep,
+    # which holds that API (a temporary server exits with it), must outlast them.
+    shutdown.FORCED_EXIT_AFTER_S = RUN_STOP_GRACE_S + 4.0
     try:
         with prefect_api(None if configured_api_url() else TemporaryAPIServer()) as url:
             print(f"Prefect API: {url}", flush=True)
@@ -344,7 +356,6 @@ def main(args: argparse.Namespace) -> None:
                 if last_rows:
                     print("\n" + format_table(last_rows), flush=True)
     finally:
-        shutdown.unregister(stopping)
         for handler, level in zip(muted, levels):
             handler.setLevel(level)
 

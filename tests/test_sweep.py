@@ -1,17 +1,20 @@
 """`areal-pipeline sweep`'s plan: the runs a set of axes makes, their ids, and bad input refused before anything
-starts, with the config loader's own message. (The sweep running 3 runs at once on a real Prefect server is in
-tests/test_prefect_postgres.py.)"""
+starts, with the config loader's own message; a failing run and a stop signal, through the sweep's own temporary
+API. (3 runs at once on a Prefect server on PostgreSQL: tests/test_prefect_postgres.py.)"""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from areal_pipeline.config import ConfigError
 from flows.sweep import SweepError, format_table, plan
-from test_flows import REPO
+from test_flows import REPO, cli, fast_overrides, stop_serve, wait_until
 
 CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
 
@@ -72,3 +75,59 @@ def test_the_table_shows_each_runs_figures():
                                 "pass@1", "last", "wall"]
     assert table[2].split() == ["a-lr=1e-3", "Completed", "30", "0.310", "0.800", "0.100", "0.900", "61", "s"]
     assert table[3].split() == ["a-lr=1e-2", "Failed", "0", "-", "-", "-", "-", "-"]
+
+
+@pytest.fixture(scope="module")
+def sweep_env(tmp_path_factory) -> dict:
+    """The sweep's own temporary API (no PREFECT_API_URL), on a database made once for the module."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home"))}
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
+def _sweep(tmp_path, model_dir, env, *axes: str, iterations: int = 2) -> subprocess.Popen:
+    fixed = [o for o in fast_overrides(tmp_path, model_dir, iterations=iterations)
+             if not o.startswith(("run_id=", "trainer.optimizer.lr="))]
+    return cli("sweep", "--config", CONFIG, "--run-id", "sw", "--max-parallel", "2", *fixed, *axes, env=env,
+               start_new_session=True)
+
+
+def test_a_failing_run_does_not_stop_the_others(tiny_model_dir, tmp_path, sweep_env):
+    """One run fails at once (a file where its iteration 1 goes: a deterministic error, not retried); the other
+    finishes, the table shows both, and the command exits 1 naming the failed one."""
+    (tmp_path / "sw-lr=2e-3").mkdir()
+    (tmp_path / "sw-lr=2e-3" / "iter_1").write_text("in the way")
+    sweep = _sweep(tmp_path, tiny_model_dir, sweep_env, "trainer.optimizer.lr=1e-3,2e-3")
+    try:
+        out, _ = sweep.communicate(timeout=300)
+    finally:
+        if sweep.poll() is None:
+            stop_serve(sweep)
+    assert sweep.returncode == 1, out[-4000:]
+    table = out[out.index("\nrun ") + 1:].splitlines()
+    assert table[2].split()[:3] == ["sw-lr=1e-3", "Completed", "2"], out[-3000:]
+    assert table[3].split()[:2] == ["sw-lr=2e-3", "Failed"], out[-3000:]
+    assert out.strip().splitlines()[-1].startswith("sweep failed: RuntimeError: 1 of 2 runs failed: sw-lr=2e-3: "
+                                                   "exit code 1, flow run Failed"), out[-3000:]
+
+
+def test_a_stop_signal_stops_every_run_and_leaves_no_process(tiny_model_dir, tmp_path, sweep_env):
+    """SIGTERM to the sweep while its two runs train: each run stops its services and records its flow run as
+    crashed, the command exits 143 within seconds, and nothing it started is left."""
+    sweep = _sweep(tmp_path, tiny_model_dir, sweep_env, "trainer.optimizer.lr=1e-3,2e-3", iterations=50)
+    try:
+        wait_until(lambda: all((tmp_path / f"sw-lr={lr}" / "iter_1" / "orchestration.json").exists()
+                               for lr in ("1e-3", "2e-3")) or sweep.poll() is not None, 240, "both runs to train")
+        assert sweep.poll() is None, sweep.communicate()[0][-4000:]
+        started = psutil.Process(sweep.pid).children(recursive=True)
+        # the API server; per run its process, inference server, trainer, ...
+        assert len(started) >= 6, [" ".join(p.cmdline())[:120] for p in started]
+        sweep.send_signal(signal.SIGTERM)
+        out, _ = sweep.communicate(timeout=25)
+    finally:
+        if sweep.poll() is None:
+            stop_serve(sweep)
+    assert sweep.returncode == 143, out[-4000:]
+    assert "finished sw-lr=1e-3: Crashed" in out and "finished sw-lr=2e-3: Crashed" in out, out[-3000:]
+    wait_until(lambda: not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 15,
+               "every process the sweep started to exit")
