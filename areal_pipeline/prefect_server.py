@@ -195,8 +195,11 @@ class LocalPrefectServer:
 
     # ---- PostgreSQL
     def _prepare_dir(self, user: _PgUser) -> None:
+        created = [p for p in [self.dir, *self.dir.parents] if not p.exists()]
         self.dir.mkdir(parents=True, exist_ok=True)
         if user.switches:
+            for directory in created:  # a restrictive umask must not lock out the postgres user
+                directory.chmod(0o755)
             blocked = _unreachable_ancestor(self.pg_dir, user)
             if blocked is not None:
                 raise PrefectServerError(
