@@ -37,7 +37,8 @@ from areal_pipeline.utils import find_free_port  # noqa: E402
 
 AREAL = str(Path(sys.executable).parent / "areal-pipeline")
 # what the project sets for the servers it starts itself (flows/__init__.py); a user's server has Prefect's defaults
-PROJECT_SERVER_SETTINGS = ("PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED", "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED",
+PROJECT_SERVER_SETTINGS = ("PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED",
+                           "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED",
                            "PREFECT_SERVER_EVENTS_STREAM_OUT_ENABLED",
                            "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE",
                            "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL")

@@ -41,7 +41,7 @@ class SweepError(ValueError):
     """A sweep that cannot be planned: the message names what is wrong."""
 
 
-# ---------------------------------------------------------------- planning (light imports: no Prefect)
+# ---------------------------------------------------------------- planning (no Prefect call: before any server)
 
 def parse_axes(axes: list[str]) -> list[tuple[str, list[str]]]:
     """`key=v1,v2,...` -> (key, [v1, v2, ...]), in the order given."""
@@ -51,7 +51,7 @@ def parse_axes(axes: list[str]) -> list[tuple[str, list[str]]]:
         key = key.strip()
         if not sep or not key or not values:
             raise SweepError(f"'{axis}': expected key=v1,v2,... (a dotted config key and comma-separated values)")
-        if key in ("run_id",):
+        if key == "run_id":
             raise SweepError("run_id cannot be swept: each run's id is --run-id (or the config's run_id) followed "
                              "by its values")
         if key in {k for k, _ in parsed}:
@@ -72,7 +72,7 @@ def _label(value: str) -> str:
 
 def plan(config_path: str, axes: list[str], run_id: Optional[str] = None,
          iterations: Optional[int] = None) -> list[dict[str, Any]]:
-    """The runs of a sweep, each {run_id, overrides, values}, with every run's config loaded and checked (an
+    """The runs of a sweep, each {run_id, overrides, values, run_dir}, with every run's config loaded and checked (an
     unknown key or a bad value fails here, before anything starts, with the config loader's own message)."""
     from areal_pipeline.config import ConfigError, load_config, resolve_run_config
 

@@ -23,7 +23,8 @@ def test_the_cartesian_product_in_order_with_readable_run_ids(tmp_path):
     runs = plan(CONFIG, [f"output_dir={tmp_path}", "trainer.optimizer.lr=1e-3,5e-4", "rollout.gconfig.n_samples=4,8"])
     assert [r["run_id"] for r in runs] == ["tiny-cpu-lr=1e-3-n_samples=4", "tiny-cpu-lr=1e-3-n_samples=8",
                                           "tiny-cpu-lr=5e-4-n_samples=4", "tiny-cpu-lr=5e-4-n_samples=8"]
-    assert runs[1]["overrides"] == [f"output_dir={tmp_path}", "trainer.optimizer.lr=1e-3", "rollout.gconfig.n_samples=8"]
+    assert runs[1]["overrides"] == [f"output_dir={tmp_path}", "trainer.optimizer.lr=1e-3",
+                                    "rollout.gconfig.n_samples=8"]
     assert runs[1]["run_dir"] == str(tmp_path / "tiny-cpu-lr=1e-3-n_samples=8")
 
 
@@ -33,11 +34,13 @@ def test_keys_that_end_alike_are_named_in_full_and_values_are_made_path_safe(tmp
     runs = plan(CONFIG, [f"output_dir={tmp_path}", "inference.num_threads=1,2", "trainer.num_threads=1,2"], run_id="b")
     assert runs[0]["run_id"] == "b-inference.num_threads=1-trainer.num_threads=1"
     runs = plan(CONFIG, [f"output_dir=a/b,{tmp_path}/c d"], run_id="p")
-    assert [r["run_id"] for r in runs] == ["p-output_dir=a_b", f"p-output_dir={str(tmp_path)[1:].replace('/', '_')}_c_d"]
+    flat = str(tmp_path)[1:].replace("/", "_")
+    assert [r["run_id"] for r in runs] == ["p-output_dir=a_b", f"p-output_dir={flat}_c_d"]
 
 
 @pytest.mark.parametrize("axes, message", [
-    (["trainer.optimizer.lrr=1e-3,2e-3"], "unknown config key 'trainer.optimizer.lrr'. did you mean trainer.optimizer.lr"),
+    (["trainer.optimizer.lrr=1e-3,2e-3"],
+     "unknown config key 'trainer.optimizer.lrr'. did you mean trainer.optimizer.lr"),
     (["trainer.optimizer.lr=1e-3,-1"], "sweep run tiny-cpu-lr=-1: trainer.optimizer.lr=-1.0: must be > 0"),
 ])
 def test_a_bad_key_or_value_is_the_config_loaders_error(axes, message):
@@ -62,7 +65,8 @@ def test_the_command_refuses_bad_input_before_anything_starts():
                            "trainer.optimizer.lrr=1e-3,2e-3"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1].startswith(
-        "config error: sweep run tiny-cpu-lrr=1e-3: override 'trainer.optimizer.lrr=1e-3': unknown config key"), done.stderr
+        "config error: sweep run tiny-cpu-lrr=1e-3: override 'trainer.optimizer.lrr=1e-3': unknown config key"), \
+        done.stderr
     assert "Prefect API" not in done.stdout  # refused before any API server started
 
 
