@@ -19,6 +19,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Iterator, Optional
@@ -32,7 +33,9 @@ _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 class TemporaryAPIServer:
     """A Prefect API server process on 127.0.0.1 (no UI), started at once and waited for when first needed, so
-    that its start (seconds: it imports Prefect's server) overlaps the command's own set-up."""
+    that its start (seconds: it imports Prefect's server) overlaps the command's own set-up. Its own log goes to
+    a file, not the command's terminal (a server stopped mid-flush logs a traceback there, its events still
+    written by the final flush), and the file is removed when it stops cleanly; a failure to start quotes it."""
 
     def __init__(self, startup_timeout: float = 180.0):
         self.port = find_free_port()
@@ -42,16 +45,26 @@ class TemporaryAPIServer:
                # what Prefect's own ephemeral server runs with: no UI, the services an in-process run needs
                "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
         env.pop("PREFECT_API_URL", None)
-        self.popen: Optional[subprocess.Popen] = subprocess.Popen(
-            [sys.executable, "-m", "flows.api_server", "--port", str(self.port)], env=env,
-            stdin=subprocess.DEVNULL, start_new_session=True)
+        fd, self.log_path = tempfile.mkstemp(prefix=f"prefect-api-{self.port}-", suffix=".log")
+        with os.fdopen(fd, "w") as log:
+            self.popen: Optional[subprocess.Popen] = subprocess.Popen(
+                [sys.executable, "-m", "flows.api_server", "--port", str(self.port)], env=env,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
 
     def wait_ready(self) -> str:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.popen is None or self.popen.poll() is not None:
                 raise RuntimeError(f"the temporary Prefect API server exited with code "
-                                   f"{None if self.popen is None else self.popen.returncode} before answering")
+                                   f"{None if self.popen is None else self.popen.returncode} before answering; "
+                                   f"its log ({self.log_path}) ends:\n{self._log_tail()}")
             try:
                 with _opener.open(f"{self.url}/health", timeout=5) as reply:
                     if reply.status == 200:
@@ -59,8 +72,10 @@ class TemporaryAPIServer:
             except OSError:
                 pass
             time.sleep(0.1)
+        tail = self._log_tail()
         self.stop()
-        raise RuntimeError(f"the temporary Prefect API server did not answer within {self.startup_timeout:.0f} s")
+        raise RuntimeError(f"the temporary Prefect API server did not answer within {self.startup_timeout:.0f} s; "
+                           f"its log ends:\n{tail}")
 
     def stop(self) -> None:
         popen, self.popen = self.popen, None
@@ -72,6 +87,8 @@ class TemporaryAPIServer:
         except subprocess.TimeoutExpired:
             popen.kill()
             popen.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(self.log_path)
 
 
 def configured_api_url() -> Optional[str]:
