@@ -4,6 +4,7 @@ and progress."""
 from __future__ import annotations
 
 import base64
+import math
 import re
 import time
 from typing import Any, Optional
@@ -18,6 +19,7 @@ from areal_pipeline.pipeline import Pipeline
 
 SAMPLES_SHOWN = 4
 PROGRESS_INTERVAL_S = 2.0
+ITERATION_ARTIFACTS_INTERVAL_S = 2.0
 
 
 def artifact_key(run_id: str, what: str) -> str:
@@ -29,8 +31,20 @@ def _fmt(value: Any) -> Any:
     return round(value, 4) if isinstance(value, float) else value
 
 
-def publish_iteration(pipeline: Pipeline, k: int, record: dict[str, Any]) -> None:
-    run_id = pipeline.cfg.run_id
+_LAST_PUBLISHED: dict[str, float] = {}  # run id -> when its iteration artifacts were last published
+
+
+def publish_iteration(pipeline: Pipeline, k: int, record: dict[str, Any]) -> bool:
+    """Iteration k's metrics table and samples (two artifacts, keyed by run: the UI shows the newest and keeps the
+    history). Where iterations take less than ITERATION_ARTIFACTS_INTERVAL_S, each would cost the API more than
+    a person can read: then they are published at most that often, and always for a run's last iteration and
+    for an iteration with a checkpoint. Returns whether they were."""
+    run_id, now = pipeline.cfg.run_id, time.monotonic()
+    due = (now - _LAST_PUBLISHED.get(run_id, -math.inf) >= ITERATION_ARTIFACTS_INTERVAL_S
+           or k == pipeline.cfg.total_iterations or pipeline.wants_checkpoint(k))
+    if not due:
+        return False
+    _LAST_PUBLISHED[run_id] = now
     create_table_artifact(key=artifact_key(run_id, "metrics"),
                           table=[{"metric": name, "value": _fmt(v)} for name, v in record.items()],
                           description=f"{run_id} iteration {k}: metrics")
@@ -48,6 +62,7 @@ def publish_iteration(pipeline: Pipeline, k: int, record: dict[str, Any]) -> Non
                              markdown=f"# {run_id} / iteration {k}\n\n## Outputs\n" + "\n".join(links)
                              + f"\n\n## Sample trajectories\n\n{samples}",
                              description=f"{run_id} iteration {k}: samples and outputs")
+    return True
 
 
 def publish_curve(pipeline: Pipeline) -> Optional[dict[str, Any]]:
