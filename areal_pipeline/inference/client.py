@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import aiohttp
 
+from areal_pipeline import shutdown
 from areal_pipeline.config import InferenceConfig
 from areal_pipeline.inference.types import ModelRequest, ModelResponse
 from areal_pipeline.utils import get_logger
@@ -174,13 +175,16 @@ class RemoteSGLangEngine:
         retries = self.request_retries if retries is None else retries
         client_timeout = aiohttp.ClientTimeout(total=timeout or self.request_timeout)
         url = f"http://{address}{endpoint}"
-        last_error = ""
+        last_error, attempts = "", 0
         for attempt in range(retries + 1):
+            if attempt and shutdown.requested_by() is not None:
+                break  # the run is stopping (its servers with it): a retry could only wait for nothing
             if attempt:
                 delay = self.retry_delay * 2 ** (attempt - 1)
                 logger.warning("%s%s failed (%s); retry %d/%d in %.1fs", address, endpoint, last_error, attempt,
                                retries, delay)
                 await asyncio.sleep(delay)
+            attempts += 1
             try:
                 async with self._session().request(method, url, json=payload, timeout=client_timeout) as resp:
                     text = await resp.text()
@@ -191,7 +195,7 @@ class RemoteSGLangEngine:
                         raise InferenceServerError(address, endpoint, last_error, resp.status)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 last_error = f"{type(e).__name__}: {e}"
-        raise InferenceServerError(address, endpoint, f"failed after {retries + 1} attempts; last error: {last_error}")
+        raise InferenceServerError(address, endpoint, f"failed after {attempts} attempts; last error: {last_error}")
 
     async def _all(self, endpoint: str, payload: Optional[dict] = None, method: str = "POST") -> list[Any]:
         return list(await asyncio.gather(*(self.request(a, endpoint, payload, method) for a in self.addresses)))

@@ -456,8 +456,10 @@ def serve(args: argparse.Namespace) -> None:
     engine.start()
     server = InferenceServer(engine, server_args=vars(args), max_body_bytes=args.max_body_bytes)
     logger.info("CPU inference server on http://%s:%d (model %s)", args.host, args.port, args.model)
+    # A stop signal ends the requests in flight within a second: a stopped run does not wait for them (aiohttp's
+    # default waits a minute, past the launcher's grace period, for e.g. a weight update that is loading).
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
-                handle_signals=True)
+                handle_signals=True, shutdown_timeout=1.0)
     if engine.load_error is not None:
         sys.exit(f"could not load model {args.model}: {engine.load_error}")
 

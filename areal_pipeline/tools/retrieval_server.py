@@ -305,7 +305,7 @@ def serve(args: argparse.Namespace) -> None:
     logger.info("retrieval server on http://%s:%d (%s over %d documents)", args.host, args.port, retriever.name,
                 len(rows))
     web.run_app(make_app(service, args.max_body_bytes), host=args.host, port=args.port, print=None,
-                access_log=None)
+                access_log=None, shutdown_timeout=1.0)  # a stopped run does not wait for the requests in flight
 
 
 def retrieval_server_command(cfg, port: int) -> list[str]:
