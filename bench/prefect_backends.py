@@ -9,7 +9,9 @@ For each API, as a user runs them: one `areal-pipeline train` of `--iterations` 
 1e-3, 9.5e-4, ...: the same model, so nothing is built in between). Per-iteration overhead is each iteration's
 `iter_<k>/orchestration.json` (time from the previous iteration's last node to this one's, less the nodes' own
 work); the concurrent figure is the sweep command's wall time, start-up included. The servers run Prefect's
-default settings, as a server a user starts does; the temporary API runs the project's (flows/__init__.py). The
+default settings, as a server a user starts does; the temporary API runs the project's (flows/__init__.py), and
+the backend `postgres-events-off` (not in the defaults) runs PostgreSQL with the temporary API's server settings
+(event persister, automation triggers and event streaming off), which measures what those services cost. The
 embedded model is built once, before anything is timed. The last line is one JSON object of the figures.
 """
 
@@ -43,6 +45,10 @@ PROJECT_SERVER_SETTINGS = ("PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED",
                            "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE",
                            "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL")
 QUIET = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "PREFECT_UI_ENABLED": "false"}
+# the server-side services the temporary API turns off (flows/__init__.py): what a standing server's Events page and
+# automations (`areal-pipeline guard`) cost; the backend postgres-events-off measures that cost
+EVENTS_OFF = {"PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false", "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
+              "PREFECT_SERVER_EVENTS_STREAM_OUT_ENABLED": "false"}
 
 
 def _base_env(home: Path) -> dict[str, str]:
@@ -194,7 +200,7 @@ def main() -> None:
                     server.stop()
                 row["database_locked_errors"] = server.locked_errors()
                 results.append(row)
-            elif name == "postgres":
+            elif name in ("postgres", "postgres-events-off"):
                 try:
                     postgres_binaries()
                 except PrefectServerError as e:
@@ -202,19 +208,21 @@ def main() -> None:
                     results.append({"api": name, "skipped": str(e)})
                     continue
                 server = LocalPrefectServer(work / "pg")
-                url = server.start(find_free_port(), find_free_port(), extra_env=QUIET)
+                url = server.start(find_free_port(), find_free_port(),
+                                   extra_env={**QUIET, **(EVENTS_OFF if name == "postgres-events-off" else {})})
                 try:
                     results.append(measure(name, url, args, work))
                 finally:
                     server.stop()
             else:
-                raise SystemExit(f"unknown backend {name!r}: temporary, sqlite, postgres")
+                raise SystemExit(f"unknown backend {name!r}: temporary, sqlite, postgres, postgres-events-off")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
     labels = {"temporary": "train's temporary API", "sqlite": "prefect server start, SQLite (default settings)",
-              "postgres": "prefect server start, PostgreSQL (areal-pipeline prefect-server)"}
+              "postgres": "prefect server start, PostgreSQL (areal-pipeline prefect-server)",
+              "postgres-events-off": "the same, event persister and automation triggers off (as the temporary API)"}
     print(f"\n| Prefect API | overhead per iteration (mean / median / max) | wall per iteration | "
           f"{args.concurrent} runs of {args.concurrent_iterations} iterations at once |")
     print("|---|---|---|---|")
