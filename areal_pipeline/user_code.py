@@ -26,6 +26,20 @@ def is_reference(value: str) -> bool:
     return bool(module) and bool(attr)
 
 
+def load_registered(name: str, registered: dict[str, str], key: str, what: str, kind: str, see: str) -> Any:
+    """The object a registered `name` stands for (`registered`: name -> reference), or the user's own reference.
+    Every failure is a ValueError led by what went wrong: an unknown name lists the registered ones."""
+    target = registered.get(name, name)
+    if not is_reference(target):
+        raise ValueError(f"unknown {what} '{name}'; valid: {', '.join(registered)}, or {reference_form(kind)} "
+                         f"naming a {what} {kind.lower()} of your own ({see})")
+    try:
+        return load_attr(target, key, kind)
+    except (ImportError, AttributeError, FileNotFoundError) as error:
+        raise ValueError(f"{error}; the module must be importable where the run starts (its directory, or "
+                         "PYTHONPATH)") from None
+
+
 def load_attr(reference: str, key: str, kind: str = "attr") -> Any:
     """The object `reference` names. `key` is the config key that named it, which every error starts with.
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, runtime
 from prefect.futures import wait
-from prefect.runtime import flow_run
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.states import Cancelled
 
@@ -33,7 +32,7 @@ from tasks import registry
 
 
 def _iteration_run_name() -> str:
-    parameters = flow_run.parameters
+    parameters = runtime.flow_run.parameters
     k, until = parameters["k"], parameters.get("until")
     return f"{parameters['run_id']}/iter-{k}" + (f"..{until}" if until not in (None, k) else "")
 

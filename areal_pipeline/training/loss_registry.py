@@ -50,19 +50,11 @@ class Loss(NamedTuple):
 
 def loss_builder(name: str) -> Callable[[Any], Loss]:
     """The builder `ppo.loss` names: a registered name, or "module:attr" / "path/to/file.py:attr" (user_code)."""
-    from areal_pipeline.user_code import is_reference, load_attr
+    from areal_pipeline.user_code import load_registered
 
-    target = LOSSES.get(name, name)
-    if not is_reference(target):
-        raise ValueError(f"unknown loss '{name}'; valid: {', '.join(sorted(LOSSES))}, or 'module:attr' naming a "
-                         "builder of your own (see areal_pipeline/training/loss_registry.py)")
-    try:
-        builder = load_attr(target, "ppo.loss", "builder")
-    except (ImportError, AttributeError, FileNotFoundError) as error:
-        raise ValueError(f"loss '{name}': {error}; the module must be importable where the run starts (its "
-                         "directory, or PYTHONPATH)") from None
+    builder = load_registered(name, LOSSES, "ppo.loss", "loss", "builder", "areal_pipeline/training/loss_registry.py")
     if not callable(builder):
-        raise ValueError(f"loss '{name}': {target} is not callable (a builder: ppo_cfg -> Loss)")
+        raise ValueError(f"ppo.loss={name!r}: {builder!r} is not callable (a builder: ppo_cfg -> Loss)")
     return builder
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-from areal_pipeline.user_code import is_reference, load_attr, reference_form
+from areal_pipeline.user_code import load_attr, load_registered
 
 WORKFLOWS: dict[str, str] = {
     "rlvr": "areal_pipeline.workflows.rlvr:RLVRWorkflow",
@@ -23,14 +23,8 @@ WORKFLOWS: dict[str, str] = {
 
 def workflow_class(name: str) -> type:
     """The class `rollout.workflow` names. ValueError, naming the valid names, when it names none."""
-    target = WORKFLOWS.get(name, name)
-    if not is_reference(target):
-        raise ValueError(f"unknown workflow '{name}'; valid: {', '.join(WORKFLOWS)}, or {reference_form('Class')} "
-                         "naming a workflow class of your own (areal_pipeline/workflows/protocol.py)")
-    try:
-        cls = load_attr(target, "rollout.workflow", "Class")
-    except (ImportError, AttributeError, FileNotFoundError) as error:
-        raise ValueError(str(error)) from None
+    cls = load_registered(name, WORKFLOWS, "rollout.workflow", "workflow", "Class",
+                          "areal_pipeline/workflows/protocol.py")
     missing = [attr for attr in ("from_config", "arun_episode") if not callable(getattr(cls, attr, None))]
     if missing:
         raise ValueError(f"rollout.workflow={name!r}: {getattr(cls, '__name__', cls)} is not a workflow class (it has "
