@@ -90,17 +90,20 @@ def cmd_train(args) -> None:
     # What start-up waits for comes up in the background from here on, together, while this process imports the
     # rest and builds the embedded model: the services' own imports (a forkserver, see forkserver.py) and
     # Prefect's API server, when none is configured.
-    forkserver.start_preloading()
-    from flows.api_server import TemporaryAPIServer, configured_api_url, prefect_api
+    from flows.api_server import early_api_server, needed_api_server, prefect_api
 
-    api_server = None if configured_api_url() else TemporaryAPIServer()
+    api_server = early_api_server()
     try:
+        forkserver.start_preloading()
+        api_server = needed_api_server(api_server)
         from flows.train import train
 
         from areal_pipeline.metrics import read_metrics, summarize
-        from areal_pipeline.model import resolve_model_path
+        from areal_pipeline.model import preimport_tokenizer, resolve_model_path
 
         resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
+        # what the flow loads first, imported while the API server comes up rather than after
+        preimport_tokenizer()
     except BaseException:
         if api_server is not None:
             api_server.stop()
@@ -218,7 +221,7 @@ def cmd_sweep(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from areal_pipeline.inference.server import build_arg_parser
+    from areal_pipeline.inference.server_args import build_arg_parser
 
     parser = argparse.ArgumentParser(prog="areal-pipeline", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -235,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve a model over SGLang's HTTP API on CPU")
     p.set_defaults(func=cmd_inference_server)
 
-    from areal_pipeline.tools.retrieval_server import build_arg_parser as retrieval_arg_parser
+    from areal_pipeline.tools.retrieval_args import build_arg_parser as retrieval_arg_parser
 
     p = sub.add_parser("retrieval-server", parents=[retrieval_arg_parser()], add_help=False,
                        conflict_handler="resolve", help="serve BM25 (or dense) retrieval over a jsonl corpus")

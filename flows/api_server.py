@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 from typing import Iterator, Optional
 
 from areal_pipeline.utils import PARENT_PID_ENV, exit_when_parent_dies, find_free_port, get_logger
@@ -89,6 +90,39 @@ class TemporaryAPIServer:
             popen.wait()
         with contextlib.suppress(OSError):
             os.unlink(self.log_path)
+
+
+def _may_name_an_api() -> bool:
+    """Whether the environment or a file Prefect reads its settings from may name an API (a cheap look, before
+    Prefect's settings are imported; `configured_api_url` decides)."""
+    if os.environ.get("PREFECT_API_URL"):
+        return True
+    home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
+    profiles = Path(os.environ.get("PREFECT_PROFILES_PATH") or home / "profiles.toml").expanduser()
+    for path, mark in ((profiles, "PREFECT_API_URL"), (Path(".env"), "PREFECT_API_URL"),
+                       (Path("prefect.toml"), ""), (Path("pyproject.toml"), "tool.prefect")):
+        try:
+            if mark in path.read_text(errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def early_api_server() -> Optional[TemporaryAPIServer]:
+    """The temporary server a command will run its flows against, started now unless an API may be configured:
+    its start (seconds of imports) then overlaps the command's own imports, Prefect's settings among them.
+    Pass it to `needed_api_server`, which stops it if Prefect's settings do name an API after all."""
+    return None if _may_name_an_api() else TemporaryAPIServer()
+
+
+def needed_api_server(early: Optional[TemporaryAPIServer]) -> Optional[TemporaryAPIServer]:
+    """The temporary server to use (`early`, or one started now), or None where Prefect's settings name an API."""
+    if configured_api_url() is not None:
+        if early is not None:
+            early.stop()
+        return None
+    return early or TemporaryAPIServer()
 
 
 def configured_api_url() -> Optional[str]:

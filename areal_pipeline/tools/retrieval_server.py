@@ -25,7 +25,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,23 +35,21 @@ from aiohttp import web
 
 from areal_pipeline.http_json import RequestRejected, check_bool, check_int, json_errors, read_json, shown
 from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.tools.retrieval_args import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUERIES,
+    RETRIEVERS,
+    build_arg_parser,
+    default_index_dir,
+)
 from areal_pipeline.utils import atomic_directory, atomic_path, exit_when_parent_dies, find_free_port, get_logger
 
 logger = get_logger(__name__)
 
-RETRIEVERS = ("bm25", "dense")
 REQUEST_KEYS = {"queries", "topk", "return_scores"}
-DEFAULT_MAX_QUERIES = 256
-DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 # A request the server answers with HTTP 400 (413 when it is too big).
 BadRequest = RequestRejected
-
-
-def default_index_dir() -> Path:
-    """Where a retrieval server started on its own keeps its indexes: the user's cache, not the current directory."""
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "areal-pipeline" / "indexes"
 
 
 # ---------------------------------------------------------------------------------------------- corpus
@@ -276,23 +273,6 @@ def make_app(service: RetrievalService, max_body_bytes: int = DEFAULT_MAX_BODY_B
 
 
 # ---------------------------------------------------------------------------------------------- process
-
-
-def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="BM25 (or dense) retrieval server with ASearcher's /retrieve API")
-    p.add_argument("--corpus", default="", help="jsonl with id, title, contents (default: the generated KB)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--retriever", default="bm25", choices=RETRIEVERS)
-    p.add_argument("--embedding-model", default="", help="local encoder directory, for --retriever dense")
-    p.add_argument("--index-dir", default="",
-                   help=f"where built indexes are kept (default: {default_index_dir()}, from $XDG_CACHE_HOME)")
-    p.add_argument("--topk", type=int, default=3, help="results per query when a request gives no topk")
-    p.add_argument("--max-topk", type=int, default=50)
-    p.add_argument("--max-query-chars", type=int, default=2000)
-    p.add_argument("--max-queries", type=int, default=DEFAULT_MAX_QUERIES, help="queries per request (413 beyond)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body size (413 beyond)")
-    return p
 
 
 def serve(args: argparse.Namespace) -> None:

@@ -1,0 +1,39 @@
+"""The CPU inference server's command line, apart from the server so that a command that only lists its options
+(`areal-pipeline --help`, the parser of every subcommand) does not import torch and aiohttp for it."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="SGLang-API-compatible CPU inference server")
+    p.add_argument("--model", "--model-path", dest="model", required=True, help="HF model directory or hub id")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-batch-size", type=int, default=128)
+    p.add_argument("--context-length", type=int, default=0, help="0: the model's max_position_embeddings")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", type=_device,
+                   help="cpu, cuda or cuda:N: where the model and everything the engine builds live")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="on CUDA, the share of the GPU's memory this server may allocate (as SGLang's flag; for a "
+                        "GPU shared with the trainer); default: no cap")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: default)")
+    p.add_argument("--weight-version", default="0")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body taken (413 beyond)")
+    return p
+
+
+def _device(value: str) -> str:
+    """--device as torch names it; cuda:N must be a number (whether that GPU exists is checked at start-up)."""
+    kind, _, index = value.partition(":")
+    if kind == "cpu" and not index or kind == "cuda" and (not index or index.isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is not cpu, cuda or cuda:N")
