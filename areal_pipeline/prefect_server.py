@@ -44,6 +44,12 @@ UNIX_SOCKET_PATH_MAX = 107  # sun_path, less its terminating NUL
 
 # no internet here, and no reason for a server to phone home anywhere
 QUIET_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+# Prefect's task-run recorder writes each task run's state change in a transaction of its own (batch size 1): with
+# runs of sub-second iterations that is a commit per node and state, whose server and database CPU the run on the
+# same cores loses (bench/prefect_backends.py). Batched, a task run's state reaches the UI up to the flush interval
+# late. A value in the environment of `prefect-server start` wins.
+SERVER_DEFAULTS = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+                   "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1"}
 
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -312,7 +318,8 @@ class LocalPrefectServer:
         say(f"PostgreSQL {'started' if started_postgres else 'was running'}: {self.database_url(pg_port, False)} "
             f"(data {self.pg_data})")
         self.prefect_home.mkdir(exist_ok=True)
-        env = {**os.environ, **QUIET_ENV, **(extra_env or {}), "PREFECT_HOME": str(self.prefect_home),
+        env = {**SERVER_DEFAULTS, **os.environ, **QUIET_ENV, **(extra_env or {}),
+               "PREFECT_HOME": str(self.prefect_home),
                "PREFECT_API_DATABASE_CONNECTION_URL": self.database_url(pg_port)}
         env.pop("PREFECT_API_URL", None)  # the server is not a client of another one
         with open(self.server_log, "ab") as log:

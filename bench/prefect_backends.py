@@ -12,7 +12,9 @@ work); the concurrent figure is the sweep command's wall time, start-up included
 default settings, as a server a user starts does; the temporary API runs the project's (flows/__init__.py), and
 the backend `postgres-events-off` (not in the defaults) runs PostgreSQL with the temporary API's server settings
 (event persister, automation triggers and event streaming off), which measures what those services cost. The
-embedded model is built once, before anything is timed. The last line is one JSON object of the figures.
+embedded model is built once, before anything is timed. A backend named twice (`--backends
+temporary,postgres,postgres,temporary`) is measured twice, each a fresh run: ABBA order cancels the drift of a busy
+machine. The last line is one JSON object of the figures.
 """
 
 from __future__ import annotations
@@ -132,12 +134,14 @@ def _figures(records: list[dict[str, float]]) -> dict[str, Optional[float]]:
             "spikes_over_1s": sum(o > 1000 for o in overhead)}
 
 
-def measure(name: str, api_url: Optional[str], args, work: Path) -> dict[str, Any]:
-    env = _base_env(work / f"home-{name}")
+def measure(name: str, api_url: Optional[str], args, work: Path, repeat: int = 0) -> dict[str, Any]:
+    """One train run (and sweep) against `name`; `repeat` > 0 for a backend named again (a fresh run of its own)."""
+    tag = f"{name}-{repeat}" if repeat else name
+    env = _base_env(work / f"home-{tag}")
     if api_url:
         env["PREFECT_API_URL"] = api_url
     overrides = [f"output_dir={work}", *args.overrides]
-    run_id = f"bench-{name}"
+    run_id = f"bench-{tag}"
     print(f"[{name}] train, {args.iterations} iterations", flush=True)
     train_wall = _command(["train", "--config", args.config, "--run-id", run_id, *overrides,
                            f"total_iterations={args.iterations}"], env,
@@ -189,13 +193,14 @@ def main() -> None:
 
     results = []
     try:
-        for name in backends:
+        for position, name in enumerate(backends):
+            repeat = backends[:position].count(name)
             if name == "temporary":
-                results.append(measure(name, None, args, work))
+                results.append(measure(name, None, args, work, repeat))
             elif name == "sqlite":
                 server = SQLiteServer(work / "sqlite-server")
                 try:
-                    row = measure(name, server.url, args, work)
+                    row = measure(name, server.url, args, work, repeat)
                 finally:
                     server.stop()
                 row["database_locked_errors"] = server.locked_errors()
@@ -211,7 +216,7 @@ def main() -> None:
                 url = server.start(find_free_port(), find_free_port(),
                                    extra_env={**QUIET, **(EVENTS_OFF if name == "postgres-events-off" else {})})
                 try:
-                    results.append(measure(name, url, args, work))
+                    results.append(measure(name, url, args, work, repeat))
                 finally:
                     server.stop()
             else:

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from _prefect_server import SERVER_ENV, client_env
-from areal_pipeline.prefect_server import LocalPrefectServer, PrefectServerError, postgres_binaries
+from areal_pipeline.prefect_server import SERVER_DEFAULTS, LocalPrefectServer, PrefectServerError, postgres_binaries
 from areal_pipeline.utils import find_free_port
 from flows.artifacts import artifact_key
 from test_flows import (REPO, cli, fast_overrides, our_service_processes, stop_serve, wait_for_deployment,
@@ -55,8 +55,8 @@ def pg_server():
     top.chmod(0o755)
     directory = top / "server"
     # a user's server runs Prefect's defaults, not what importing `flows` set in this process's environment
-    env = {**os.environ, **SERVER_ENV}
-    env.pop("PREFECT_API_URL", None)
+    env = {k: v for k, v in os.environ.items() if k not in SERVER_DEFAULTS and k != "PREFECT_API_URL"}
+    env.update(SERVER_ENV)
     port, pg_port = find_free_port(), find_free_port()
     try:
         out = _command("prefect-server", "start", "--dir", str(directory), "--port", str(port), "--pg-port",
@@ -145,6 +145,9 @@ def test_the_server_listens_on_loopback_only_and_runs_on_postgres(pg_server):
     tables = asyncio.run(_postgres_rows(directory, "SELECT count(*) AS n FROM information_schema.tables "
                                                    "WHERE table_name IN ('flow_run', 'task_run', 'artifact')"))
     assert tables[0]["n"] == 3  # Prefect migrated its schema into PostgreSQL
+    # task-run states recorded in batches (a transaction each cost the run's cores: bench/prefect_backends.py)
+    server_env = psutil.Process(server_pid).environ()
+    assert {k: server_env.get(k) for k in SERVER_DEFAULTS} == SERVER_DEFAULTS
 
 
 def test_a_train_run_and_a_deployment_run_complete(pg_server, tiny_model_dir, tmp_path):
