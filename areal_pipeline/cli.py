@@ -96,7 +96,7 @@ def cmd_train(args) -> None:
     try:
         forkserver.start_preloading()
         api_server = needed_api_server(api_server)
-        from flows.train import train
+        from flows.train import preimport_first_run, train
 
         from areal_pipeline.metrics import read_metrics, summarize
         from areal_pipeline.model import preimport_tokenizer, resolve_model_path
@@ -104,6 +104,7 @@ def cmd_train(args) -> None:
         resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
         # what the flow loads first, imported while the API server comes up rather than after
         preimport_tokenizer()
+        preimport_first_run()
     except BaseException:
         if api_server is not None:
             api_server.stop()

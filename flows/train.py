@@ -12,6 +12,7 @@ Consecutive iteration runs overlap in their bookkeeping, never in their nodes (f
 
 from __future__ import annotations
 
+import importlib
 import json
 from typing import Any, Optional
 
@@ -29,6 +30,18 @@ from areal_pipeline.run_dir import newest_completed_iteration, run_lock
 from areal_pipeline.utils import atomic_write_text
 from flows import artifacts, control, events, overlap
 from tasks import registry
+
+# What Prefect imports at a process's first flow and task run (its engines, and FastAPI's encoder for parameters):
+# `areal-pipeline train` imports them while the API server comes up, off the path between it and the first iteration.
+FIRST_RUN_IMPORTS = ("prefect.flow_engine", "prefect.task_engine", "prefect.utilities.visualization", "fastapi.encoders")
+
+
+def preimport_first_run() -> None:
+    for module in FIRST_RUN_IMPORTS:
+        try:
+            importlib.import_module(module)
+        except ImportError:  # another Prefect version: it imports what it needs when it needs it
+            pass
 
 
 def _iteration_run_name() -> str:
