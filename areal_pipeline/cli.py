@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "path/to/file.py:Class")
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("serve", help="serve the train and evaluate deployments (Prefect UI runs, schedules)")
+    p = sub.add_parser("serve", help="serve the train, evaluate and sweep deployments (Prefect UI runs, schedules)")
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
     p.add_argument("--run-id", default=None)
     p.add_argument("--iterations", type=int, default=None, help="iterations a train run adds to its run")

@@ -36,7 +36,7 @@ def test_prefect_deploy_and_a_process_worker_run_train_and_evaluate(server, tiny
     env["PREFECT_WORKER_QUERY_SECONDS"] = "1"  # the worker looks for scheduled runs every second, not every 10 s
     prefect_cli("work-pool", "create", POOL, "--type", "process", env=env)
     out = prefect_cli("--no-prompt", "deploy", "--all", env=env)
-    assert "train/train" in out and "evaluate/evaluate" in out, out
+    assert "train/train" in out and "evaluate/evaluate" in out and "sweep/sweep" in out, out
 
     worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", POOL], cwd=tmp_path, env=env,
                               stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import psutil
 import pytest
@@ -351,13 +352,18 @@ def test_same_run_id_twice_is_refused(prefect_api, tiny_model_dir, tmp_path):
                   overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="busy"))
 
 
-async def wait_for_deployment(client, name: str):
+async def wait_for_deployment(client, name: str, run_id: Optional[str] = None):
+    """The deployment `name` once registered (with `run_id`: once served for that run id, as an earlier test's
+    `serve` in the same API may have registered it for another)."""
     for _ in range(600):
         try:
-            return await client.read_deployment_by_name(name)
+            deployment = await client.read_deployment_by_name(name)
+            if run_id is None or deployment.parameters.get("run_id") == run_id:
+                return deployment
         except Exception:
-            await asyncio.sleep(0.2)
-    raise AssertionError(f"deployment {name} never registered")
+            pass
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"deployment {name} never registered" + (f" for run {run_id}" if run_id else ""))
 
 
 def stop_serve(serve: subprocess.Popen) -> None:
@@ -399,6 +405,48 @@ def test_scheduled_deployment_registers_and_a_triggered_run_completes(prefect_ap
         stop_serve(serve)
     lines = (tmp_path / "served" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["iteration"] for line in lines] == [1, 2]
+
+
+def test_a_sweep_started_from_its_served_deployment_runs_every_combination(prefect_api, tiny_model_dir, tmp_path):
+    """The UI's Run on the `sweep` deployment of `areal-pipeline serve`, with an axis added to the served overrides:
+    a train run per value, each a child of the sweep's flow run, and the sweep's table artifact."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    from flows.artifacts import artifact_key
+
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    serve = cli("serve", "--config", "configs/tiny_cpu.yaml", "--iterations", "1",
+                *fast_overrides(tmp_path, tiny_model_dir, run_id="uisweep"), env=env, start_new_session=True)
+
+    async def scenario():
+        async with get_client() as client:
+            deployment = await wait_for_deployment(client, "sweep/sweep", run_id="uisweep")
+            assert deployment.parameters["max_parallel"] == 1
+            axes = [a for a in deployment.parameters["axes"] if not a.startswith("trainer.optimizer.lr=")]
+            run = await client.create_flow_run_from_deployment(deployment.id, parameters={
+                "axes": [*axes, "trainer.optimizer.lr=1e-3,2e-3"], "max_parallel": 2})
+            for _ in range(3000):
+                run = await client.read_flow_run(run.id)
+                if run.state.is_final():
+                    break
+                await asyncio.sleep(0.2)
+            children = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+            artifacts = await client.read_artifacts()
+            return run, sorted(c.name for c in children if c.state.is_completed()), artifacts
+
+    try:
+        run, children, artifacts = asyncio.run(scenario())
+    finally:
+        stop_serve(serve)
+    assert run.state.is_completed(), run.state
+    assert children == ["uisweep-lr=1e-3", "uisweep-lr=2e-3"]
+    for run_id in ("uisweep-lr=1e-3", "uisweep-lr=2e-3"):
+        lines = (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["iteration"] for line in lines] == [1]
+    table = next(a for a in artifacts if a.key == artifact_key("uisweep", "sweep"))
+    assert sorted(row["run_id"] for row in json.loads(table.data)) == children
 
 
 @pytest.mark.parametrize("config", ["gsm8k_reflection", "gsm8k_multi_turn", "remax", "search_agent"])
