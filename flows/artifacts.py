@@ -7,6 +7,7 @@ import base64
 import math
 import re
 import time
+import weakref
 from typing import Any, Optional
 from uuid import UUID
 
@@ -31,7 +32,9 @@ def _fmt(value: Any) -> Any:
     return round(value, 4) if isinstance(value, float) else value
 
 
-_LAST_PUBLISHED: dict[str, float] = {}  # run id -> when its iteration artifacts were last published
+# a run's pipeline -> when its iteration artifacts were last published (gone with the pipeline: a later run of the
+# same id in this process starts afresh)
+_LAST_PUBLISHED: "weakref.WeakKeyDictionary[Pipeline, float]" = weakref.WeakKeyDictionary()
 
 
 def publish_iteration(pipeline: Pipeline, k: int, record: dict[str, Any]) -> bool:
@@ -40,11 +43,11 @@ def publish_iteration(pipeline: Pipeline, k: int, record: dict[str, Any]) -> boo
     a person can read: then they are published at most that often, and always for a run's last iteration and
     for an iteration with a checkpoint. Returns whether they were."""
     run_id, now = pipeline.cfg.run_id, time.monotonic()
-    due = (now - _LAST_PUBLISHED.get(run_id, -math.inf) >= ITERATION_ARTIFACTS_INTERVAL_S
+    due = (now - _LAST_PUBLISHED.get(pipeline, -math.inf) >= ITERATION_ARTIFACTS_INTERVAL_S
            or k == pipeline.cfg.total_iterations or pipeline.wants_checkpoint(k))
     if not due:
         return False
-    _LAST_PUBLISHED[run_id] = now
+    _LAST_PUBLISHED[pipeline] = now
     create_table_artifact(key=artifact_key(run_id, "metrics"),
                           table=[{"metric": name, "value": _fmt(v)} for name, v in record.items()],
                           description=f"{run_id} iteration {k}: metrics")
