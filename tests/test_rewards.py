@@ -180,3 +180,53 @@ def test_warm_up_starts_the_workers_with_the_reward_module_imported():
         futures = pool.warm_up(math_reward)
         assert [f.result(timeout=60) for f in futures] == ["areal_pipeline.rewards.math"] * 2
         assert pool.score(math_reward, "\\boxed{7}", "#### 7") == 1.0
+
+
+def test_a_reward_reference_loads_in_the_workers_a_function_from_a_file(tmp_path):
+    """A reward named "path/to/file.py:fn" scores in the pool's workers (the function itself, pickled by the name
+    of a module loaded from a file, could not reach them), warm-up loads it there, and this process never does."""
+    from areal_pipeline.rewards import RewardReference
+    from areal_pipeline.rewards.pool import _LOADED
+
+    source = tmp_path / "my_reward.py"
+    source.write_text("def reward(completion, answer):\n    return 1.0 if completion.strip() == answer else 0.25\n")
+    reference = RewardReference(f"{source}:reward")
+    with RewardPool(max_workers=1, timeout=TIMEOUT) as pool:
+        assert [f.result(timeout=60) for f in pool.warm_up(reference)] == [f"{source}:reward"]
+        assert pool.score(reference, " 4 ", "4") == 1.0
+        assert asyncio.run(pool.ascore_many(reference, [("4", "4"), ("5", "4")])) == [1.0, 0.25]
+    assert f"{source}:reward" not in _LOADED
+
+
+@pytest.mark.parametrize("reference, message", [
+    ("areal_pipeline.rewards.math:no_such_reward", "has no 'no_such_reward'"),
+    ("no_such_module_here:reward", "cannot import 'no_such_module_here'"),
+])
+def test_a_reward_reference_that_cannot_load_is_an_error_not_a_score_of_zero(reference, message):
+    from areal_pipeline.rewards import RewardReference
+    from areal_pipeline.rewards.pool import RewardLoadError
+
+    ref = RewardReference(reference, "MyWorkflow.reward_function")
+    with RewardPool(max_workers=1, timeout=TIMEOUT) as pool:
+        with pytest.raises(RewardLoadError, match=message):
+            pool.score(ref, "1", "1")
+        with pytest.raises(RewardLoadError, match=message):
+            asyncio.run(pool.ascore(ref, "1", "1"))
+        with pytest.raises(RewardLoadError, match="MyWorkflow.reward_function"):
+            asyncio.run(pool.ascore_many(ref, [("1", "1"), ("2", "2")]))
+
+
+def test_the_orchestrating_process_does_not_import_the_math_reward():
+    """What a run's orchestrating process does with the reward (build the workflow's reward reference, import the
+    train flow) imports neither math-verify nor sympy: only the pool's workers do."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom areal_pipeline.config import load_config\n"
+            "from areal_pipeline.workflows import pooled_reward_function\nimport flows.train\n"
+            "fn = pooled_reward_function(load_config('configs/tiny_cpu.yaml', []))\n"
+            "print(fn, sorted(m for m in ('math_verify', 'sympy', 'areal_pipeline.rewards.math') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "areal_pipeline.rewards.math:math_reward []"

@@ -14,6 +14,7 @@ import multiprocessing
 import signal
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import pebble
@@ -21,6 +22,54 @@ import pebble
 logger = logging.getLogger("areal_pipeline.rewards")
 
 _MAX_ARGS_CHARS = 200
+
+
+class RewardLoadError(RuntimeError):
+    """A reward function named by reference could not be loaded: a configuration error, never a score of 0.0."""
+
+
+_LOADED: dict[str, Callable[..., Any]] = {}  # reference -> function, per process
+
+
+@dataclass(frozen=True)
+class RewardReference:
+    """A reward function named "module:attr" or "path/to/file.py:attr", loaded in the process that calls it.
+
+    The pool's workers load it; the process that hands it to the pool never does, so the orchestrating process of
+    a run does not import a reward module it never calls (math-verify's sympy: ~0.3 s of its start-up). A function
+    from a file loads in a worker as well, which the function itself, pickled by its module's name, could not."""
+
+    reference: str
+    key: str = "reward_function"
+
+    def load(self) -> Callable[..., Any]:
+        fn = _LOADED.get(self.reference)
+        if fn is None:
+            from areal_pipeline.user_code import load_attr
+
+            try:
+                fn = load_attr(self.reference, self.key, "function")
+            except Exception as error:
+                raise RewardLoadError(f"{type(error).__name__}: {error}") from None
+            if not callable(fn):
+                raise RewardLoadError(f"{self.key}={self.reference!r} is not a function")
+            _LOADED[self.reference] = fn
+        return fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.load()(*args)
+
+    def __str__(self) -> str:
+        return self.reference
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return str(fn) if isinstance(fn, RewardReference) else f"{fn.__module__}.{getattr(fn, '__qualname__', fn)}"
+
+
+def _load(reference: RewardReference) -> str:
+    reference.load()
+    return reference.reference
 
 
 def _ignore_ctrl_c() -> None:
@@ -40,6 +89,8 @@ def _score_each(fn: Callable[..., Any], calls: list[tuple]) -> list[Any]:
     for args in calls:
         try:
             scores.append(float(fn(*args)))
+        except RewardLoadError:
+            raise
         except Exception as error:
             scores.append(repr(error))
     return scores
@@ -70,8 +121,11 @@ class RewardPool:
         )
 
     def warm_up(self, fn: Callable[..., Any]) -> list[Future]:
-        """Start the workers and import `fn`'s module in them now (in the background; a spawned worker
-        importing math-verify takes seconds), so that the first scores do not wait for it."""
+        """Start the workers and load `fn` (a RewardReference) or import its module in them now (in the
+        background; a spawned worker importing math-verify takes seconds), so that the first scores do not wait for
+        it. A reference that cannot load fails the first score that uses it, with RewardLoadError."""
+        if isinstance(fn, RewardReference):
+            return [self._pool.schedule(_load, args=(fn,)) for _ in range(self.max_workers)]
         return [self._pool.schedule(_import, args=(fn.__module__,)) for _ in range(self.max_workers)]
 
     def _submit(self, fn: Callable[..., Any], args: tuple) -> Future:
@@ -85,8 +139,7 @@ class RewardPool:
             reason = f"timed out after {self.timeout}s"
         else:
             reason = repr(error)
-        name = f"{fn.__module__}.{getattr(fn, '__qualname__', fn)}"
-        logger.warning("reward %s%s scored 0.0: %s", name, shown, reason)
+        logger.warning("reward %s%s scored 0.0: %s", _name(fn), shown, reason)
 
     def score(self, fn: Callable[..., Any], *args: Any) -> float:
         """Blocking: `fn(*args)` as a float, or 0.0 if it times out or raises."""
@@ -94,6 +147,8 @@ class RewardPool:
             return float(self._submit(fn, args).result())
         except BrokenProcessPool as error:
             raise RewardPoolError(fn, error) from error
+        except RewardLoadError:
+            raise
         except Exception as error:
             self._warn(fn, args, error)
             return 0.0
@@ -104,6 +159,8 @@ class RewardPool:
             return float(await asyncio.wrap_future(self._submit(fn, args)))
         except BrokenProcessPool as error:
             raise RewardPoolError(fn, error) from error
+        except RewardLoadError:
+            raise
         except Exception as error:
             self._warn(fn, args, error)
             return 0.0
@@ -120,6 +177,8 @@ class RewardPool:
             results = await asyncio.wrap_future(future)
         except BrokenProcessPool as error:
             raise RewardPoolError(fn, error) from error
+        except RewardLoadError:
+            raise
         except Exception as error:  # the job timed out (or could not be sent): score the calls one by one
             logger.warning("reward job of %d calls failed (%r); scoring them one by one", len(calls), error)
             return list(await asyncio.gather(*(self.ascore(fn, *args) for args in calls)))

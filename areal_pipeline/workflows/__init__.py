@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-from areal_pipeline.user_code import load_attr, load_registered
+from areal_pipeline.rewards.pool import RewardReference
+from areal_pipeline.user_code import is_reference, load_attr, load_registered
 
 WORKFLOWS: dict[str, str] = {
     "rlvr": "areal_pipeline.workflows.rlvr:RLVRWorkflow",
@@ -61,7 +62,11 @@ def pooled_reward_function(cfg) -> Optional[Callable[[str, Any], float]]:
     or None when it scores in process (the search agent) or is scored by the agent (openai_agent)."""
     cls = workflow_class(cfg.rollout.workflow)
     reference = getattr(cls, "reward_function", None)
-    return None if reference is None else load_attr(reference, f"{cls.__name__}.reward_function")
+    if reference is None:
+        return None
+    if not is_reference(reference):  # the form is checked here; whether it loads, in the pool's workers
+        load_attr(reference, f"{cls.__name__}.reward_function", "function")
+    return RewardReference(reference, f"{cls.__name__}.reward_function")
 
 
 def required_tools(cfg) -> tuple[str, ...]:
