@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -87,23 +88,27 @@ def cmd_train(args) -> None:
     # Config errors first, then data errors, before anything starts (both need only light imports).
     cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)
     check_local_rows(cfg.dataset, cfg.seed)
-    # What start-up waits for comes up in the background from here on, together, while this process imports the
-    # rest and builds the embedded model: the services' own imports (a forkserver, see forkserver.py) and
-    # Prefect's API server, when none is configured.
+    # Prefect's API server (when none is configured) comes up in the background from here on, while this process
+    # imports what the run needs. Once it has imported what its services need too (torch, transformers' auto
+    # classes), a fork of it becomes their forkserver (see forkserver.py), which imports the rest of theirs while
+    # this process imports Prefect's flow machinery: the fork comes before the first torch operation (a fork of a
+    # process whose OpenMP pool has run can hang) and before any thread starts. Idle OpenMP threads must wait
+    # passively, in every process of the run.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from flows.api_server import early_api_server, needed_api_server, prefect_api
 
     api_server = early_api_server()
     try:
-        forkserver.start_preloading()
+        from areal_pipeline.model import preimport_tokenizer, resolve_model_path
+
+        preimport_tokenizer()  # what the flow and the services load first, imported before they ask for it
+        forkserver.start_here()
         api_server = needed_api_server(api_server)
         from flows.train import preimport_first_run, train
 
         from areal_pipeline.metrics import read_metrics, summarize
-        from areal_pipeline.model import preimport_tokenizer, resolve_model_path
 
         resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
-        # what the flow loads first, imported while the API server comes up rather than after
-        preimport_tokenizer()
         preimport_first_run()
     except BaseException:
         if api_server is not None:

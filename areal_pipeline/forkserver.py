@@ -3,9 +3,12 @@
 A CPU inference server or a trainer started as `python -m ...` spends seconds importing torch and transformers'
 Qwen2 modules before it loads a model; on a small machine, two of them plus the command's own imports and
 Prefect's API server dominated the start-up of a default run. Python's forkserver start method (stdlib
-`multiprocessing`) does that import once, in a server process started as soon as a command knows it will need
-services (`start_preloading`), while the command goes on with its own set-up; each service is then a fork of it,
-healthy a fraction of a second after it is asked for (README, "Start-up", and `bench/startup.py` give the figures).
+`multiprocessing`) does that import once, in a server process; each service is then a fork of it, healthy a
+fraction of a second after it is asked for (README, "Start-up", and `bench/startup.py` give the figures).
+`areal-pipeline train` makes a fork of itself that server (`start_here`) once it has imported torch and
+transformers' auto classes, which it needs too; the fork imports the services' remaining modules while the command
+imports Prefect's, so on a small machine no import is done twice. Elsewhere (a process with threads, tests that
+run flows in-process) the server is a new interpreter that imports the list itself (`start_preloading`).
 
 A forked service is the same program as the launched one: the module's `main(argv)`, in a session of its own,
 its output in its log file, its environment the launcher's. A single-rank trainer is forked as the rank itself
@@ -16,18 +19,21 @@ off.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver as mp_forkserver
-from multiprocessing import popen_forkserver, spawn, util
+from multiprocessing import connection as mp_connection
+from multiprocessing import popen_forkserver, resource_tracker, spawn, util
 from typing import Optional
 
 from areal_pipeline.utils import PARENT_PID_ENV
@@ -78,6 +84,114 @@ def start_preloading() -> Optional[multiprocessing.context.BaseContext]:
                         os.environ[name] = value
             _context = context
         return _context
+
+
+def start_here() -> Optional[multiprocessing.context.BaseContext]:
+    """Make a fork of this process the forkserver, for a process that has imported part of what its services need
+    (torch, with OMP_WAIT_POLICY=PASSIVE in its environment when it was imported): the fork imports the rest of
+    `PRELOAD` in the background, the services share this process's imports instead of a second interpreter
+    importing them again (seconds of CPU that a small machine's command needs for its own start-up). Falls back
+    to `start_preloading` where this process has other threads (a fork would hold their locks for ever) or
+    another OpenMP wait policy."""
+    global _context
+    if not enabled():
+        return None
+    with _lock:
+        if _context is not None:
+            return _context
+        fork_here = threading.active_count() == 1 and os.environ.get("OMP_WAIT_POLICY") == "PASSIVE"
+        if fork_here:
+            _fork_forkserver()
+            _context = multiprocessing.get_context("forkserver")
+    return _context if fork_here else start_preloading()
+
+
+def _fork_forkserver() -> None:
+    """`multiprocessing.forkserver.ForkServer.ensure_running` (CPython 3.9-3.13), except that the server is a fork
+    of this process rather than a new interpreter that imports the preload list."""
+    server = mp_forkserver._forkserver
+    resource_tracker.ensure_running()
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = mp_connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        # every client (this process and each service) holds the write end: EOF tells the server to end
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                os.close(alive_w)
+                _become_forkserver(listener.fileno(), alive_r)
+            except SystemExit:
+                pass
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)  # never this command's exit handlers (Prefect's log drain, ...), in a copy of it
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+
+
+def _become_forkserver(listener_fd: int, alive_r: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the command's stop handlers
+    # only what the server needs stays open: no pipe or log file of the command's is held after it ends
+    keep = {listener_fd, alive_r, resource_tracker._resource_tracker._fd}
+    for fd in sorted(int(name) for name in os.listdir("/proc/self/fd") if name.isdigit()):
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    os.environ["SPT_NOENV"] = "1"
+    from setproctitle import setproctitle
+
+    # short: the title has the room of the command's own command line only; `processes_of` finds it by this
+    setproctitle(_forkserver_title(os.getppid()))
+    mp_forkserver.main(listener_fd, alive_r, preload=PRELOAD)  # a service forked meanwhile waits for it
+
+
+def _forkserver_title(launcher_pid: int) -> str:
+    return f"multiprocessing.forkserver of {launcher_pid}"
+
+
+def processes_of(launcher_pid: int, forkserver: bool = True) -> list:
+    """The processes a command (`launcher_pid`) started and that are still there, as `psutil.Process`es: those
+    whose environment names it (AREAL_PARENT_PID: launched services, the temporary API server, a spawned
+    forkserver and its forks), and a forkserver forked from it (`start_here`) with every process forked from
+    that (their environment is the command's own, which does not name it); the forkservers themselves only with
+    `forkserver`. Found after the command is gone too (killed), which is what checks for leftovers need."""
+    import psutil
+
+    found: dict[int, psutil.Process] = {}
+    title = _forkserver_title(launcher_pid)
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(PARENT_PID_ENV) == str(launcher_pid):
+                found[proc.pid] = proc
+            elif " ".join(proc.cmdline()).strip() == title:
+                found[proc.pid] = proc
+                found.update((child.pid, child) for child in proc.children(recursive=True))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    if not forkserver:
+        found = {pid: proc for pid, proc in found.items() if not _is_forkserver(proc)}
+    return list(found.values())
+
+
+def _is_forkserver(proc) -> bool:
+    import psutil
+
+    try:
+        return "multiprocessing.forkserver" in " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
 
 
 def _run_service(module: str, argv: list[str], log_path: str, env: dict[str, str]) -> None:

@@ -58,9 +58,10 @@ from typing import Callable, Optional
 import psutil
 
 from areal_pipeline.checksums import sha256_file
+from areal_pipeline.forkserver import processes_of
 from areal_pipeline.inference.launcher import ServerProcess
 from areal_pipeline.run_dir import RunPaths
-from areal_pipeline.utils import PARENT_PID_ENV, find_free_port
+from areal_pipeline.utils import find_free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -123,15 +124,8 @@ def short(text: str, limit: int = 150) -> str:
 
 def services_of(pid: int) -> list[psutil.Process]:
     """The processes launched by `pid`: servers, trainer, the forkserver they are forked from, the temporary Prefect
-    API server (AREAL_PARENT_PID)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get(PARENT_PID_ENV) == str(pid):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
+    API server."""
+    return processes_of(pid)
 
 
 def gone_within(pid: int, seconds: float) -> list[str]:

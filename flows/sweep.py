@@ -288,15 +288,19 @@ def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] 
 
 def _child() -> None:
     """A sweep's run: the `train` flow run PREFECT__FLOW_RUN_ID names, as `areal-pipeline train` runs one (stop
-    signals, services forked from a preloaded forkserver, the progress line and train.log)."""
+    signals, services forked from a fork of this process, the progress line and train.log)."""
     from uuid import UUID
 
     from areal_pipeline import forkserver, shutdown
     from areal_pipeline.utils import exit_when_parent_dies
 
     shutdown.install_handlers()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported (see cli.cmd_train)
+    from areal_pipeline.model import preimport_tokenizer
+
+    preimport_tokenizer()
+    forkserver.start_here()  # before the parent watch's thread starts
     exit_when_parent_dies()
-    forkserver.start_preloading()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from prefect.flow_engine import load_flow_run, run_flow

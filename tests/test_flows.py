@@ -18,6 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from areal_pipeline.forkserver import processes_of
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -43,17 +45,9 @@ def fast_overrides(tmp_path: Path, model_dir: Path, run_id: str = "t", iteration
 
 
 def our_service_processes(launcher_pid: int, forkserver: bool = False) -> list[psutil.Process]:
-    """Servers and trainer processes launched by `launcher_pid` (they carry its pid in AREAL_PARENT_PID), and with
-    `forkserver` the forkserver they were forked from (it lives as long as its launcher: areal_pipeline/forkserver.py)."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.environ().get("AREAL_PARENT_PID") == str(launcher_pid) and (
-                    forkserver or "multiprocessing.forkserver" not in " ".join(proc.cmdline())):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
+    """Servers and trainer processes launched by `launcher_pid`, and with `forkserver` the forkserver they were
+    forked from (it lives as long as its launcher: areal_pipeline/forkserver.py)."""
+    return processes_of(launcher_pid, forkserver=forkserver)
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
@@ -333,7 +327,11 @@ def test_sigterm_mid_update_stops_the_run_and_its_services_promptly(prefect_api,
     marker = tmp_path / "term" / "iter_2" / "batch" / "manifest.json"
     wait_until(lambda: marker.exists() or run.poll() is not None, 600, "iteration 2's update", interval=0.02)
     assert run.poll() is None, run.stdout.read()
-    assert our_service_processes(run.pid)
+    # the server and the trainer are forks of a forkserver that is a fork of the command (its imports shared)
+    forked = [p for p in our_service_processes(run.pid) if p.parent().ppid() == run.pid]
+    assert {" ".join(p.parent().cmdline()).strip() for p in forked} == {f"multiprocessing.forkserver of {run.pid}"}
+    assert sorted(" ".join(p.cmdline()).split()[2] for p in forked) == ["areal_pipeline.inference.server",
+                                                      "areal_pipeline.training.trainer_server"]
     run.send_signal(signal.SIGTERM)
     out, _ = run.communicate(timeout=60)
     assert run.returncode != 0, out

@@ -1,5 +1,6 @@
 """What `areal-pipeline train` starts before its own imports: the temporary Prefect API server (unless an API may be
-configured), then the forkserver. Both need the command to reach them without importing torch first."""
+configured), which needs the command to reach it without importing torch first; then the forkserver, a fork of the
+command once it has imported what its services need."""
 
 from __future__ import annotations
 
@@ -80,3 +81,34 @@ def test_an_early_server_is_stopped_when_prefect_settings_name_an_api(tmp_path):
     (work / ".env").write_text("prefect_api_url=http://127.0.0.1:9/api\n")
     figures = _early_server(tmp_path)
     assert figures == {"early": True, "early_stopped": True, "used": False, "health": None}
+
+
+FORKSERVER_KIND = """
+import os, sys, threading, time
+import psutil
+os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+from areal_pipeline import forkserver
+from multiprocessing import forkserver as mp_forkserver
+if sys.argv[1] == "thread":
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+forkserver.start_here()
+server = psutil.Process(mp_forkserver._forkserver._forkserver_pid)
+for _ in range(100):  # the fork names itself once it runs
+    titled = " ".join(server.cmdline()).strip() == f"multiprocessing.forkserver of {os.getpid()}"
+    if titled:
+        break
+    time.sleep(0.05)
+print(server.ppid() == os.getpid(), titled)
+"""
+
+
+def test_the_forkserver_is_a_fork_of_the_command_unless_a_thread_runs():
+    """A fork copies only the forking thread: another thread's locks would stay held in the copy for ever, so a
+    process with threads starts a new interpreter as its forkserver instead."""
+    kinds = {}
+    for setting in ("alone", "thread"):
+        done = subprocess.run([sys.executable, "-c", FORKSERVER_KIND, setting], cwd=REPO, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        kinds[setting] = done.stdout.split()
+    assert kinds == {"alone": ["True", "True"], "thread": ["True", "False"]}
