@@ -13,8 +13,8 @@ How each fault is judged:
 - kill (kill -9 of the run when an output of iteration 2 appears, i.e. as the next node starts; kill -9 of the
   inference server or the trainer rank mid-run; SIGINT / SIGTERM to the run's process group): survived = the
   run, or its rerun with the same run id, completes with final weights bitwise equal to the reference's, no
-  process of the killed run is left (servers, trainer, API server carry AREAL_PARENT_PID), and a stop signal
-  ends the run within 10 s with status 128+signal and a message. Data lost = a file of an iteration finished
+  process of the killed run is left (`forkserver.processes_of`: servers, trainer, forkserver, API server), and a
+  stop signal ends the run within 10 s with status 128+signal and a message. Data lost = a file of an iteration finished
   before the kill (or of its checkpoint) missing, changed or rewritten after the rerun, or a rerun that did not
   continue after the finished iterations.
 - corrupt (a byte flipped in, or the tail cut off, a rollout shard, a batch shard, a checkpoint's
