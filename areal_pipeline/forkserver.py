@@ -138,7 +138,9 @@ def _fork_forkserver() -> None:
 
 
 def _become_forkserver(listener_fd: int, alive_r: int) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the command's stop handlers
+    # not the command's stop handlers: a fresh interpreter's, which the forks get back from the server's loop
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # only what the server needs stays open: no pipe or log file of the command's is held after it ends
     keep = {listener_fd, alive_r, resource_tracker._resource_tracker._fd}
     for fd in sorted(int(name) for name in os.listdir("/proc/self/fd") if name.isdigit()):

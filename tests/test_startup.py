@@ -84,11 +84,12 @@ def test_an_early_server_is_stopped_when_prefect_settings_name_an_api(tmp_path):
 
 
 FORKSERVER_KIND = """
-import os, sys, threading, time
+import os, signal, sys, threading, time
 import psutil
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-from areal_pipeline import forkserver
+from areal_pipeline import forkserver, shutdown
 from multiprocessing import forkserver as mp_forkserver
+shutdown.install_handlers()  # as the command has its stop handlers when it forks
 if sys.argv[1] == "thread":
     threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
 forkserver.start_here()
@@ -98,17 +99,30 @@ for _ in range(100):  # the fork names itself once it runs
     if titled:
         break
     time.sleep(0.05)
-print(server.ppid() == os.getpid(), titled)
+service = forkserver.fork_service("signal_probe", [sys.argv[2]], sys.argv[2] + ".log", dict(os.environ))
+service.wait(120)
+print(server.ppid() == os.getpid(), titled, open(sys.argv[2]).read())
+"""
+
+SIGNAL_PROBE = """
+import signal
+def main(argv):
+    with open(argv[0], "w") as out:
+        out.write(f"{signal.getsignal(signal.SIGINT) is signal.default_int_handler}-"
+                  f"{signal.getsignal(signal.SIGTERM) == signal.SIG_DFL}")
 """
 
 
-def test_the_forkserver_is_a_fork_of_the_command_unless_a_thread_runs():
+def test_the_forkserver_is_a_fork_of_the_command_unless_a_thread_runs(tmp_path):
     """A fork copies only the forking thread: another thread's locks would stay held in the copy for ever, so a
-    process with threads starts a new interpreter as its forkserver instead."""
+    process with threads starts a new interpreter as its forkserver instead. Either way a service starts with a
+    new interpreter's signal handlers, not the command's stop handlers."""
+    (tmp_path / "signal_probe.py").write_text(SIGNAL_PROBE)
     kinds = {}
     for setting in ("alone", "thread"):
-        done = subprocess.run([sys.executable, "-c", FORKSERVER_KIND, setting], cwd=REPO, capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run([sys.executable, "-c", FORKSERVER_KIND, setting, str(tmp_path / setting)], cwd=REPO,
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"})
         assert done.returncode == 0, done.stderr[-3000:]
         kinds[setting] = done.stdout.split()
-    assert kinds == {"alone": ["True", "True"], "thread": ["True", "False"]}
+    assert kinds == {"alone": ["True", "True", "True-True"], "thread": ["True", "False", "True-True"]}
