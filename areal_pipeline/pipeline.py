@@ -45,7 +45,8 @@ from areal_pipeline.rollout.executor import episode_seed, rollout_to_shards, sel
 from areal_pipeline.run_dir import RunPaths, read_json, run_lock, write_json
 from areal_pipeline.services import Services
 from areal_pipeline.training.ppo import write_batch
-from areal_pipeline.utils import atomic_write_text, get_logger, raise_if_deadline_passed, run_async, time_left
+from areal_pipeline.utils import (atomic_write_text, get_logger, import_in_background, raise_if_deadline_passed,
+                                  run_async, time_left)
 
 logger = get_logger(__name__)
 
@@ -358,8 +359,10 @@ class Pipeline(PolicyVersions):
                       self.warm_up])
 
     def warm_up(self) -> None:
-        """Load now what the first rollout would otherwise load on its critical path: the tokenizer, and the
-        reward workers (spawned in the background; each imports the reward module, which takes seconds)."""
+        """Load now what the first rollout would otherwise load on its critical path: the tokenizer, the
+        reward workers (spawned in the background; each imports the reward module, which takes seconds), and
+        pandas, which pyarrow imports at its first conversion of Python lists (the first shard written), in the
+        background while the first rollout waits for the servers."""
         from areal_pipeline.workflows import pooled_reward_function
 
         reward_fn = pooled_reward_function(self.cfg)
@@ -367,6 +370,7 @@ class Pipeline(PolicyVersions):
             self.reward_pool.warm_up(reward_fn)
         self.tokenizer
         self.records(self.cfg.dataset.train_split)
+        import_in_background("pandas")
         # What is loaded by now (modules, tokenizer, data set records) lives as long as the run: exempt it from
         # the collector. Otherwise every full collection walks it all again with the orchestrating process stalled,
         # a few times a minute: a visible share of an asynchronous run's wall time.

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -98,7 +99,6 @@ def exit_when_parent_dies(poll_seconds: float = 1.0) -> None:
     Services run in their own sessions so they can be stopped as a group; this keeps them from outliving an
     orchestrator that was killed outright (kill -9 skips its clean-up), and torchrun's ranks (which torchrun
     starts in sessions of their own) from outliving their torchrun agent."""
-    import threading
 
     watched = {os.getppid()}
     if os.environ.get(PARENT_PID_ENV):
@@ -170,6 +170,21 @@ def raise_if_deadline_passed(error: BaseException) -> None:
     message = _deadline_passed()
     if message is not None:
         raise DeadlineExceeded(message) from error
+
+
+def import_in_background(*modules: str) -> threading.Thread:
+    """Import `modules` in a daemon thread: for what a process will import on its critical path later (its first
+    request, its first shard), while it waits for something else now. A module missing is left to its user."""
+    import importlib
+
+    def load() -> None:
+        for module in modules:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(module)
+
+    thread = threading.Thread(target=load, name="import-ahead", daemon=True)
+    thread.start()
+    return thread
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:

@@ -126,3 +126,21 @@ def test_the_forkserver_is_a_fork_of_the_command_unless_a_thread_runs(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         kinds[setting] = done.stdout.split()
     assert kinds == {"alone": ["True", "True", "True-True"], "thread": ["True", "False", "True-True"]}
+
+
+IMPORT_AHEAD = """
+import sys
+from areal_pipeline.utils import import_in_background
+before = "pandas" in sys.modules
+import_in_background("no_such_module_here", "pandas").join(120)
+print(before, "pandas" in sys.modules)
+"""
+
+
+def test_modules_imported_ahead_in_the_background_skipping_missing_ones():
+    """What the first shard write and the trainer's first read import (pandas, pyarrow.dataset) is imported while
+    the process waits; a module that is not installed is left to whoever needs it."""
+    done = subprocess.run([sys.executable, "-c", IMPORT_AHEAD], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "True"]

@@ -47,7 +47,8 @@ from areal_pipeline.training.client import TRAINER_INIT_METHOD_ENV
 from areal_pipeline.training.engine import TrainEngine, resolve_device
 from areal_pipeline.training.loss_registry import make_loss
 from areal_pipeline.training.ppo import read_batch
-from areal_pipeline.utils import atomic_directory, atomic_path, exit_when_parent_dies, get_logger
+from areal_pipeline.utils import (atomic_directory, atomic_path, exit_when_parent_dies, get_logger,
+                                  import_in_background)
 
 logger = get_logger("areal_pipeline.trainer")
 
@@ -91,6 +92,8 @@ class Trainer:
         if self.actor is None:
             self.actor = self._engine(trainable=True)
             gc.freeze()  # the model and the modules stay: full collections need not walk them again
+            # what the first batch's read imports (pyarrow.parquet.read_table), while the first rollout runs
+            import_in_background("pyarrow.dataset")
         return {"version": self.actor.version}
 
     def reinitialize(self) -> dict:
