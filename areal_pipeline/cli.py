@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -89,24 +88,19 @@ def cmd_train(args) -> None:
     cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)
     check_local_rows(cfg.dataset, cfg.seed)
     # Prefect's API server (when none is configured) comes up in the background from here on, while this process
-    # imports what the run needs. Once it has imported what its services need too (torch, transformers' auto
-    # classes), a fork of it becomes their forkserver (see forkserver.py), which imports the rest of theirs while
-    # this process imports Prefect's flow machinery: the fork comes before the first torch operation (a fork of a
-    # process whose OpenMP pool has run can hang) and before any thread starts. Idle OpenMP threads must wait
-    # passively, in every process of the run.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # imports what the run needs. Once it has imported what its services need too, a fork of it becomes their
+    # forkserver (see forkserver.py), which imports the rest of theirs while this process imports Prefect's flow
+    # machinery.
     from flows.api_server import early_api_server, needed_api_server, prefect_api
 
     api_server = early_api_server()
     try:
-        from areal_pipeline.model import preimport_tokenizer, resolve_model_path
-
-        preimport_tokenizer()  # what the flow and the services load first, imported before they ask for it
         forkserver.start_here()
         api_server = needed_api_server(api_server)
         from flows.train import preimport_first_run, train
 
         from areal_pipeline.metrics import read_metrics, summarize
+        from areal_pipeline.model import resolve_model_path
 
         resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
         preimport_first_run()

@@ -6,7 +6,7 @@ Prefect's API server dominated the start-up of a default run. Python's forkserve
 `multiprocessing`) does that import once, in a server process; each service is then a fork of it, healthy a
 fraction of a second after it is asked for (README, "Start-up", and `bench/startup.py` give the figures).
 `areal-pipeline train` makes a fork of itself that server (`start_here`) once it has imported torch and
-transformers' auto classes, which it needs too; the fork imports the services' remaining modules while the command
+transformers' auto classes, which it needs too (the same in a sweep's run); the fork imports the services' remaining modules while the command
 imports Prefect's, so on a small machine no import is done twice. Elsewhere (a process with threads, tests that
 run flows in-process) the server is a new interpreter that imports the list itself (`start_preloading`).
 
@@ -87,13 +87,20 @@ def start_preloading() -> Optional[multiprocessing.context.BaseContext]:
 
 
 def start_here() -> Optional[multiprocessing.context.BaseContext]:
-    """Make a fork of this process the forkserver, for a process that has imported part of what its services need
-    (torch, with OMP_WAIT_POLICY=PASSIVE in its environment when it was imported): the fork imports the rest of
-    `PRELOAD` in the background, the services share this process's imports instead of a second interpreter
-    importing them again (seconds of CPU that a small machine's command needs for its own start-up). Falls back
-    to `start_preloading` where this process has other threads (a fork would hold their locks for ever) or
-    another OpenMP wait policy."""
+    """Import what this process and its services both need (torch, transformers' auto classes: the command
+    loads a tokenizer), then make a fork of this process the forkserver, which imports the rest of `PRELOAD` in
+    the background: the services share this process's imports instead of a second interpreter importing them
+    again (seconds of CPU that a small machine's command needs for its own start-up). Call it before torch is
+    imported, before any thread starts and before the first torch operation (a fork of a process whose OpenMP
+    pool has run can hang). Falls back to `start_preloading` where this process has other threads (a fork would
+    hold their locks for ever) or another OpenMP wait policy."""
     global _context
+    if enabled() and "torch" not in sys.modules:
+        # read when torch is imported: idle threads must wait passively in the services (ServerProcess.start)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from areal_pipeline.model import preimport_tokenizer
+
+    preimport_tokenizer()
     if not enabled():
         return None
     with _lock:
@@ -163,7 +170,7 @@ def _forkserver_title(launcher_pid: int) -> str:
     return f"multiprocessing.forkserver of {launcher_pid}"
 
 
-def processes_of(launcher_pid: int, forkserver: bool = True) -> list:
+def processes_of(launcher_pid: int, forkserver: bool = True) -> list["psutil.Process"]:
     """The processes a command (`launcher_pid`) started and that are still there, as `psutil.Process`es: those
     whose environment names it (AREAL_PARENT_PID: launched services, the temporary API server, a spawned
     forkserver and its forks), and a forkserver forked from it (`start_here`) with every process forked from

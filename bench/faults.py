@@ -122,18 +122,12 @@ def short(text: str, limit: int = 150) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def services_of(pid: int) -> list[psutil.Process]:
-    """The processes launched by `pid`: servers, trainer, the forkserver they are forked from, the temporary Prefect
-    API server."""
-    return processes_of(pid)
-
-
 def gone_within(pid: int, seconds: float) -> list[str]:
     """What is left of `pid`'s services after waiting up to `seconds`; those left are killed (by pid)."""
-    if wait_until(lambda: not services_of(pid), seconds):
+    if wait_until(lambda: not processes_of(pid), seconds):
         return []
     names = []
-    for proc in services_of(pid):
+    for proc in processes_of(pid):
         try:
             names.append(f"{proc.pid} {' '.join(proc.cmdline()[1:4])}")
             proc.kill()
@@ -316,7 +310,7 @@ class Sweep:
                   "trainer rank": lambda cmd: "areal_pipeline.training.trainer_server" in cmd
                   and "areal_pipeline.training.client" not in cmd}[which]
         victims = []
-        for proc in services_of(popen.pid):
+        for proc in processes_of(popen.pid):
             try:
                 if wanted(" ".join(proc.cmdline())):
                     proc.kill()
@@ -723,7 +717,7 @@ def main() -> None:
                   flush=True)
     finally:
         sweep.stop_servers()
-    left = [pid for pid in sweep.launched if services_of(pid)]
+    left = [pid for pid in sweep.launched if processes_of(pid)]
     total = time.monotonic() - started
 
     print_table(rows)

@@ -295,10 +295,6 @@ def _child() -> None:
     from areal_pipeline.utils import exit_when_parent_dies
 
     shutdown.install_handlers()
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported (see cli.cmd_train)
-    from areal_pipeline.model import preimport_tokenizer
-
-    preimport_tokenizer()
     forkserver.start_here()  # before the parent watch's thread starts
     exit_when_parent_dies()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

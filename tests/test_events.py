@@ -18,7 +18,8 @@ import pytest
 from _learning_helpers import base_model
 from _prefect_server import client_env, prefect_server, stop_group
 from flows.events import TOP_LEVEL, above_patterns, at_least_patterns, level
-from test_flows import cli, our_service_processes, wait_until
+from areal_pipeline.forkserver import processes_of
+from test_flows import cli, wait_until
 
 # 8 prompts x 8 samples a batch, no evaluation; the learning rate makes the policy diverge
 COLLAPSE = ["rollout.batch_size=8", "eval_freq=0", "trainer.optimizer.lr=0.3"]
@@ -138,7 +139,7 @@ def test_a_collapsing_run_is_cancelled_by_its_guard_and_notified(server, warm_mo
                                     "Automation"), out[-3000:]
         finished = _iterations(tmp_path / "collapse")
         assert 3 <= len(finished) < 12, finished  # stopped soon after the reward fell
-        assert our_service_processes(run.pid) == []
+        assert processes_of(run.pid, forkserver=False) == []
         assert _train_flow_run(server, "collapse")["state_type"] == "CANCELLED"
 
         # the events: started, one per finished iteration with its figures, then failed (cancelled)
@@ -185,7 +186,7 @@ def test_a_paused_run_holds_and_goes_on_when_resumed(server, warm_model, tmp_pat
         held_at = _iterations(tmp_path / "held")
         time.sleep(5)
         assert _iterations(tmp_path / "held") == held_at and len(held_at) < HELD_RUN
-        assert run.poll() is None and our_service_processes(run.pid)  # servers and trainer kept
+        assert run.poll() is None and processes_of(run.pid, forkserver=False)  # servers and trainer kept
 
         # the person looks, decides to go on: removes the guard and presses Resume
         assert "removed 1 guard automation(s) of run held" in _guard(env, "--run-id", "held", "--remove")

@@ -14,7 +14,7 @@ from areal_pipeline.services import Services
 from areal_pipeline.training.weight_sync import NamedAddressTCPStore
 from areal_pipeline.utils import find_free_port
 from conftest import http
-from test_flows import our_service_processes
+from areal_pipeline.forkserver import processes_of
 
 
 def listening_sockets(processes: list[psutil.Process]) -> list[tuple[str, str, int]]:
@@ -45,7 +45,7 @@ def test_every_socket_a_search_agent_run_opens_is_on_loopback(tiny_model_dir, tm
         assert reply["version"] == 0
         assert http(services.addresses[0], "/get_model_info")[1]["weight_version"] == "0"
 
-        processes = our_service_processes(os.getpid())
+        processes = processes_of(os.getpid(), forkserver=False)
         commands = " | ".join(" ".join(p.cmdline()) for p in processes)
         for service in ("areal_pipeline.inference.server", "areal_pipeline.training.client",
                         "areal_pipeline.training.trainer_server", "areal_pipeline.tools.retrieval_server"):

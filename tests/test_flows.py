@@ -44,12 +44,6 @@ def fast_overrides(tmp_path: Path, model_dir: Path, run_id: str = "t", iteration
             f"iterations_per_flow_run={per_flow_run}"]
 
 
-def our_service_processes(launcher_pid: int, forkserver: bool = False) -> list[psutil.Process]:
-    """Servers and trainer processes launched by `launcher_pid`, and with `forkserver` the forkserver they were
-    forked from (it lives as long as its launcher: areal_pipeline/forkserver.py)."""
-    return processes_of(launcher_pid, forkserver=forkserver)
-
-
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -154,7 +148,7 @@ def test_async_iterations_roll_out_during_the_previous_update(prefect_api, tiny_
 def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir, tmp_path):
     from flows.train import train
 
-    before = {p.pid for p in our_service_processes(os.getpid())}  # e.g. session fixtures' servers
+    before = {p.pid for p in processes_of(os.getpid(), forkserver=False)}  # e.g. session fixtures' servers
     result = train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
                    overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="e2e"))
     run_dir = tmp_path / "e2e"
@@ -178,7 +172,7 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     assert "data:image/png;base64," in curve.data
     library_logs = wait_until(lambda: asyncio.run(_library_logs()), 30, "library logs in the Prefect API")
     assert any("inference servers ready" in log.message for log in library_logs)
-    left = [p for p in our_service_processes(os.getpid()) if p.pid not in before]
+    left = [p for p in processes_of(os.getpid(), forkserver=False) if p.pid not in before]
     assert not left, [(p.pid, p.cmdline(), p.status()) for p in left]  # teardown left nothing behind
 
     # a second call with the same run id finds every iteration finished: nothing is redone
@@ -299,7 +293,7 @@ def test_killed_run_reruns_to_bitwise_equal_weights(prefect_api, tiny_model_dir,
     victim.kill()  # SIGKILL: no clean-up code runs
     victim.wait()
     # the services notice their launcher is gone and exit by themselves
-    wait_until(lambda: our_service_processes(victim.pid, forkserver=True) == [], 30, "the killed run's services to exit")
+    wait_until(lambda: processes_of(victim.pid) == [], 30, "the killed run's services to exit")
 
     out, _ = reference.communicate(timeout=600)
     assert reference.returncode == 0, out
@@ -328,14 +322,14 @@ def test_sigterm_mid_update_stops_the_run_and_its_services_promptly(prefect_api,
     wait_until(lambda: marker.exists() or run.poll() is not None, 600, "iteration 2's update", interval=0.02)
     assert run.poll() is None, run.stdout.read()
     # the server and the trainer are forks of a forkserver that is a fork of the command (its imports shared)
-    forked = [p for p in our_service_processes(run.pid) if p.parent().ppid() == run.pid]
+    forked = [p for p in processes_of(run.pid, forkserver=False) if p.parent().ppid() == run.pid]
     assert {" ".join(p.parent().cmdline()).strip() for p in forked} == {f"multiprocessing.forkserver of {run.pid}"}
     assert sorted(" ".join(p.cmdline()).split()[2] for p in forked) == ["areal_pipeline.inference.server",
                                                       "areal_pipeline.training.trainer_server"]
     run.send_signal(signal.SIGTERM)
     out, _ = run.communicate(timeout=60)
     assert run.returncode != 0, out
-    wait_until(lambda: our_service_processes(run.pid, forkserver=True) == [], 5, "the run's processes to exit")
+    wait_until(lambda: processes_of(run.pid) == [], 5, "the run's processes to exit")
     assert "Retrying" not in out, out
     assert not (tmp_path / "term" / "iter_3" / "rollout" / "manifest.json").exists()
 

@@ -22,7 +22,8 @@ from _prefect_server import SERVER_ENV, client_env
 from areal_pipeline.prefect_server import SERVER_DEFAULTS, LocalPrefectServer, PrefectServerError, postgres_binaries
 from areal_pipeline.utils import find_free_port
 from flows.artifacts import artifact_key
-from test_flows import (REPO, cli, fast_overrides, our_service_processes, stop_serve, wait_for_deployment,
+from areal_pipeline.forkserver import processes_of
+from test_flows import (REPO, cli, fast_overrides, stop_serve, wait_for_deployment,
                         wait_until)
 
 
@@ -231,4 +232,4 @@ def test_a_sweep_of_three_concurrent_runs(pg_server, tiny_model_dir, tmp_path):
         assert_recorded(url, directory, run_id)
         config = yaml.safe_load((tmp_path / run_id / "config.yaml").read_text())
         assert config["trainer"]["optimizer"]["lr"] == float(run_id.split("=")[1])
-    wait_until(lambda: not our_service_processes(sweep.pid, forkserver=True), 30, "the sweep's runs to exit")
+    wait_until(lambda: not processes_of(sweep.pid), 30, "the sweep's runs to exit")

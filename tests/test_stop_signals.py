@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from test_flows import cli, fast_overrides, our_service_processes, prefect_api, wait_until  # noqa: F401
+from areal_pipeline.forkserver import processes_of
+from test_flows import cli, fast_overrides, prefect_api, wait_until  # noqa: F401
 
 STOPPED_WITHIN_S = 10
 
@@ -71,7 +72,7 @@ def test_a_stop_signal_ends_the_run_promptly_and_the_same_run_id_continues_it(
     marker = tmp_path / "stop" / "iter_2" / "rollout" / "manifest.json"
     wait_until(lambda: marker.exists() or run.poll() is not None, 600, "iteration 2's rollout", interval=0.05)
     assert run.poll() is None, run.stdout.read()
-    assert our_service_processes(run.pid)
+    assert processes_of(run.pid, forkserver=False)
     took, out = _stop_and_time(run, signum, to_group)
     assert took < STOPPED_WITHIN_S, out[-3000:]
     assert run.returncode == 128 + signum, out[-3000:]
@@ -80,7 +81,7 @@ def test_a_stop_signal_ends_the_run_promptly_and_the_same_run_id_continues_it(
     assert "forcing" not in out and "still running" not in out, out[-3000:]  # it unwound, no forced exit
     assert "Retrying" not in out, out[-3000:]
     # servers, trainer and the temporary API server (all carry the run's pid) are gone
-    wait_until(lambda: our_service_processes(run.pid, forkserver=True) == [], 5, "the run's processes to exit")
+    wait_until(lambda: processes_of(run.pid) == [], 5, "the run's processes to exit")
 
     rerun = cli("train", "--config", "configs/tiny_cpu.yaml",
                 *fast_overrides(tmp_path, tiny_model_dir, run_id="stop", iterations=3), env=env)
