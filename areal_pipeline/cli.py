@@ -214,6 +214,25 @@ def cmd_prefect_server(args) -> None:
         sys.exit(f"prefect-server error: {e}")
 
 
+def cmd_warm(args) -> None:
+    from flows import warm
+
+    if args.action == "start":
+        status = warm.start(args.idle_minutes, tuple(args.preload))
+        print(f"warm launcher {'already running' if status.get('already_running') else 'ready'}: pid {status['pid']}, "
+              f"{status['files']} files imported, socket {status['socket']}; `areal-pipeline train` and `evaluate` "
+              f"now start as forks of it (AREAL_WARM=0: not)")
+    elif args.action == "stop":
+        status = warm.stop()
+        print("no warm launcher runs" if status is None else
+              f"warm launcher {status['pid']} stopped after {status['runs_started']} runs")
+    else:
+        status = warm.status()
+        if status is None:
+            sys.exit(f"no warm launcher answers on {warm.socket_path()}")
+        print(json.dumps(status, indent=2))
+
+
 def cmd_sweep(args) -> None:
     from flows.sweep import main as sweep_main
 
@@ -358,6 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pg-port", type=int, default=5433, help="PostgreSQL's port (127.0.0.1)")
     p.set_defaults(func=cmd_prefect_server)
 
+    p = sub.add_parser("warm", help="a launcher that keeps a run's imports (torch, transformers, Prefect) loaded: "
+                                    "train and evaluate start as forks of it in about a second: start, stop, status")
+    p.add_argument("action", choices=["start", "stop", "status"])
+    p.add_argument("--idle-minutes", type=float, default=240.0, help="it ends after this long without a run")
+    p.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                   help="a module of yours to keep imported too (a workflow's, a reward's); repeatable")
+    p.set_defaults(func=cmd_warm)
+
     p = sub.add_parser("rollout", help="roll out one iteration's batch into Parquet shards, or show N decoded "
                                        "episodes (--show N)")
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
@@ -388,6 +415,13 @@ FLOW_COMMANDS = ("train", "evaluate", "branch", "sweep")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    if argv is None and len(sys.argv) > 1:
+        from flows.warm import COMMANDS, run_warm
+
+        if sys.argv[1] in COMMANDS:  # as a fork of the warm launcher, where one runs (flows/warm.py)
+            code = run_warm(sys.argv[1:])
+            if code is not None:
+                sys.exit(code)
     from areal_pipeline import shutdown
 
     args = build_parser().parse_args(argv)
@@ -397,6 +431,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.command != "inference-server":
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
+        warm = sys.modules.get("flows.warm")
+        if warm is not None:  # a fork of the warm launcher: Prefect's logging set-up after this one, as at its import
+            warm.redo_prefect_logging()
     from areal_pipeline.config import ConfigError
     from areal_pipeline.data.datasets import DatasetError
 

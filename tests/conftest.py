@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -14,6 +15,9 @@ from areal_pipeline.inference.launcher import ServerProcess
 from areal_pipeline.utils import find_free_port
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# Commands started by tests never run as forks of a developer's warm launcher (flows/warm.py), which may hold
+# another version of the code; tests/test_warm.py starts launchers of its own.
+os.environ["AREAL_WARM"] = "0"
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,178 @@
+"""The warm launcher (flows/warm.py): real launchers on private sockets, real `areal-pipeline` commands that run
+as forks of them, a real Prefect API; stops as users send them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from test_flows import REPO, fast_overrides, wait_until
+
+STOPPED_WITHIN_S = 10
+
+
+def _command(*args: str, env: dict, cwd: Path = REPO) -> subprocess.Popen:
+    """`areal-pipeline *args` as a user runs it (its own session, as a shell's foreground job)."""
+    return subprocess.Popen([sys.executable, "-m", "areal_pipeline.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(command: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
+    out, err = command.communicate(timeout=timeout)
+    return command.returncode, out, err
+
+
+def _status(env: dict) -> dict:
+    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "warm", "status"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _start_launcher(tmp: Path, *extra: str, env_extra: dict | None = None) -> dict:
+    env = {**os.environ, "AREAL_WARM": "1", "AREAL_WARM_SOCKET": str(tmp / "warm.sock"),
+           "PREFECT_HOME": str(tmp / "prefect-home"), **(env_extra or {})}
+    env.pop("PREFECT_API_URL", None)
+    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "warm", "start", *extra], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "warm launcher ready" in done.stdout, done.stdout
+    return env
+
+
+def _stop_launcher(env: dict) -> None:
+    pid = _status(env)["pid"]
+    subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "warm", "stop"], env=env, cwd=REPO, timeout=120)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not Path(env["AREAL_WARM_SOCKET"]).exists()
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory):
+    env = _start_launcher(tmp_path_factory.mktemp("warm"))
+    yield env
+    _stop_launcher(env)
+
+
+def test_a_command_runs_as_a_fork_of_the_launcher_in_its_own_directory_environment_and_terminal(
+        launcher, tiny_model_dir, tmp_path):
+    shutil.copy(REPO / "configs" / "tiny_cpu.yaml", tmp_path / "mine.yaml")
+    before = _status(launcher)["runs_started"]
+    env = {**launcher, "WARM_TEST_RUN_ID": "from-env"}  # read by the config (an interpolation), at run time
+    # a relative config and output_dir: the command's working directory, not the launcher's (the repository)
+    overrides = [o for o in fast_overrides(Path("out"), tiny_model_dir, iterations=2) if not o.startswith("run_id=")]
+    code, out, err = _finish(_command("train", "--config", "mine.yaml", *overrides, "run_id=${oc.env:WARM_TEST_RUN_ID}",
+                                      env=env, cwd=tmp_path))
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "started cold" not in err, err
+    assert _status(launcher)["runs_started"] == before + 1
+    # its output is on the command's own stdout, the run's files where the command's directory puts them
+    assert "run from-env: 2 iterations" in out, out[-3000:]
+    metrics = (tmp_path / "out" / "from-env" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["iteration"] for line in metrics] == [1, 2]
+
+
+def test_a_failing_command_exits_with_its_status_and_message(launcher, tiny_model_dir, tmp_path):
+    before = _status(launcher)["runs_started"]
+    code, out, err = _finish(_command("train", "--config", "configs/tiny_cpu.yaml", f"output_dir={tmp_path}",
+                                      "no_such_key=1", env=launcher))
+    assert code == 1, out + err
+    assert "config error" in err and "no_such_key" in err, err
+    assert _status(launcher)["runs_started"] == before + 1
+
+
+def test_a_run_with_other_prefect_settings_starts_its_own_temporary_api_as_a_fork(launcher, tiny_model_dir,
+                                                                                  tmp_path):
+    env = {**launcher, "PREFECT_HOME": str(tmp_path / "another-prefect-home")}
+    before = _status(launcher)["runs_started"]
+    code, out, err = _finish(_command("train", "--verbose", "--config", "configs/tiny_cpu.yaml",
+                                      *fast_overrides(tmp_path, tiny_model_dir, run_id="own-api", iterations=1),
+                                      env=env))
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert _status(launcher)["runs_started"] == before + 1
+    assert "Prefect API: temporary server" in out + err, (out + err)[-3000:]
+    assert (tmp_path / "another-prefect-home" / "prefect.db").exists()  # its own database: its own home's
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "command-killed"])
+def test_stopping_the_command_stops_the_run_and_everything_it_started(launcher, tiny_model_dir, tmp_path, how):
+    run = _command("train", "--config", "configs/tiny_cpu.yaml",
+                   *fast_overrides(tmp_path, tiny_model_dir, run_id="stop", iterations=50), env=launcher)
+    marker = tmp_path / "stop" / "iter_2" / "rollout" / "manifest.json"
+    wait_until(lambda: marker.exists() or run.poll() is not None, 600, "iteration 2's rollout", interval=0.05)
+    assert run.poll() is None, run.communicate()
+    launcher_pid = _status(launcher)["pid"]
+    [forked] = [p for p in psutil.Process(launcher_pid).children() if "train" in " ".join(p.cmdline())]
+    started = forked.children(recursive=True)
+    assert any("inference.server" in " ".join(p.cmdline()) for p in started), [p.cmdline() for p in started]
+    sent = time.monotonic()
+    if how == "ctrl-c":
+        os.killpg(run.pid, signal.SIGINT)  # the terminal's Ctrl-C: the command's process group
+        code, out, err = _finish(run, 60)
+        assert code == 128 + signal.SIGINT, out[-3000:] + err[-3000:]
+        assert "interrupted by SIGINT: servers and trainer were stopped" in err, err[-3000:]
+    else:
+        run.kill()  # SIGKILL: the command can forward nothing; the launcher sees its connection close
+        run.wait()
+    for process in [forked, *started]:
+        wait_until(lambda: not process.is_running() or process.status() == psutil.STATUS_ZOMBIE,
+                   STOPPED_WITHIN_S - (time.monotonic() - sent) + 5, f"{process.pid} to exit")
+    assert time.monotonic() - sent < STOPPED_WITHIN_S + 5
+    wait_until(lambda: _status(launcher)["running"] == [], 10, "the launcher to reap the run")
+
+
+def test_a_command_that_the_launcher_cannot_run_as_a_new_interpreter_would_starts_cold(launcher, tmp_path):
+    before = _status(launcher)["runs_started"]
+    bad = ["train", "--config", "configs/tiny_cpu.yaml", f"output_dir={tmp_path}", "no_such_key=1"]
+    code, out, err = _finish(_command(*bad, env={**launcher, "OMP_NUM_THREADS": "3"}))
+    assert code == 1 and "config error" in err, err
+    assert ("started cold: environment variables read at import differ from the launcher's: OMP_NUM_THREADS"
+            in err), err
+    code, out, err = _finish(_command(*bad, env={**launcher, "AREAL_WARM": "0"}))
+    assert code == 1 and "config error" in err and "started cold" not in err, err
+    assert _status(launcher)["runs_started"] == before
+
+
+def test_a_changed_module_restarts_the_launcher_and_that_command_starts_cold(tmp_path):
+    user_code = tmp_path / "user_code"
+    user_code.mkdir()
+    module = user_code / "warm_probe_reward.py"
+    module.write_text("def reward(*args, **kwargs):\n    return 1.0\n")
+    env = _start_launcher(tmp_path, "--preload", "warm_probe_reward",
+                          env_extra={"PYTHONPATH": os.pathsep.join([str(user_code), str(REPO)])})
+    try:
+        first = _status(env)
+        bad = ["train", "--config", "configs/tiny_cpu.yaml", f"output_dir={tmp_path}", "no_such_key=1"]
+        code, _, err = _finish(_command(*bad, env=env))
+        assert code == 1 and "started cold" not in err, err
+        assert _status(env)["runs_started"] == 1
+        module.write_text("def reward(*args, **kwargs):\n    return 0.0\n")
+        later = time.time() + 5
+        os.utime(module, (later, later))
+        code, _, err = _finish(_command(*bad, env=env))
+        assert code == 1 and "config error" in err, err
+        assert f"started cold: {module} changed since the warm launcher imported it (it restarts)" in err, err
+        # the same process, started afresh with the same arguments: it imports the module as it is now
+        restarted = wait_until(lambda: (_status_or_none(env) or {}).get("started", first["started"]) != first["started"]
+                               and _status_or_none(env), 120, "the launcher to restart")
+        assert restarted["pid"] == first["pid"] and restarted["runs_started"] == 0
+        code, _, err = _finish(_command(*bad, env=env))
+        assert code == 1 and "started cold" not in err, err
+        assert _status(env)["runs_started"] == 1
+    finally:
+        _stop_launcher(env)
+
+
+def _status_or_none(env: dict):
+    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "warm", "status"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    return json.loads(done.stdout) if done.returncode == 0 else None
