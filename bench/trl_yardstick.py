@@ -10,7 +10,9 @@ learning rate, temperature and completion length, with no KL term. Each clock st
 (the interpreter, imports and set-up count, as a user waits for them):
 - TRL: a Python process running GRPOTrainer (generating with `model.generate` in its own process);
 - ours through the flow: `areal-pipeline train` (Prefect flow, temporary API server unless PREFECT_API_URL is
-  set); an iteration's reward is known when its `iter_<k>/metrics.json` is written (its mtime);
+  set); an iteration's reward is known when its `iter_<k>/metrics.json` is written (its mtime); once as a new
+  interpreter (cold) and once more with a warm launcher running (`areal-pipeline warm start`, flows/warm.py:
+  started by the bench before that run, its own start-up not on the run's clock but reported; `--no-warm` skips it);
 - ours, plain loop (`run_plain` in this process, start-up of servers and trainer included, no Prefect).
 Needs `pip install --no-deps trl accelerate`. The last line is one JSON object of the figures.
 """
@@ -87,15 +89,19 @@ def measure_trl(config: str, overrides: list[str], thresholds, threads: int) -> 
     return summary("trl", [r for _, r in log], [s for s, _ in log], thresholds, ready)
 
 
-def measure_flow(config: str, overrides: list[str], thresholds) -> dict:
+CLI = str(Path(sys.executable).with_name("areal-pipeline"))
+
+
+def measure_flow(config: str, overrides: list[str], thresholds, env: dict, label: str = "flow") -> dict:
     """`areal-pipeline train` from its start: an iteration ends when its metrics.json is written."""
     from areal_pipeline.config import load_config
     from areal_pipeline.metrics import read_metrics
 
-    cfg = load_config(config, [*overrides, "run_id=yardstick-flow"])
+    run_id = f"run_id=yardstick-{label}"
+    cfg = load_config(config, [*overrides, run_id])
     started = time.time()
-    done = subprocess.run([str(Path(sys.executable).with_name("areal-pipeline")), "train", "--config", config,
-                           *overrides, "run_id=yardstick-flow"], capture_output=True, text=True, check=False)
+    done = subprocess.run([CLI, "train", "--config", config, *overrides, run_id], capture_output=True, text=True,
+                          check=False, env=env)
     wall = time.time() - started
     if done.returncode != 0:
         raise SystemExit(f"the flow run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
@@ -103,11 +109,24 @@ def measure_flow(config: str, overrides: list[str], thresholds) -> dict:
     seconds = [(cfg.run_dir / f"iter_{r['iteration']}" / "metrics.json").stat().st_mtime - started for r in records]
     rewards = [r["reward_mean"] for r in records]
     for r, s in zip(records, seconds):
-        print(f"flow iteration {r['iteration']:3d}  {s:7.1f}s  reward {r['reward_mean']:.3f}")
+        print(f"{label} iteration {r['iteration']:3d}  {s:7.1f}s  reward {r['reward_mean']:.3f}")
     # start-up: until the first iteration's nodes began (its end less their time)
     first_nodes = sum(v for key, v in records[0].items() if key.startswith("time_"))
-    return {**summary("flow", rewards, seconds, thresholds, seconds[0] - first_nodes),
-            "flow_command_seconds": round(wall, 2)}
+    return {**summary(label, rewards, seconds, thresholds, seconds[0] - first_nodes),
+            f"{label}_command_seconds": round(wall, 2)}
+
+
+def measure_flow_warm(config: str, overrides: list[str], thresholds, env: dict, work: Path) -> dict:
+    """The flow once more, as a fork of a warm launcher the bench starts (and stops) around it."""
+    warm_env = {**env, "AREAL_WARM": "1", "AREAL_WARM_SOCKET": str(work / "warm.sock")}
+    started = time.time()
+    subprocess.run([CLI, "warm", "start"], env=warm_env, check=True, capture_output=True)
+    launcher_start = time.time() - started
+    try:
+        return {**measure_flow(config, overrides, thresholds, warm_env, "flow_warm"),
+                "warm_launcher_start_seconds": round(launcher_start, 2)}
+    finally:
+        subprocess.run([CLI, "warm", "stop"], env=warm_env, check=False, capture_output=True)
 
 
 def main() -> None:
@@ -122,6 +141,7 @@ def main() -> None:
     p.add_argument("--skip-ours", action="store_true", help="only the TRL run")
     p.add_argument("--trl-threads", type=int, default=0,
                    help="torch threads of the TRL process (0: torch's default); on a busy machine 1 is faster")
+    p.add_argument("--no-warm", action="store_true", help="no run of the flow with a warm launcher")
     p.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = p.parse_args()
@@ -137,14 +157,17 @@ def main() -> None:
     figures = {"model_build_seconds": round(time.perf_counter() - started, 2)}
     figures.update(measure_trl(args.config, overrides, args.thresholds, args.trl_threads))
     if not args.skip_ours:
-        figures.update(measure_flow(args.config, overrides, args.thresholds))
+        cold = {**os.environ, "AREAL_WARM": "0"}  # a new interpreter, whatever launcher the user may run
+        figures.update(measure_flow(args.config, overrides, args.thresholds, cold))
+        if not args.no_warm:
+            figures.update(measure_flow_warm(args.config, overrides, args.thresholds, cold, work))
         figures.update(measure_pipeline(args.config, [*overrides, "run_id=yardstick-plain"], args.thresholds))
         for t in args.thresholds:
             trl = figures[f"trl_seconds_to_reward_{t}"]
-            for ours in ("flow", "ours"):
-                mine = figures[f"{ours}_seconds_to_reward_{t}"]
-                name = "speedup_flow" if ours == "flow" else "speedup_plain"
-                figures[f"{name}_to_reward_{t}"] = round(trl / mine, 2) if mine and trl else None
+            for ours, name in (("flow", "speedup_flow"), ("flow_warm", "speedup_flow_warm"), ("ours", "speedup_plain")):
+                mine = figures.get(f"{ours}_seconds_to_reward_{t}")
+                if f"{ours}_seconds_to_reward_{t}" in figures:
+                    figures[f"{name}_to_reward_{t}"] = round(trl / mine, 2) if mine and trl else None
     print(json.dumps(figures))
 
 
