@@ -132,10 +132,19 @@ def cmd_train(args) -> None:
 
 
 def cmd_evaluate(args) -> None:
-    from flows.api_server import prefect_api
-    from flows.evaluate import evaluate
+    from areal_pipeline import forkserver
+    from flows.api_server import early_api_server, needed_api_server, prefect_api
 
-    with prefect_api():
+    api_server = early_api_server()  # as in `train`: the API server and the services' forkserver start first
+    try:
+        forkserver.start_here()
+        api_server = needed_api_server(api_server)
+        from flows.evaluate import evaluate
+    except BaseException:
+        if api_server is not None:
+            api_server.stop()
+        raise
+    with prefect_api(api_server):
         result = evaluate(config_path=args.config, overrides=args.overrides, run_id=args.run_id,
                           checkpoint=args.checkpoint)
     print(json.dumps(result, indent=2))
