@@ -441,6 +441,8 @@ class Launcher:
         print(f"run {pid}: {' '.join(request['argv'][1:])} (in {request['cwd']})", flush=True)
 
     def _reap(self) -> None:
+        import time
+
         while self.runs:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -454,6 +456,7 @@ class Launcher:
             self.watched.discard(conn)
             code = os.waitstatus_to_exitcode(status)
             code = 128 - code if code < 0 else code  # killed by signal N: the shell's 128 + N
+            self.last_activity = time.monotonic()  # idle from the end of its last run
             print(f"run {pid} ended: {code}", flush=True)
             try:
                 conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
@@ -586,6 +589,11 @@ def _undo_prefect_logging() -> None:
     for handler in list(root.handlers):
         root.removeHandler(handler)
     root.setLevel(logging.WARNING)
+    # Prefect's handlers on other loggers too (PREFECT_LOGGING_EXTRA_LOGGERS): set-up adds them again
+    for logger in list(logging.Logger.manager.loggerDict.values()):
+        for handler in list(getattr(logger, "handlers", ())):
+            if type(handler).__module__.startswith("prefect."):
+                logger.removeHandler(handler)
     PROCESS_LOGGING_CONFIG.clear()
     _prefect_logging_undone = True
 

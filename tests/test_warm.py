@@ -176,3 +176,38 @@ def _status_or_none(env: dict):
     done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "warm", "status"], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+_HANDLERS = """
+import json, logging
+def handlers():
+    loggers = {"": logging.getLogger(), **logging.Logger.manager.loggerDict}
+    return {name: sorted(type(h).__name__ for h in getattr(logger, "handlers", ())) for name, logger in loggers.items()
+            if getattr(logger, "handlers", None)}
+"""
+
+
+def test_logging_in_a_fork_of_the_launcher_is_set_up_as_a_new_interpreter_sets_it_up():
+    """The command configures the root logger before it imports Prefect, the launcher had Prefect configure it
+    at import: a fork undoes that and redoes it after the command's set-up (each Prefect handler once: twice,
+    the library's records reached the run logs twice)."""
+    cold = _HANDLERS + """
+logging.basicConfig(level="INFO")
+import flows.train
+print(json.dumps(handlers()))
+"""
+    forked = _HANDLERS + """
+import flows.train
+from flows import warm
+warm._undo_prefect_logging()
+logging.basicConfig(level="INFO")
+warm.redo_prefect_logging()
+print(json.dumps(handlers()))
+"""
+    seen = []
+    for script in (cold, forked):
+        done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        seen.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert seen[0] == seen[1]
+    assert seen[0]["areal_pipeline"] == ["APILogHandler"] and seen[0][""] == ["StreamHandler"], seen[0]
