@@ -38,7 +38,7 @@ SOCKET_ENV = "AREAL_WARM_SOCKET"
 COMMANDS = ("train", "evaluate")
 # read while the preloaded modules import: a command whose value differs would not get what it asked for
 IMPORT_TIME_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "PYTORCH_", "TORCH_", "HF_", "HUGGINGFACE",
-                            "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "LD_", "SAFETENSORS_")
+                            "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "LD_", "SAFETENSORS_", "MPL")
 PROJECT_PACKAGES = ("areal_pipeline", "flows", "tasks")
 
 
@@ -220,6 +220,7 @@ def preload(extra: tuple[str, ...] = ()) -> None:
     for module in ("torch", "transformers.models.auto.tokenization_auto", *forkserver.PRELOAD, "areal_pipeline.cli",
                    "flows.train", "flows.evaluate", "flows.api_server", "flows.events", "areal_pipeline.console",
                    "areal_pipeline.metrics", "prefect.server.api.server", "uvicorn", "pandas", "pyarrow.dataset",
+                   "matplotlib.pyplot",  # the reward curve at a run's end
                    *FIRST_RUN_IMPORTS):
         try:
             importlib.import_module(module)
