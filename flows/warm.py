@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Optional
 
 SOCKET_ENV = "AREAL_WARM_SOCKET"
-COMMANDS = ("train", "evaluate")
+COMMANDS = ("train", "evaluate", "sweep")
+# what a fork may run: the command line, or one run of a sweep (`python -m flows.sweep --child`)
+ENTRIES = {"cli": "areal_pipeline.cli:main", "sweep-run": "flows.sweep:_child"}
 # read while the preloaded modules import: a command whose value differs would not get what it asked for
 IMPORT_TIME_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "PYTORCH_", "TORCH_", "HF_", "HUGGINGFACE",
                             "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "LD_", "SAFETENSORS_", "MPL")
@@ -106,9 +108,10 @@ def _project_packages() -> dict[str, Optional[str]]:
     return found
 
 
-def run_warm(argv: list[str]) -> Optional[int]:
-    """Run `areal-pipeline *argv` as a fork of the warm launcher and return its exit status, or None where no
-    launcher runs or it cannot run this command as a new interpreter would (the command then runs here)."""
+def run_warm(argv: list[str], entry: str = "cli") -> Optional[int]:
+    """Run `areal-pipeline *argv` (or another of `ENTRIES`) as a fork of the warm launcher and return its exit
+    status, or None where no launcher runs or it cannot run this command as a new interpreter would (the command
+    then runs here)."""
     if os.environ.get("AREAL_WARM", "1") == "0":
         return None
     path = socket_path()
@@ -120,7 +123,8 @@ def run_warm(argv: list[str]) -> Optional[int]:
         sock.connect(str(path))
         umask = os.umask(0)
         os.umask(umask)
-        _send_request(sock, {"op": "run", "argv": [sys.argv[0], *argv], "cwd": os.getcwd(), "env": dict(os.environ),
+        _send_request(sock, {"op": "run", "entry": entry, "argv": [sys.argv[0], *argv], "cwd": os.getcwd(),
+                             "env": dict(os.environ),
                              "path": sys.path, "executable": sys.executable, "umask": umask,
                              "packages": _project_packages()}, fds=(0, 1, 2))
         replies = sock.makefile("rb")
@@ -218,7 +222,7 @@ def preload(extra: tuple[str, ...] = ()) -> None:
     from flows.train import FIRST_RUN_IMPORTS
 
     for module in ("torch", "transformers.models.auto.tokenization_auto", *forkserver.PRELOAD, "areal_pipeline.cli",
-                   "flows.train", "flows.evaluate", "flows.api_server", "flows.events", "areal_pipeline.console",
+                   "flows.train", "flows.evaluate", "flows.sweep", "flows.api_server", "flows.events", "areal_pipeline.console",
                    "areal_pipeline.metrics", "prefect.server.api.server", "uvicorn", "pandas", "pyarrow.dataset",
                    "matplotlib.pyplot",  # the reward curve at a run's end
                    *FIRST_RUN_IMPORTS):
@@ -275,6 +279,8 @@ class Launcher:
         self.api = None  # Prefect's API for runs that configure none (what each would otherwise start for itself)
 
     def why_cold(self, request: dict) -> Optional[str]:
+        if request.get("entry", "cli") not in ENTRIES:
+            return f"no such entry: {request.get('entry')}"
         if request.get("executable") != sys.executable:
             return f"the command's interpreter {request.get('executable')} is not the launcher's {sys.executable}"
         for name, origin in (request.get("packages") or {}).items():
@@ -534,11 +540,16 @@ def _become_command(request: dict, fds: list[int], api_url: Optional[str], close
 
     refresh_global_settings_context()
     _undo_prefect_logging()
-    from areal_pipeline import cli
+    import importlib
 
+    module, _, function = ENTRIES[request.get("entry", "cli")].partition(":")
+    entry = getattr(importlib.import_module(module), function)
     code = 0
     try:
-        cli.main(sys.argv[1:])
+        if module == "areal_pipeline.cli":
+            entry(sys.argv[1:])  # explicit: with none, the command line would ask the launcher again
+        else:
+            entry()
     except SystemExit as ended:
         if ended.code is None:
             code = 0

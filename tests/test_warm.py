@@ -103,6 +103,20 @@ def test_a_run_with_other_prefect_settings_starts_its_own_temporary_api_as_a_for
     assert (tmp_path / "another-prefect-home" / "prefect.db").exists()  # its own database: its own home's
 
 
+def test_a_sweep_and_each_of_its_runs_are_forks_of_the_launcher(launcher, tiny_model_dir, tmp_path):
+    before = _status(launcher)["runs_started"]
+    fixed = [o for o in fast_overrides(tmp_path, tiny_model_dir, iterations=1)
+             if not o.startswith(("run_id=", "trainer.optimizer.lr="))]
+    code, out, err = _finish(_command("sweep", "--config", "configs/tiny_cpu.yaml", "--run-id", "sw", "--max-parallel",
+                                      "2", *fixed, "trainer.optimizer.lr=1e-3,2e-3", env=launcher))
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "started cold" not in err, err
+    assert _status(launcher)["runs_started"] == before + 3  # the sweep, then each run (python -m flows.sweep --child)
+    for lr in ("1e-3", "2e-3"):
+        metrics = (tmp_path / f"sw-lr={lr}" / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["iteration"] for line in metrics] == [1], out[-3000:]
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "command-killed"])
 def test_stopping_the_command_stops_the_run_and_everything_it_started(launcher, tiny_model_dir, tmp_path, how):
     run = _command("train", "--config", "configs/tiny_cpu.yaml",
