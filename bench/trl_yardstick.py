@@ -12,7 +12,9 @@ learning rate, temperature and completion length, with no KL term. Each clock st
 - ours through the flow: `areal-pipeline train` (Prefect flow, temporary API server unless PREFECT_API_URL is
   set); an iteration's reward is known when its `iter_<k>/metrics.json` is written (its mtime); once as a new
   interpreter (cold) and once more with a warm launcher running (`areal-pipeline warm start`, flows/warm.py:
-  started by the bench before that run, its own start-up not on the run's clock but reported; `--no-warm` skips it);
+  started by the bench before that run, its own start-up not on the run's clock but reported; `--no-warm` skips it),
+  compared with TRL's times less its imports too (`trl_imported_seconds_to_reward_*`: TRL in a process that has
+  imported it already, a notebook's kernel, say);
 - ours, plain loop (`run_plain` in this process, start-up of servers and trainer included, no Prefect).
 Needs `pip install --no-deps trl accelerate`. The last line is one JSON object of the figures.
 """
@@ -47,6 +49,7 @@ def trl_worker(config: str, overrides: list[str], out_dir: Path) -> None:
     from areal_pipeline.data.datasets import load_records
     from areal_pipeline.model import load_model, load_tokenizer, resolve_model_path
 
+    print(f"imported {time.time()}", flush=True)  # where a warm process (a notebook's) would start its clock
     cfg = load_config(config, overrides)
     model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
     records = load_records(cfg.dataset, cfg.dataset.train_split, cfg.seed)
@@ -84,9 +87,17 @@ def measure_trl(config: str, overrides: list[str], thresholds, threads: int) -> 
     lines = [line.split() for line in done.stdout.splitlines()]
     log = [(float(t) - started, float(r)) for word, _, t, r in (x for x in lines if x and x[0] == "step")]
     ready = next(float(x[1]) for x in lines if x and x[0] == "ready") - started
+    imported = next(float(x[1]) for x in lines if x and x[0] == "imported") - started
     for i, (s, r) in enumerate(log, start=1):
         print(f"trl step {i:3d}  {s:7.1f}s  reward {r:.3f}")
-    return summary("trl", [r for _, r in log], [s for s, _ in log], thresholds, ready)
+    figures = summary("trl", [r for _, r in log], [s for s, _ in log], thresholds, ready)
+    # TRL in a process that has its imports done already (a notebook's kernel), the fair match for a run
+    # forked from the warm launcher
+    figures["trl_imports_seconds"] = round(imported, 2)
+    for t in thresholds:
+        seconds = figures[f"trl_seconds_to_reward_{t}"]
+        figures[f"trl_imported_seconds_to_reward_{t}"] = None if seconds is None else round(seconds - imported, 2)
+    return figures
 
 
 CLI = str(Path(sys.executable).with_name("areal-pipeline"))
@@ -168,6 +179,10 @@ def main() -> None:
                 mine = figures.get(f"{ours}_seconds_to_reward_{t}")
                 if f"{ours}_seconds_to_reward_{t}" in figures:
                     figures[f"{name}_to_reward_{t}"] = round(trl / mine, 2) if mine and trl else None
+            warm = figures.get(f"flow_warm_seconds_to_reward_{t}")
+            imported = figures[f"trl_imported_seconds_to_reward_{t}"]
+            if warm and imported:  # both without their imports on the clock
+                figures[f"speedup_flow_warm_vs_trl_imported_to_reward_{t}"] = round(imported / warm, 2)
     print(json.dumps(figures))
 
 

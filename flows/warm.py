@@ -221,9 +221,10 @@ def preload(extra: tuple[str, ...] = ()) -> None:
     from areal_pipeline import forkserver
     from flows.train import FIRST_RUN_IMPORTS
 
-    for module in ("torch", "transformers.models.auto.tokenization_auto", *forkserver.PRELOAD, "areal_pipeline.cli",
-                   "flows.train", "flows.evaluate", "flows.sweep", "flows.api_server", "flows.events", "areal_pipeline.console",
-                   "areal_pipeline.metrics", "prefect.server.api.server", "uvicorn", "pandas", "pyarrow.dataset",
+    for module in ("torch", "transformers.models.auto.tokenization_auto", *forkserver.PRELOAD,
+                   "areal_pipeline.cli", "areal_pipeline.console", "areal_pipeline.metrics",
+                   "flows.train", "flows.evaluate", "flows.sweep", "flows.api_server", "flows.events",
+                   "prefect.server.api.server", "uvicorn", "pandas", "pyarrow.dataset",
                    "matplotlib.pyplot",  # the reward curve at a run's end
                    *FIRST_RUN_IMPORTS):
         try:

@@ -31,11 +31,17 @@ def _finish(command: subprocess.Popen, timeout: float = 600) -> tuple[int, str, 
     return command.returncode, out, err
 
 
-def _status(env: dict) -> dict:
+def _status_or_none(env: dict):
+    """`areal-pipeline warm status`: the launcher's, or None where none answers."""
     done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "warm", "status"], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def _status(env: dict) -> dict:
+    status = _status_or_none(env)
+    assert status is not None, f"no launcher answers on {env['AREAL_WARM_SOCKET']}"
+    return status
 
 
 def _start_launcher(tmp: Path, *extra: str, env_extra: dict | None = None) -> dict:
@@ -185,11 +191,6 @@ def test_a_changed_module_restarts_the_launcher_and_that_command_starts_cold(tmp
     finally:
         _stop_launcher(env)
 
-
-def _status_or_none(env: dict):
-    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "warm", "status"], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    return json.loads(done.stdout) if done.returncode == 0 else None
 
 
 _HANDLERS = """
