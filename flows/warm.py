@@ -153,12 +153,27 @@ def run_warm(argv: list[str], entry: str = "cli") -> Optional[int]:
             line = replies.readline()
         except InterruptedError:
             continue
-        if not line:
-            print(f"areal-pipeline: the warm launcher ended while process {pid} ran this command", file=sys.stderr)
+        if not line:  # the launcher was killed: the run goes on, and this command lasts as long as it does
+            print(f"areal-pipeline: the warm launcher ended while process {pid} ran this command; its exit status "
+                  f"is lost: waiting for it to end", file=sys.stderr)
+            _wait_until_gone(pid)
             return 1
         message = json.loads(line)
         if "exit" in message:
             return int(message["exit"])
+
+
+def _wait_until_gone(pid: int) -> None:
+    import time
+
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:  # the pid was taken by another user's process: ours is gone
+            return
+        time.sleep(0.2)
 
 
 def start(idle_minutes: float, preload_modules: tuple[str, ...] = (), timeout: float = 120.0) -> dict:

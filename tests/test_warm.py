@@ -150,6 +150,36 @@ def test_stopping_the_command_stops_the_run_and_everything_it_started(launcher, 
     wait_until(lambda: _status(launcher)["running"] == [], 10, "the launcher to reap the run")
 
 
+def test_a_command_whose_launcher_is_killed_lasts_as_long_as_its_run_and_still_stops_it(tiny_model_dir, tmp_path):
+    """kill -9 of the launcher: the command cannot learn the run's status any more, but it still forwards Ctrl-C
+    and ends only when the run has."""
+    env = _start_launcher(tmp_path)
+    launcher = psutil.Process(_status(env)["pid"])
+    run = _command("train", "--config", "configs/tiny_cpu.yaml",
+                   *fast_overrides(tmp_path, tiny_model_dir, run_id="orphan", iterations=50), env=env)
+    try:
+        marker = tmp_path / "orphan" / "iter_2" / "rollout" / "manifest.json"
+        wait_until(lambda: marker.exists() or run.poll() is not None, 600, "iteration 2's rollout", interval=0.05)
+        [forked] = [p for p in launcher.children() if "train" in " ".join(p.cmdline())]
+        launcher.kill()
+        launcher.wait(10)
+        time.sleep(2)
+        assert run.poll() is None and forked.is_running()  # the run goes on, and its command with it
+        os.killpg(run.pid, signal.SIGINT)  # Ctrl-C still reaches the run
+        code, out, err = _finish(run, 60)
+        assert code == 1, err[-3000:]
+        assert "its exit status is lost: waiting for it to end" in err, err[-3000:]
+        # the run got the signal; it stops without its Prefect API (the launcher's, gone with it), within the
+        # bounded time a stop has (areal_pipeline/shutdown.py)
+        assert "SIGINT received: stopping the run's servers and trainer" in err, err[-3000:]
+        assert not forked.is_running() or forked.status() == psutil.STATUS_ZOMBIE
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        for process in launcher.children(recursive=True) if launcher.is_running() else []:
+            process.kill()
+
+
 def test_a_command_that_the_launcher_cannot_run_as_a_new_interpreter_would_starts_cold(launcher, tmp_path):
     before = _status(launcher)["runs_started"]
     bad = ["train", "--config", "configs/tiny_cpu.yaml", f"output_dir={tmp_path}", "no_such_key=1"]
