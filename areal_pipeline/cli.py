@@ -229,8 +229,8 @@ def cmd_warm(args) -> None:
     if args.action == "start":
         status = warm.start(args.idle_minutes, tuple(args.preload))
         print(f"warm launcher {'already running' if status.get('already_running') else 'ready'}: pid {status['pid']}, "
-              f"{status['files']} files imported, socket {status['socket']}; `areal-pipeline train` and `evaluate` "
-              f"now start as forks of it (AREAL_WARM=0: not)")
+              f"{status['files']} files imported, socket {status['socket']}; `areal-pipeline train`, `evaluate` and "
+              f"`sweep` now start as forks of it (AREAL_WARM=0: not)")
     elif args.action == "stop":
         status = warm.stop()
         print("no warm launcher runs" if status is None else
@@ -387,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prefect_server)
 
     p = sub.add_parser("warm", help="a launcher that keeps a run's imports (torch, transformers, Prefect) loaded: "
-                                    "train and evaluate start as forks of it in about a second: start, stop, status")
+                                    "train, evaluate and sweep start as forks of it in about a second: start, stop, "
+                                    "status")
     p.add_argument("action", choices=["start", "stop", "status"])
     p.add_argument("--idle-minutes", type=float, default=240.0, help="it ends after this long without a run")
     p.add_argument("--preload", action="append", default=[], metavar="MODULE",

@@ -3,10 +3,11 @@
 Most of a run's start-up on a small machine is imports: torch, transformers' tokenizer and Qwen2 modules, Prefect
 and its API server (README, "Start-up"; `bench/startup.py`). A fresh interpreter pays them on every command.
 `areal-pipeline warm start` starts a launcher that imports them once and then waits on a socket; while it runs,
-`areal-pipeline train` and `evaluate` send it their command line, working directory, environment and terminal
-(the file descriptors themselves), and the launcher forks a process that runs the command as the command would
-have: its output on the user's terminal, Ctrl-C and SIGTERM forwarded to it by the command, its exit status the
-command's. Its services and the temporary Prefect API are forks of it in turn, with nothing left to import.
+`areal-pipeline train`, `evaluate` and `sweep` (and each run of a sweep) send it their command line, working
+directory, environment and terminal (the file descriptors themselves), and the launcher forks a process that runs
+the command as the command would have: its output on the user's terminal, Ctrl-C and SIGTERM forwarded to it by
+the command, its exit status the command's. Its services are forks of it in turn, with nothing left to import; so is
+the Prefect API a run without one starts (the launcher keeps one for runs whose Prefect settings are its own).
 Like Gradle's daemon, it is a cache: whenever it cannot run a command exactly as a new interpreter would, the
 command starts cold and says why, so the result never depends on it:
 
@@ -228,7 +229,7 @@ def status() -> Optional[dict]:
 
 # ----- the launcher's side --------------------------------------------------------------------------------
 def preload(extra: tuple[str, ...] = ()) -> None:
-    """Import what `train` and `evaluate` import, their services too, Prefect's API server, and `extra`."""
+    """Import what `train`, `evaluate` and `sweep` import, their services too, Prefect's API server, and `extra`."""
     import importlib
 
     # read when torch is imported; the services' forkserver needs it passive (see forkserver.start_here)
