@@ -41,7 +41,8 @@ COMMANDS = ("train", "evaluate", "sweep")
 ENTRIES = {"cli": "areal_pipeline.cli:main", "sweep-run": "flows.sweep:_child"}
 # read while the preloaded modules import: a command whose value differs would not get what it asked for
 IMPORT_TIME_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "PYTORCH_", "TORCH_", "HF_", "HUGGINGFACE",
-                            "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "LD_", "SAFETENSORS_", "MPL")
+                            "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "LD_", "SAFETENSORS_", "MPL",
+                            "LANG", "LC_", "TZ")  # the last: the standard streams' encoding, the local time
 PROJECT_PACKAGES = ("areal_pipeline", "flows", "tasks")
 
 
@@ -109,6 +110,18 @@ def _project_packages() -> dict[str, Optional[str]]:
     return found
 
 
+def _process_settings() -> dict:
+    """What a process inherits besides its environment and a fork would not: limits, priority, CPUs."""
+    import resource
+
+    limits = {name: list(resource.getrlimit(getattr(resource, name)))
+              for name in ("RLIMIT_NOFILE", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_CORE", "RLIMIT_CPU", "RLIMIT_NPROC",
+                           "RLIMIT_STACK")
+              if hasattr(resource, name)}
+    return {"limits": limits, "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+
+
 def run_warm(argv: list[str], entry: str = "cli") -> Optional[int]:
     """Run `areal-pipeline *argv` (or another of `ENTRIES`) as a fork of the warm launcher and return its exit
     status, or None where no launcher runs or it cannot run this command as a new interpreter would (the command
@@ -127,6 +140,7 @@ def run_warm(argv: list[str], entry: str = "cli") -> Optional[int]:
         _send_request(sock, {"op": "run", "entry": entry, "argv": [sys.argv[0], *argv], "cwd": os.getcwd(),
                              "env": dict(os.environ),
                              "path": sys.path, "executable": sys.executable, "umask": umask,
+                             "process": _process_settings(),
                              "packages": _project_packages()}, fds=(0, 1, 2))
         replies = sock.makefile("rb")
         reply = json.loads(replies.readline() or b"{}")
@@ -309,6 +323,11 @@ class Launcher:
         if theirs != self.import_env:
             names = sorted(k for k in set(theirs) | set(self.import_env) if theirs.get(k) != self.import_env.get(k))
             return f"environment variables read at import differ from the launcher's: {', '.join(names)}"
+        mine = _process_settings()
+        for key, what in (("limits", "resource limits (ulimit)"), ("nice", "priority (nice)"),
+                          ("cpus", "CPU affinity (taskset)")):
+            if (request.get("process") or {}).get(key) != mine[key]:
+                return f"the {what} of the command and of the launcher differ"
         changed = _changed_file(self.files)
         if changed is not None:
             self.restart = True
@@ -542,6 +561,9 @@ def _become_command(request: dict, fds: list[int], api_url: Optional[str], close
         os.environ.setdefault("OMP_WAIT_POLICY", omp_wait_policy)
     sys.argv = list(request["argv"])
     sys.path[:] = request["path"]
+    import tempfile
+
+    tempfile.tempdir = None  # cached at its first use in the launcher: found again from the command's TMPDIR
     # as a new interpreter: stdout line-buffered on a terminal only, each RNG seeded afresh
     sys.stdout.reconfigure(line_buffering=os.isatty(1))
     sys.stderr.reconfigure(line_buffering=True)

@@ -20,9 +20,9 @@ from test_flows import REPO, fast_overrides, wait_until
 STOPPED_WITHIN_S = 10
 
 
-def _command(*args: str, env: dict, cwd: Path = REPO) -> subprocess.Popen:
+def _command(*args: str, env: dict, cwd: Path = REPO, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     """`areal-pipeline *args` as a user runs it (its own session, as a shell's foreground job)."""
-    return subprocess.Popen([sys.executable, "-m", "areal_pipeline.cli", *args], cwd=cwd, env=env,
+    return subprocess.Popen([*prefix, sys.executable, "-m", "areal_pipeline.cli", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -187,6 +187,9 @@ def test_a_command_that_the_launcher_cannot_run_as_a_new_interpreter_would_start
     assert code == 1 and "config error" in err, err
     assert ("started cold: environment variables read at import differ from the launcher's: OMP_NUM_THREADS"
             in err), err
+    code, out, err = _finish(_command(*bad, env=launcher, prefix=("nice", "-n", "3")))
+    assert code == 1 and "config error" in err, err
+    assert "started cold: the priority (nice) of the command and of the launcher differ" in err, err
     code, out, err = _finish(_command(*bad, env={**launcher, "AREAL_WARM": "0"}))
     assert code == 1 and "config error" in err and "started cold" not in err, err
     assert _status(launcher)["runs_started"] == before
