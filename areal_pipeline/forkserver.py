@@ -294,6 +294,47 @@ class ForkedProcess:
         return self.returncode
 
 
+class _WorkerContext(mp_context.ForkServerContext):
+    """The forkserver start method for a process pool's workers, without the parent's `__main__` either."""
+
+    Process = _ServiceProcess
+
+
+def worker_context() -> Optional[multiprocessing.context.BaseContext]:
+    """A multiprocessing context whose processes are forks of the services' forkserver, or None where this
+    process runs none (starting one for a pool alone would cost more than it saves). Such a process starts with
+    the forkserver's /dev/null as its output: pass it `InheritedOutput()` and call `adopt` on it there."""
+    if not enabled() or _context is None:
+        return None
+    return _WorkerContext()
+
+
+class InheritedOutput:
+    """This process's stdout and stderr, for a process forked from the forkserver: pickled while that process
+    starts, the descriptors themselves travel with it (multiprocessing's DupFd); `adopt` makes them its own."""
+
+    def __init__(self, fds: tuple[int, int] = (1, 2)):
+        self.fds = fds
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _InheritedOutputInChild, tuple(reduction.DupFd(fd) for fd in self.fds)
+
+    def adopt(self) -> None:
+        """Nothing to do in the process that made it (its output is its own)."""
+
+
+class _InheritedOutputInChild:
+    def __init__(self, *duplicated):
+        self.fds = tuple(d.detach() for d in duplicated)
+
+    def adopt(self) -> None:
+        for target, fd in zip((1, 2), self.fds):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
 def fork_service(module: str, argv: list[str], log_path: Path, env: dict[str, str]) -> Optional[ForkedProcess]:
     """`module.main(argv)` forked from the forkserver, or None where forking is off or the forkserver is gone
     (the caller then launches the command line)."""

@@ -256,6 +256,7 @@ def preload(extra: tuple[str, ...] = ()) -> None:
                    "flows.train", "flows.evaluate", "flows.sweep", "flows.api_server", "flows.events",
                    "prefect.server.api.server", "uvicorn", "pandas", "pyarrow.dataset",
                    "matplotlib.pyplot",  # the reward curve at a run's end
+                   "areal_pipeline.rewards.math",  # math-verify: the reward workers are forks of the run's forkserver
                    *FIRST_RUN_IMPORTS):
         try:
             importlib.import_module(module)

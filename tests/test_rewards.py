@@ -2,6 +2,9 @@ import asyncio
 import itertools
 import json
 import logging
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -230,3 +233,41 @@ def test_the_orchestrating_process_does_not_import_the_math_reward():
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "areal_pipeline.rewards.math:math_reward []"
+
+
+_FORKED_WORKERS = r'''
+import os, sys, time
+import psutil
+from areal_pipeline import forkserver
+forkserver.start_here()  # as `train` does: a fork of this process becomes the services' forkserver
+from areal_pipeline.rewards.pool import RewardPool, RewardReference
+
+with RewardPool(1, timeout=2.0) as pool:
+    assert pool.score(RewardReference("areal_pipeline.rewards.math:math_reward"), "#### 42", "42") == 1.0
+    assert pool.score(RewardReference("loud_reward:loud"), "x") == 1.0
+    workers = [p for p in psutil.Process().children(recursive=True) if p.ppid() != os.getpid()]
+    print("WORKERS", [" ".join(p.parent().cmdline()) for p in workers], flush=True)
+    assert pool.score(RewardReference("loud_reward:hang"), "x") == 0.0  # timed out: the worker is replaced
+    assert pool.score(RewardReference("loud_reward:loud"), "y") == 1.0
+print("DONE", flush=True)
+'''
+
+
+def test_reward_workers_are_forks_of_the_services_forkserver_with_the_commands_output(tmp_path):
+    """Where the command runs a forkserver (`train` forks one), reward workers are its forks: no interpreter
+    and no imports of their own. What a reward function prints reaches the command's stdout and stderr, as a
+    spawned worker's did; a worker killed for a timeout is replaced by another fork."""
+    (tmp_path / "loud_reward.py").write_text(
+        "import sys, time\n"
+        "def loud(x):\n    print('LOUD', x, flush=True)\n    print('ERR', x, file=sys.stderr, flush=True)\n"
+        "    return 1.0\n"
+        "def hang(x):\n    time.sleep(60)\n")
+    done = subprocess.run([sys.executable, "-c", _FORKED_WORKERS], cwd=Path(__file__).resolve().parents[1],
+                          env={**os.environ, "PYTHONPATH": str(tmp_path), "AREAL_FORKSERVER": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "DONE" in done.stdout, done.stdout + done.stderr
+    workers = next(line for line in done.stdout.splitlines() if line.startswith("WORKERS"))
+    assert "multiprocessing.forkserver of" in workers, workers
+    assert "LOUD x" in done.stdout and "LOUD y" in done.stdout, done.stdout
+    assert "ERR x" in done.stderr, done.stderr

@@ -72,10 +72,13 @@ def _load(reference: RewardReference) -> str:
     return reference.reference
 
 
-def _ignore_ctrl_c() -> None:
+def _ignore_ctrl_c(output=None) -> None:
     """Workers share the terminal's process group: Ctrl-C would kill them mid-score with a traceback each. The
-    parent process decides what an interrupt means and closes the pool."""
+    parent process decides what an interrupt means and closes the pool. A worker forked from the services'
+    forkserver takes the parent's stdout and stderr (`output`), as a spawned one inherits them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if output is not None:
+        output.adopt()
 
 
 def _import(module: str) -> str:
@@ -113,11 +116,16 @@ class RewardPool:
     def __init__(self, max_workers: int = 1, timeout: float = 5.0):
         self.timeout = timeout
         self.max_workers = max_workers
-        # Not fork: the parent holds torch threads and an asyncio loop, which a forked child
-        # would inherit in a broken state. forkserver buys nothing over spawn on Python 3.11: its
-        # server never preloads __main__, so each worker re-imports the parent's script anyway.
+        # Not forks of this process: it holds torch threads and an asyncio loop, which a forked child would
+        # inherit in a broken state. Forks of the services' forkserver where this process runs one (it has this
+        # package imported, and math-verify too where the run is a fork of the warm launcher: a spawned worker
+        # spends ~0.45 s of CPU on them at a run's start), else new interpreters.
+        from areal_pipeline import forkserver
+
+        context = forkserver.worker_context()
         self._pool = pebble.ProcessPool(
-            max_workers=max_workers, context=multiprocessing.get_context("spawn"), initializer=_ignore_ctrl_c
+            max_workers=max_workers, context=context or multiprocessing.get_context("spawn"),
+            initializer=_ignore_ctrl_c, initargs=(forkserver.InheritedOutput(),) if context else (),
         )
 
     def warm_up(self, fn: Callable[..., Any]) -> list[Future]:
