@@ -422,16 +422,18 @@ def _interrupted_message(args) -> str:
 
 
 FLOW_COMMANDS = ("train", "evaluate", "branch", "sweep")
+WARM_COMMANDS = ("train", "evaluate", "sweep")  # run as forks of the warm launcher where one runs
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    if argv is None and len(sys.argv) > 1:
-        from flows.warm import COMMANDS, run_warm
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] in WARM_COMMANDS:
+        # as a fork of the warm launcher, where one runs (flows/warm.py; importing `flows` sets the project's
+        # Prefect defaults in the environment: only for the commands that run flows)
+        from flows.warm import run_warm
 
-        if sys.argv[1] in COMMANDS:  # as a fork of the warm launcher, where one runs (flows/warm.py)
-            code = run_warm(sys.argv[1:])
-            if code is not None:
-                sys.exit(code)
+        code = run_warm(sys.argv[1:])
+        if code is not None:
+            sys.exit(code)
     from areal_pipeline import shutdown
 
     args = build_parser().parse_args(argv)

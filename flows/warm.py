@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Optional
 
 SOCKET_ENV = "AREAL_WARM_SOCKET"
-COMMANDS = ("train", "evaluate", "sweep")
-# what a fork may run: the command line, or one run of a sweep (`python -m flows.sweep --child`)
+# what a fork may run (the commands that ask: areal_pipeline.cli.WARM_COMMANDS): the command line, or one run of a sweep (`python -m flows.sweep --child`)
 ENTRIES = {"cli": "areal_pipeline.cli:main", "sweep-run": "flows.sweep:_child"}
 # read while the preloaded modules import: a command whose value differs would not get what it asked for
 IMPORT_TIME_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "PYTORCH_", "TORCH_", "HF_", "HUGGINGFACE",
