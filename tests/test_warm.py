@@ -52,13 +52,25 @@ def _start_launcher(tmp: Path, *extra: str, env_extra: dict | None = None) -> di
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "warm launcher ready" in done.stdout, done.stdout
+    _LAUNCHERS[env["AREAL_WARM_SOCKET"]] = _status(env)["pid"]
     return env
 
 
+_LAUNCHERS: dict[str, int] = {}  # socket -> the launcher's pid, for the clean-up whatever a test left
+
+
 def _stop_launcher(env: dict) -> None:
-    pid = _status(env)["pid"]
+    """`warm stop`; then whatever of the launcher is still there (a failed test's) is killed before the checks."""
+    pid = _LAUNCHERS.pop(env["AREAL_WARM_SOCKET"])
     subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "warm", "stop"], env=env, cwd=REPO, timeout=120)
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    try:
+        launcher = psutil.Process(pid)
+        left = [] if launcher.status() == psutil.STATUS_ZOMBIE else [launcher, *launcher.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        left = []
+    for process in left:
+        process.kill()
+    assert not left, [" ".join(p.cmdline()) for p in left]
     assert not Path(env["AREAL_WARM_SOCKET"]).exists()
 
 
