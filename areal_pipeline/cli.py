@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -79,24 +80,35 @@ def cmd_rollout(args) -> None:
               f"or use --show N to see fresh episodes)", file=sys.stderr)
 
 
-def cmd_train(args) -> None:
+@contextlib.contextmanager
+def _api_and_forkserver():
+    """Prefect's temporary API server (when none is configured) comes up in the background from here on, while
+    this process imports what the run needs; once it has imported what its services need too, a fork of it
+    becomes their forkserver (see forkserver.py), which imports the rest of theirs while this process imports
+    Prefect's flow machinery. Yields the API server to pass to `prefect_api`; stops it if the block fails."""
     from areal_pipeline import forkserver
+    from flows.api_server import early_api_server, needed_api_server
+
+    api_server = early_api_server()
+    try:
+        forkserver.start_here()
+        api_server = needed_api_server(api_server)
+        yield api_server
+    except BaseException:
+        if api_server is not None:
+            api_server.stop()
+        raise
+
+
+def cmd_train(args) -> None:
     from areal_pipeline.config import resolve_run_config
     from areal_pipeline.data.datasets import check_local_rows
 
     # Config errors first, then data errors, before anything starts (both need only light imports).
     cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)
     check_local_rows(cfg.dataset, cfg.seed)
-    # Prefect's API server (when none is configured) comes up in the background from here on, while this process
-    # imports what the run needs. Once it has imported what its services need too, a fork of it becomes their
-    # forkserver (see forkserver.py), which imports the rest of theirs while this process imports Prefect's flow
-    # machinery.
-    from flows.api_server import early_api_server, needed_api_server, prefect_api
-
-    api_server = early_api_server()
-    try:
-        forkserver.start_here()
-        api_server = needed_api_server(api_server)
+    with _api_and_forkserver() as api_server:
+        from flows.api_server import prefect_api
         from flows.train import preimport_first_run, train
 
         from areal_pipeline.metrics import read_metrics, summarize
@@ -104,10 +116,6 @@ def cmd_train(args) -> None:
 
         resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
         preimport_first_run()
-    except BaseException:
-        if api_server is not None:
-            api_server.stop()
-        raise
     from areal_pipeline.console import quiet_console
     from flows.events import listening
 
@@ -132,18 +140,9 @@ def cmd_train(args) -> None:
 
 
 def cmd_evaluate(args) -> None:
-    from areal_pipeline import forkserver
-    from flows.api_server import early_api_server, needed_api_server, prefect_api
-
-    api_server = early_api_server()  # as in `train`: the API server and the services' forkserver start first
-    try:
-        forkserver.start_here()
-        api_server = needed_api_server(api_server)
+    with _api_and_forkserver() as api_server:
+        from flows.api_server import prefect_api
         from flows.evaluate import evaluate
-    except BaseException:
-        if api_server is not None:
-            api_server.stop()
-        raise
     with prefect_api(api_server):
         result = evaluate(config_path=args.config, overrides=args.overrides, run_id=args.run_id,
                           checkpoint=args.checkpoint)

@@ -6,9 +6,10 @@ Prefect's API server dominated the start-up of a default run. Python's forkserve
 `multiprocessing`) does that import once, in a server process; each service is then a fork of it, healthy a
 fraction of a second after it is asked for (README, "Start-up", and `bench/startup.py` give the figures).
 `areal-pipeline train` makes a fork of itself that server (`start_here`) once it has imported torch and
-transformers' auto classes, which it needs too (the same in a sweep's run); the fork imports the services' remaining modules while the command
-imports Prefect's, so on a small machine no import is done twice. Elsewhere (a process with threads, tests that
-run flows in-process) the server is a new interpreter that imports the list itself (`start_preloading`).
+transformers' auto classes, which it needs too (the same in a sweep's run); the fork imports the services'
+remaining modules while the command imports Prefect's, so on a small machine no import is done twice. Elsewhere
+(a process with threads, tests that run flows in-process) the server is a new interpreter that imports the list
+itself (`start_preloading`).
 
 A forked service is the same program as the launched one: the module's `main(argv)`, in a session of its own,
 its output in its log file, its environment the launcher's. A single-rank trainer is forked as the rank itself
@@ -34,9 +35,12 @@ from multiprocessing import context as mp_context
 from multiprocessing import forkserver as mp_forkserver
 from multiprocessing import connection as mp_connection
 from multiprocessing import popen_forkserver, resource_tracker, spawn, util
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from areal_pipeline.utils import PARENT_PID_ENV
+
+if TYPE_CHECKING:
+    import psutil
 
 # What the services import before their first line of work (the model class is resolved by name at load time,
 # so a model of another architecture imports its own modules in the service, as it would anyway).
@@ -144,16 +148,25 @@ def _fork_forkserver() -> None:
     server._forkserver_pid = pid
 
 
-def _become_forkserver(listener_fd: int, alive_r: int) -> None:
-    # not the command's stop handlers: a fresh interpreter's, which the forks get back from the server's loop
+def new_process_stop_handlers() -> None:
+    """A new interpreter's SIGINT/SIGTERM handlers, in a fork of a process that installed its own."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    # only what the server needs stays open: no pipe or log file of the command's is held after it ends
-    keep = {listener_fd, alive_r, resource_tracker._resource_tracker._fd}
+
+
+def close_descriptors(keep: set[int] = frozenset()) -> None:
+    """Close every descriptor above 2 but `keep`: a fork holds none of its parent's pipes, sockets or files."""
     for fd in sorted(int(name) for name in os.listdir("/proc/self/fd") if name.isdigit()):
         if fd > 2 and fd not in keep:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _become_forkserver(listener_fd: int, alive_r: int) -> None:
+    # not the command's stop handlers: a fresh interpreter's, which the forks get back from the server's loop
+    new_process_stop_handlers()
+    # only what the server needs stays open: no pipe or log file of the command's is held after it ends
+    close_descriptors({listener_fd, alive_r, resource_tracker._resource_tracker._fd})
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
@@ -303,7 +316,8 @@ class _WorkerContext(mp_context.ForkServerContext):
 def worker_context() -> Optional[multiprocessing.context.BaseContext]:
     """A multiprocessing context whose processes are forks of the services' forkserver, or None where this
     process runs none (starting one for a pool alone would cost more than it saves). Such a process starts with
-    the forkserver's /dev/null as its output: pass it `InheritedOutput()` and call `adopt` on it there."""
+    the forkserver's /dev/null as its output: pass it `InheritedOutput()`, which it receives as an object whose
+    `adopt()` makes this process's stdout and stderr its own."""
     if not enabled() or _context is None:
         return None
     return _WorkerContext()
@@ -311,18 +325,12 @@ def worker_context() -> Optional[multiprocessing.context.BaseContext]:
 
 class InheritedOutput:
     """This process's stdout and stderr, for a process forked from the forkserver: pickled while that process
-    starts, the descriptors themselves travel with it (multiprocessing's DupFd); `adopt` makes them its own."""
-
-    def __init__(self, fds: tuple[int, int] = (1, 2)):
-        self.fds = fds
+    starts, the descriptors themselves travel with it (multiprocessing's DupFd)."""
 
     def __reduce__(self):
         from multiprocessing import reduction
 
-        return _InheritedOutputInChild, tuple(reduction.DupFd(fd) for fd in self.fds)
-
-    def adopt(self) -> None:
-        """Nothing to do in the process that made it (its output is its own)."""
+        return _InheritedOutputInChild, (reduction.DupFd(1), reduction.DupFd(2))
 
 
 class _InheritedOutputInChild:

@@ -176,8 +176,8 @@ def main() -> None:
         for t in args.thresholds:
             trl = figures[f"trl_seconds_to_reward_{t}"]
             for ours, name in (("flow", "speedup_flow"), ("flow_warm", "speedup_flow_warm"), ("ours", "speedup_plain")):
-                mine = figures.get(f"{ours}_seconds_to_reward_{t}")
-                if f"{ours}_seconds_to_reward_{t}" in figures:
+                if f"{ours}_seconds_to_reward_{t}" in figures:  # flow_warm: not with --no-warm
+                    mine = figures[f"{ours}_seconds_to_reward_{t}"]
                     figures[f"{name}_to_reward_{t}"] = round(trl / mine, 2) if mine and trl else None
             warm = figures.get(f"flow_warm_seconds_to_reward_{t}")
             imported = figures[f"trl_imported_seconds_to_reward_{t}"]

@@ -146,17 +146,15 @@ def _fork_server(port: int, env: dict[str, str], log_fd: int) -> _ForkedServer:
     if pid == 0:
         code = 1
         try:
+            from areal_pipeline.forkserver import close_descriptors, new_process_stop_handlers
+
             os.setsid()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            new_process_stop_handlers()
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)
             os.dup2(log_fd, 1)
             os.dup2(log_fd, 2)
-            for fd in sorted(int(name) for name in os.listdir("/proc/self/fd") if name.isdigit()):
-                if fd > 2:  # the command's terminal, pipes and files are not the server's to hold
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+            close_descriptors()  # the command's terminal, pipes and files are not the server's to hold
             os.environ.clear()
             os.environ.update(env)
             from prefect.context import refresh_global_settings_context
@@ -167,7 +165,7 @@ def _fork_server(port: int, env: dict[str, str], log_fd: int) -> _ForkedServer:
             main(["--port", str(port)])
             code = 0
         except SystemExit as ended:
-            code = ended.code if isinstance(ended.code, int) else 0 if ended.code is None else 1
+            code = exit_code(ended)
         except BaseException:
             import traceback
 
@@ -176,6 +174,14 @@ def _fork_server(port: int, env: dict[str, str], log_fd: int) -> _ForkedServer:
             os._exit(code)
     os.close(log_fd)
     return _ForkedServer(pid)
+
+
+def exit_code(ended: SystemExit) -> int:
+    """The status a new interpreter ends with on `ended` (a message is printed to stderr, with status 1)."""
+    if ended.code is None or isinstance(ended.code, int):
+        return ended.code or 0
+    print(ended.code, file=sys.stderr)
+    return 1
 
 
 def _may_name_an_api() -> bool:

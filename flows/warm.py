@@ -36,12 +36,13 @@ from pathlib import Path
 from typing import Optional
 
 SOCKET_ENV = "AREAL_WARM_SOCKET"
-# what a fork may run (the commands that ask: areal_pipeline.cli.WARM_COMMANDS): the command line, or one run of a sweep (`python -m flows.sweep --child`)
+# what a fork may run: the command line (the commands that ask: areal_pipeline.cli.WARM_COMMANDS), or one run of a
+# sweep (`python -m flows.sweep --child`)
 ENTRIES = {"cli": "areal_pipeline.cli:main", "sweep-run": "flows.sweep:_child"}
 # read while the preloaded modules import: a command whose value differs would not get what it asked for
 IMPORT_TIME_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "PYTORCH_", "TORCH_", "HF_", "HUGGINGFACE",
                             "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "LD_", "SAFETENSORS_", "MPL",
-                            "LANG", "LC_", "TZ")  # the last: the standard streams' encoding, the local time
+                            "LANG", "LC_", "TZ")  # the last three: the standard streams' encoding, the local time
 PROJECT_PACKAGES = ("areal_pipeline", "flows", "tasks")
 
 
@@ -177,17 +178,18 @@ def run_warm(argv: list[str], entry: str = "cli") -> Optional[int]:
             return int(message["exit"])
 
 
-def _wait_until_gone(pid: int) -> None:
+def _wait_until_gone(pid: int, timeout: Optional[float] = None) -> None:
     import time
 
-    while True:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while deadline is None or time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return
         except PermissionError:  # the pid was taken by another user's process: ours is gone
             return
-        time.sleep(0.2)
+        time.sleep(0.1)
 
 
 def start(idle_minutes: float, preload_modules: tuple[str, ...] = (), timeout: float = 120.0) -> dict:
@@ -221,18 +223,9 @@ def start(idle_minutes: float, preload_modules: tuple[str, ...] = (), timeout: f
 
 def stop(timeout: float = 60.0) -> Optional[dict]:
     """Ask the launcher to end (after the runs it started have ended); its last status, or None if none ran."""
-    import time
-
     status = _ask({"op": "stop"})
-    if status is None:
-        return None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(status["pid"], 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
+    if status is not None:
+        _wait_until_gone(status["pid"], timeout)
     return status
 
 
@@ -307,6 +300,7 @@ class Launcher:
         self.stopping = False
         self.restart = False  # a file it imported changed: it execs itself anew once its runs have ended
         self.prefect_env = {k: v for k, v in os.environ.items() if k.startswith("PREFECT_")}
+        self.process = _process_settings()  # its limits, priority and CPUs: a fork keeps them
         self.api = None  # Prefect's API for runs that configure none (what each would otherwise start for itself)
 
     def why_cold(self, request: dict) -> Optional[str]:
@@ -323,10 +317,9 @@ class Launcher:
         if theirs != self.import_env:
             names = sorted(k for k in set(theirs) | set(self.import_env) if theirs.get(k) != self.import_env.get(k))
             return f"environment variables read at import differ from the launcher's: {', '.join(names)}"
-        mine = _process_settings()
         for key, what in (("limits", "resource limits (ulimit)"), ("nice", "priority (nice)"),
                           ("cpus", "CPU affinity (taskset)")):
-            if (request.get("process") or {}).get(key) != mine[key]:
+            if (request.get("process") or {}).get(key) != self.process[key]:
                 return f"the {what} of the command and of the launcher differ"
         changed = _changed_file(self.files)
         if changed is not None:
@@ -590,13 +583,9 @@ def _become_command(request: dict, fds: list[int], api_url: Optional[str], close
         else:
             entry()
     except SystemExit as ended:
-        if ended.code is None:
-            code = 0
-        elif isinstance(ended.code, int):
-            code = ended.code
-        else:
-            print(ended.code, file=sys.stderr)
-            code = 1
+        from flows.api_server import exit_code
+
+        code = exit_code(ended)
     except KeyboardInterrupt:
         code = 128 + signal.SIGINT
     except BaseException:
