@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -425,6 +426,7 @@ WARM_COMMANDS = ("train", "evaluate", "sweep")  # run as forks of the warm launc
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    cold_env = None  # the environment a launcher started after this cold command gets
     if argv is None and len(sys.argv) > 1 and sys.argv[1] in WARM_COMMANDS:
         # as a fork of the warm launcher, where one runs (flows/warm.py; importing `flows` sets the project's
         # Prefect defaults in the environment: only for the commands that run flows)
@@ -433,6 +435,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         code = run_warm(sys.argv[1:])
         if code is not None:
             sys.exit(code)
+        cold_env = dict(os.environ)  # before the command sets anything (the forkserver's OpenMP policy, ...)
     from areal_pipeline import shutdown
 
     args = build_parser().parse_args(argv)
@@ -468,6 +471,19 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         print(_interrupted_message(args), file=sys.stderr)
         sys.exit(shutdown.exit_status(shutdown.requested_by() or signal.SIGINT))
+    if cold_env is not None:
+        _start_launcher_for_next_commands(cold_env)
+
+
+def _start_launcher_for_next_commands(cold_env: dict) -> None:
+    from flows import warm
+
+    pid = warm.start_for_next_commands(cold_env)
+    if pid is not None:
+        print(f"\nareal-pipeline: started a warm launcher in the background (pid {pid}): from its next command on, "
+              f"`train`, `evaluate` and `sweep` start in about a second as forks of it. It ends after "
+              f"{warm.AUTO_IDLE_MINUTES:.0f} idle minutes or on `areal-pipeline warm stop`; AREAL_WARM=1 starts "
+              f"none by itself, AREAL_WARM=0 uses none.", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,12 @@ command starts cold and says why, so the result never depends on it:
 
 Prefect's settings are read again from the command's environment in the fork (`refresh_global_settings_context`).
 The socket is the user's own (mode 0600; a connection from another user is refused) at `$AREAL_WARM_SOCKET`, else
-`$TMPDIR/areal-pipeline-warm-<uid>.sock`. `AREAL_WARM=0` makes a command ignore it. It ends after
-`--idle-minutes` without a run, on `areal-pipeline warm stop`, or on SIGTERM.
+`$TMPDIR/areal-pipeline-warm-<uid>.sock`. It ends after `--idle-minutes` without a run, on `areal-pipeline warm
+stop`, or on SIGTERM.
+
+`AREAL_WARM` (`warm_mode`): `auto` (the default) uses a launcher where one runs and, like Gradle's daemon, starts one
+in the background after a cold command that ran to its end (not under CI), so that the next command starts warm;
+`1` uses one that you start; `0` ignores it.
 
     areal-pipeline warm start [--idle-minutes 240] [--preload MODULE ...] | stop | status
     python -m flows.warm serve --socket PATH [--idle-minutes N] [--preload MODULE ...]   (what `warm start` runs)
@@ -36,6 +40,10 @@ from pathlib import Path
 from typing import Optional
 
 SOCKET_ENV = "AREAL_WARM_SOCKET"
+MODE_ENV = "AREAL_WARM"
+MODES = {"auto": "the default: use a warm launcher, and start one after a cold command",
+         "1": "use a warm launcher that you start", "0": "no warm launcher"}
+AUTO_IDLE_MINUTES = 60.0  # a launcher nobody asked for by name ends sooner than `warm start`'s
 # what a fork may run: the command line (the commands that ask: areal_pipeline.cli.WARM_COMMANDS), or one run of a
 # sweep (`python -m flows.sweep --child`)
 ENTRIES = {"cli": "areal_pipeline.cli:main", "sweep-run": "flows.sweep:_child"}
@@ -51,6 +59,49 @@ def socket_path() -> Path:
     if configured:
         return Path(configured)
     return Path(os.environ.get("TMPDIR") or "/tmp") / f"areal-pipeline-warm-{os.getuid()}.sock"
+
+
+def warm_mode() -> str:
+    value = os.environ.get(MODE_ENV, "").strip().lower() or "auto"
+    if value not in MODES:
+        raise SystemExit(f"{MODE_ENV}={value!r} is not one of: "
+                         + "; ".join(f"{mode} ({meaning})" for mode, meaning in MODES.items()))
+    return value
+
+
+def _lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
+def _hold_launcher_lock(path: Path) -> int:
+    """The lock a launcher holds from before its imports to its end, so that a second one (started by another
+    command meanwhile) ends at once instead of importing for seconds and then finding the socket taken."""
+    import fcntl
+
+    fd = os.open(_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SystemExit(f"a warm launcher is already starting or running on {path}") from None
+    return fd
+
+
+def _launcher_there(path: Path) -> bool:
+    """Whether a launcher holds `path`'s lock: answering, or still importing."""
+    import fcntl
+
+    try:
+        fd = os.open(_lock_path(path), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 # ----- wire format: one length-prefixed JSON request (the terminal's descriptors travel with its first bytes),
@@ -126,7 +177,7 @@ def run_warm(argv: list[str], entry: str = "cli") -> Optional[int]:
     """Run `areal-pipeline *argv` (or another of `ENTRIES`) as a fork of the warm launcher and return its exit
     status, or None where no launcher runs or it cannot run this command as a new interpreter would (the command
     then runs here)."""
-    if os.environ.get("AREAL_WARM", "1") == "0":
+    if warm_mode() == "0":
         return None
     path = socket_path()
     if not path.exists():
@@ -192,33 +243,55 @@ def _wait_until_gone(pid: int, timeout: Optional[float] = None) -> None:
         time.sleep(0.1)
 
 
+def _spawn(idle_minutes: float, preload_modules: tuple[str, ...] = (), env: Optional[dict] = None):
+    """A launcher in the background, in its own session (it outlives the command that starts it)."""
+    import subprocess
+
+    path = socket_path()
+    with open(path.with_suffix(".log"), "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "flows.warm", "serve", "--socket", str(path),
+                                 "--idle-minutes", str(idle_minutes),
+                                 *(f"--preload={module}" for module in preload_modules)],
+                                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
 def start(idle_minutes: float, preload_modules: tuple[str, ...] = (), timeout: float = 120.0) -> dict:
     """Start the launcher in the background and wait until it has imported everything (`preload_modules` too: a
-    workflow's or reward's own module, say); its status."""
-    import subprocess
+    workflow's or reward's own module, say); its status. One that is still importing (started by a command) is
+    waited for instead."""
     import time
 
     status = _ask({"op": "status"})
     if status is not None:
         return {**status, "already_running": True}
-    path = socket_path()
-    log_path = path.with_suffix(".log")
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen([sys.executable, "-m", "flows.warm", "serve", "--socket", str(path),
-                                    "--idle-minutes", str(idle_minutes),
-                                    *(f"--preload={module}" for module in preload_modules)],
-                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+    log_path = socket_path().with_suffix(".log")
+    process = None if _launcher_there(socket_path()) else _spawn(idle_minutes, preload_modules)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
+        if process is not None and process.poll() is not None:
             raise RuntimeError(f"the warm launcher exited with code {process.returncode}; see {log_path}")
         status = _ask({"op": "status"})
         if status is not None:
-            return status
+            return status if process is not None else {**status, "already_running": True}
+        if process is None and not _launcher_there(socket_path()):  # the one we waited for has ended
+            process = _spawn(idle_minutes, preload_modules)
         time.sleep(0.2)
-    process.terminate()
+    if process is not None:
+        process.terminate()
     raise RuntimeError(f"the warm launcher was not ready within {timeout:.0f} s; see {log_path}")
+
+
+def start_for_next_commands(env: dict) -> Optional[int]:
+    """After a cold command that ran to its end: where `AREAL_WARM` is `auto`, CI is not set and no launcher is
+    there, start one in the background with the command's environment (`env`, as the command found it) and do not
+    wait for it (seconds of imports, after this command's work), so that the next command starts warm. Its pid,
+    or None where none was started."""
+    if warm_mode() != "auto" or os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+        return None
+    if _launcher_there(socket_path()) or _ask({"op": "status"}, timeout=2.0) is not None:
+        return None
+    return _spawn(AUTO_IDLE_MINUTES, env=env).pid
 
 
 def stop(timeout: float = 60.0) -> Optional[dict]:
@@ -283,10 +356,11 @@ def _changed_file(files: dict[str, tuple[int, int]]) -> Optional[str]:
 
 
 class Launcher:
-    def __init__(self, path: Path, idle_seconds: float, argv: list[str]):
+    def __init__(self, path: Path, idle_seconds: float, argv: list[str], lock_fd: int):
         import time
 
         self.argv = argv  # to start afresh with
+        self.lock_fd = lock_fd
         self.path = path
         self.idle_seconds = idle_seconds
         self.files = _loaded_files()
@@ -353,7 +427,7 @@ class Launcher:
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
-        self.keep_fds = {listener.fileno(), wake_r, wake_w}
+        self.keep_fds = {listener.fileno(), wake_r, wake_w, self.lock_fd}  # a run's fork closes them
         print(f"warm launcher {os.getpid()} ready on {self.path} ({len(self.files)} files imported)", flush=True)
         try:
             while self.runs or not (self.stopping or self.restart):
@@ -408,6 +482,7 @@ class Launcher:
 
         return {"pid": os.getpid(), "socket": str(self.path), "started": self.started,
                 "uptime_s": round(time.time() - self.started, 1), "runs_started": self.runs_started,
+                "idle_minutes": self.idle_seconds / 60,
                 "running": sorted(self.runs), "files": len(self.files), "stopping": self.stopping,
                 "prefect_api": None if self.api is None else self.api.url}
 
@@ -662,12 +737,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     from setproctitle import setproctitle
 
     setproctitle(f"areal-pipeline warm launcher {args.socket}")
+    lock_fd = _hold_launcher_lock(Path(args.socket))  # released at exit, and at a restart's exec (close-on-exec)
     preload(tuple(args.preload))
     import threading
 
     if threading.active_count() != 1:  # a fork would hold the other threads' locks for ever
         raise SystemExit(f"the preloaded modules started threads: {[t.name for t in threading.enumerate()]}")
-    Launcher(Path(args.socket), args.idle_minutes * 60, argv).serve()
+    Launcher(Path(args.socket), args.idle_minutes * 60, argv, lock_fd).serve()
 
 
 if __name__ == "__main__":

@@ -237,6 +237,49 @@ def test_a_changed_module_restarts_the_launcher_and_that_command_starts_cold(tmp
         _stop_launcher(env)
 
 
+def test_a_cold_command_starts_a_launcher_for_the_next_ones_once(tiny_model_dir, tmp_path):
+    """AREAL_WARM=auto (the default): a cold command that ran to its end leaves a launcher behind, in the
+    background; a command that ends while it still imports starts no second one; the next command is its fork."""
+    env = {**os.environ, "AREAL_WARM_SOCKET": str(tmp_path / "warm.sock"), "PREFECT_HOME": str(tmp_path / "ph")}
+    for name in ("AREAL_WARM", "CI", "PREFECT_API_URL"):
+        env.pop(name, None)
+    pids = []
+    try:
+        for run_id in ("first", "second"):  # the second begins before the launcher can have imported anything
+            code, out, err = _finish(_command("train", "--config", "configs/tiny_cpu.yaml",
+                                              *fast_overrides(tmp_path, tiny_model_dir, run_id=run_id, iterations=1),
+                                              env=env))
+            assert code == 0, out[-3000:] + err[-3000:]
+            pids += [int(line.split("(pid ")[1].split(")")[0]) for line in err.splitlines()
+                     if "started a warm launcher in the background" in line]
+        assert len(pids) == 1, err
+        _LAUNCHERS[env["AREAL_WARM_SOCKET"]] = pids[0]
+        status = wait_until(lambda: _status_or_none(env), 300, "the launcher to answer")
+        assert status["pid"] == pids[0] and status["idle_minutes"] == 60
+        code, out, err = _finish(_command("train", "--config", "configs/tiny_cpu.yaml",
+                                          *fast_overrides(tmp_path, tiny_model_dir, run_id="third", iterations=1),
+                                          env=env))
+        assert code == 0, out[-3000:] + err[-3000:]
+        assert "started cold" not in err and "started a warm launcher" not in err, err
+        assert _status(env)["runs_started"] == 1
+    finally:
+        if pids:
+            _stop_launcher(env)
+
+
+def test_no_launcher_is_started_under_ci_or_where_areal_warm_says_so(monkeypatch, tmp_path):
+    from flows import warm
+
+    monkeypatch.setenv("AREAL_WARM_SOCKET", str(tmp_path / "warm.sock"))
+    for mode, ci in (("auto", "true"), ("1", ""), ("0", "")):
+        monkeypatch.setenv("AREAL_WARM", mode)
+        monkeypatch.setenv("CI", ci)
+        assert warm.start_for_next_commands(dict(os.environ)) is None
+    assert not (tmp_path / "warm.sock.lock").exists()
+    monkeypatch.setenv("AREAL_WARM", "yes")
+    with pytest.raises(SystemExit, match="AREAL_WARM='yes' is not one of: auto"):
+        warm.warm_mode()
+
 
 _HANDLERS = """
 import json, logging
