@@ -426,6 +426,12 @@ WARM_COMMANDS = ("train", "evaluate", "sweep")  # run as forks of the warm launc
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    if argv is None and any(flag == "-c" and program.startswith("from multiprocessing.")
+                            for flag, program in zip(sys.argv[1:], sys.argv[2:])):
+        # multiprocessing's executable in `serve` (a deployment run, spawned): flows.warm.use_for_spawned_processes
+        from flows.warm import run_as_interpreter
+
+        run_as_interpreter(sys.argv)
     cold_env = None  # the environment a launcher started after this cold command gets
     if argv is None and len(sys.argv) > 1 and sys.argv[1] in WARM_COMMANDS:
         # as a fork of the warm launcher, where one runs (flows/warm.py; importing `flows` sets the project's

@@ -1,44 +1,93 @@
 """Deployments of `train`, `evaluate` and `sweep` served against the configured Prefect API, so runs can be started
-from the UI (with typed parameters) and scheduled."""
+from the UI (with typed parameters) and scheduled.
+
+The runner is given the flows themselves (`Runner.add_flow`, as `flow.serve()` does), so it starts each run with
+multiprocessing's spawn method rather than `python -m prefect.engine` loading the flow from its file; with the
+warm launcher (flows/warm.py) that spawned process is a fork of the launcher, which has everything imported."""
 
 from __future__ import annotations
 
+import copy
+import importlib
+import os
 from pathlib import Path
 from typing import Optional
 
-from prefect import serve
+from prefect import Flow
 
 from flows.evaluate import evaluate
 from flows.sweep import sweep
 from flows.train import train
 
 
-def build_deployments(config_path: str, overrides: list[str], run_id: Optional[str], iterations: Optional[int],
-                      cron: Optional[str] = None, interval: Optional[float] = None,
-                      eval_cron: Optional[str] = None, eval_interval: Optional[float] = None):
+class _ImportedFlow(Flow):
+    """A flow that pickles as its module and name: each run imports it (as `python -m prefect.engine` loads a
+    deployment's entrypoint) instead of unpickling a copy of its function and that function's globals by value
+    (the sweep's lock cannot be pickled, and a copied module global would not be the module's)."""
+
+    def __reduce__(self):
+        return _imported, (self.fn.__module__, self.fn.__name__)
+
+
+def _imported(module: str, name: str) -> Flow:
+    return getattr(importlib.import_module(module), name)
+
+
+def _by_reference(flow: Flow) -> Flow:
+    imported = copy.copy(flow)
+    imported.__class__ = _ImportedFlow
+    return imported
+
+
+def deployments(config_path: str, overrides: list[str], run_id: Optional[str], iterations: Optional[int],
+                cron: Optional[str] = None, interval: Optional[float] = None,
+                eval_cron: Optional[str] = None, eval_interval: Optional[float] = None) -> list[tuple[object, dict]]:
     """A scheduled train run continues the same run id from its newest checkpoint for `iterations` more
     iterations; a scheduled evaluate run scores the run's newest checkpoint. A sweep run (the UI's Run, with the
     axes to add, e.g. `trainer.optimizer.lr=1e-3,5e-4`) starts a train run per combination, the served overrides
-    fixed in every one."""
+    fixed in every one. Each as (flow, keyword arguments of `Runner.add_flow` / `flow.to_deployment`)."""
     config_path = str(Path(config_path).resolve())
     common = {"config_path": config_path, "overrides": overrides, "run_id": run_id}
-    train_deployment = train.to_deployment(
+    train_deployment = dict(
         name="train", parameters={**common, "iterations": iterations}, cron=cron, interval=interval,
         description="RL training: one child flow run per iteration (rollout -> advantages -> ppo_update -> "
                     "broadcast_weights -> checkpoint -> evaluate)")
-    evaluate_deployment = evaluate.to_deployment(
+    evaluate_deployment = dict(
         name="evaluate", parameters={**common, "checkpoint": "latest"}, cron=eval_cron, interval=eval_interval,
         description="pass@1 and mean reward of a checkpoint (default: the run's newest) on the test split")
     # the served overrides are the sweep's single-valued axes; its run ids are the run id followed by the values
     fixed = [o for o in overrides if o.partition("=")[0].strip() != "run_id"]
     named = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == "run_id"]
-    sweep_deployment = sweep.to_deployment(
+    sweep_deployment = dict(
         name="sweep", parameters={"config_path": config_path, "axes": fixed, "iterations": iterations,
                                   "run_id": run_id or next(iter(named), None), "max_parallel": 1},
         description="a train run per combination of axes (key=v1,v2,...: add the keys to sweep), at most "
                     "max_parallel at once, each its own run id and flow run; a table artifact of their figures")
-    return [train_deployment, evaluate_deployment, sweep_deployment]
+    return [(train, train_deployment), (evaluate, evaluate_deployment), (sweep, sweep_deployment)]
 
 
 def serve_deployments(*args, **kwargs) -> None:
-    serve(*build_deployments(*args, **kwargs))
+    """What `prefect.serve` does, with the flows given to the runner."""
+    import asyncio
+
+    from prefect.exceptions import TerminationSignal
+    from prefect.runner import Runner
+    from prefect.settings import get_current_settings
+
+    from flows import warm
+
+    # each run a fork of the warm launcher (flows/warm.py), which starts now where AREAL_WARM=auto
+    if warm.use_for_spawned_processes():
+        warm.start_for_next_commands(dict(os.environ))
+    runner = Runner(pause_on_shutdown=True)
+    served = []
+    for flow, arguments in deployments(*args, **kwargs):
+        runner.add_flow(_by_reference(flow), **arguments)
+        served.append(f"{flow.name}/{arguments['name']}")
+    ui = get_current_settings().ui_url
+    print(f"Serving {', '.join(served)}: start a run from the Prefect UI{f' ({ui}/deployments)' if ui else ''} or "
+          f"with `prefect deployment run {served[0]}`; Ctrl-C stops serving.", flush=True)
+    try:
+        asyncio.run(runner.start())
+    except (KeyboardInterrupt, TerminationSignal) as stop:
+        print(f"{type(stop).__name__}: no longer serving", flush=True)

@@ -46,12 +46,14 @@ MODES = {"auto": "the default: use a warm launcher, and start one after a cold c
 AUTO_IDLE_MINUTES = 60.0  # a launcher nobody asked for by name ends sooner than `warm start`'s
 # what a fork may run: the command line (the commands that ask: areal_pipeline.cli.WARM_COMMANDS), or one run of a
 # sweep (`python -m flows.sweep --child`)
-ENTRIES = {"cli": "areal_pipeline.cli:main", "sweep-run": "flows.sweep:_child"}
+ENTRIES = {"cli": "areal_pipeline.cli:main", "sweep-run": "flows.sweep:_child",
+           "mp-spawn": "flows.warm:_spawned_child"}  # a process that multiprocessing spawns (a deployment run)
 # read while the preloaded modules import: a command whose value differs would not get what it asked for
 IMPORT_TIME_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "PYTORCH_", "TORCH_", "HF_", "HUGGINGFACE",
                             "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "LD_", "SAFETENSORS_", "MPL",
                             "LANG", "LC_", "TZ")  # the last three: the standard streams' encoding, the local time
 PROJECT_PACKAGES = ("areal_pipeline", "flows", "tasks")
+MAX_FDS = 8  # a request's descriptors: the terminal's three, a spawned child's two pipes
 
 
 def socket_path() -> Path:
@@ -127,7 +129,7 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def _receive_request(sock: socket.socket) -> tuple[dict, list[int]]:
-    head, fds, _, _ = socket.recv_fds(sock, 4, 3)
+    head, fds, _, _ = socket.recv_fds(sock, 4, MAX_FDS)
     if len(head) < 4:
         head += _read_exactly(sock, 4 - len(head))
     (length,) = struct.unpack("!I", head)
@@ -173,10 +175,10 @@ def _process_settings() -> dict:
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
 
 
-def run_warm(argv: list[str], entry: str = "cli") -> Optional[int]:
+def run_warm(argv: list[str], entry: str = "cli", fds: tuple[int, ...] = (0, 1, 2)) -> Optional[int]:
     """Run `areal-pipeline *argv` (or another of `ENTRIES`) as a fork of the warm launcher and return its exit
     status, or None where no launcher runs or it cannot run this command as a new interpreter would (the command
-    then runs here)."""
+    then runs here). The fork has `fds` under the same numbers (the terminal's, a spawned child's pipes)."""
     if warm_mode() == "0":
         return None
     path = socket_path()
@@ -192,7 +194,7 @@ def run_warm(argv: list[str], entry: str = "cli") -> Optional[int]:
                              "env": dict(os.environ),
                              "path": sys.path, "executable": sys.executable, "umask": umask,
                              "process": _process_settings(),
-                             "packages": _project_packages()}, fds=(0, 1, 2))
+                             "packages": _project_packages(), "fd_targets": list(fds)}, fds=fds)
         replies = sock.makefile("rb")
         reply = json.loads(replies.readline() or b"{}")
     except (OSError, ValueError):
@@ -227,6 +229,72 @@ def run_warm(argv: list[str], entry: str = "cli") -> Optional[int]:
         message = json.loads(line)
         if "exit" in message:
             return int(message["exit"])
+
+
+# what multiprocessing's spawn start method runs: EXE [interpreter flags] -c 'PROGRAM' [--multiprocessing-fork]
+_SPAWN_MAIN = "from multiprocessing.spawn import spawn_main; spawn_main("
+
+
+def _spawn_main_arguments(argv: list[str]) -> Optional[dict[str, int]]:
+    """`spawn_main`'s keyword arguments where `argv` is a spawned child's command line, else None."""
+    if len(argv) < 4 or argv[-1] != "--multiprocessing-fork" or argv[-3] != "-c":
+        return None
+    program = argv[-2]
+    if not (program.startswith(_SPAWN_MAIN) and program.endswith(")")):
+        return None
+    arguments = {}
+    for part in program[len(_SPAWN_MAIN):-1].split(","):
+        key, _, value = part.strip().partition("=")
+        if key not in ("tracker_fd", "pipe_handle") or not value.isdigit():
+            return None
+        arguments[key] = int(value)
+    return arguments if "pipe_handle" in arguments else None
+
+
+def use_for_spawned_processes() -> bool:
+    """Have multiprocessing's spawn start method (how Prefect's runner starts each deployment run) start this
+    project's command instead of the interpreter: it asks the warm launcher to run the child as a fork of it
+    (nothing left to import) and is the interpreter itself, with the same arguments, where none can. Not with
+    AREAL_WARM=0. Whether it does."""
+    import multiprocessing
+    from multiprocessing import resource_tracker
+
+    script = Path(sys.executable).with_name("areal-pipeline")
+    if warm_mode() == "0" or not script.is_file():
+        return False
+    resource_tracker.ensure_running()  # multiprocessing's own helper, started by the interpreter itself
+    multiprocessing.set_executable(str(script))
+    return True
+
+
+def run_as_interpreter(argv: list[str]) -> None:
+    """`areal-pipeline [flags] -c PROGRAM ...`, as multiprocessing starts its executable (`use_for_spawned_
+    processes`): a spawned child as a fork of the warm launcher where one can run it; else (and any other
+    program) the interpreter with these arguments. Does not return."""
+    arguments = _spawn_main_arguments(argv)
+    if arguments is not None:
+        fds = (0, 1, 2, *(arguments[key] for key in ("tracker_fd", "pipe_handle") if key in arguments))
+        code = run_warm(argv[1:], entry="mp-spawn", fds=fds)
+        if code is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.execv(sys.executable, [sys.executable, *argv[1:]])
+
+
+def _spawned_child() -> None:
+    """In the fork: what `python -c 'from multiprocessing.spawn import spawn_main; spawn_main(...)'` runs."""
+    from multiprocessing import spawn
+
+    arguments = _spawn_main_arguments(sys.argv)
+    sys.argv = ["-c", "--multiprocessing-fork"]  # a new interpreter's, which spawn_main checks
+    redo_prefect_logging()  # as its import of Prefect (the spawned function's module needs it) would have
+    from areal_pipeline import forkserver
+
+    # as `areal-pipeline train` does before its flow begins (a flow run's threads would rule a fork out later):
+    # the run's services are forks with nothing left to import
+    forkserver.start_here()
+    spawn.spawn_main(**arguments)
 
 
 def _wait_until_gone(pid: int, timeout: Optional[float] = None) -> None:
@@ -306,6 +374,11 @@ def status() -> Optional[dict]:
     return _ask({"op": "status"})
 
 
+def _same_interpreter(a: str, b: str) -> bool:
+    """The same binary in the same directory (one environment's `python` and `python3`, say)."""
+    return os.path.dirname(a) == os.path.dirname(b) and os.path.realpath(a) == os.path.realpath(b)
+
+
 # ----- the launcher's side --------------------------------------------------------------------------------
 def preload(extra: tuple[str, ...] = ()) -> None:
     """Import what `train`, `evaluate` and `sweep` import, their services too, Prefect's API server, and `extra`."""
@@ -380,7 +453,13 @@ class Launcher:
     def why_cold(self, request: dict) -> Optional[str]:
         if request.get("entry", "cli") not in ENTRIES:
             return f"no such entry: {request.get('entry')}"
-        if request.get("executable") != sys.executable:
+        if request.get("entry") == "mp-spawn":
+            import subprocess
+
+            flags = (request.get("argv") or [])[1:-3]  # EXE [flags] -c PROGRAM --multiprocessing-fork
+            if flags != subprocess._args_from_interpreter_flags():
+                return f"interpreter flags {' '.join(flags)} are not the launcher's"
+        if not _same_interpreter(request.get("executable") or "", sys.executable):
             return f"the command's interpreter {request.get('executable')} is not the launcher's {sys.executable}"
         for name, origin in (request.get("packages") or {}).items():
             if origin != self.packages.get(name):
@@ -506,7 +585,7 @@ class Launcher:
             elif op == "stop":
                 self.stopping = True
                 conn.sendall(json.dumps(self.status()).encode() + b"\n")
-            elif op == "run" and len(fds) == 3:
+            elif op == "run" and len(fds) == len(request.get("fd_targets") or (0, 1, 2)) >= 3:
                 reason = ("the warm launcher is ending" if self.stopping or self.restart
                           else self.why_cold(request))
                 if reason is not None:
@@ -614,11 +693,17 @@ def _become_command(request: dict, fds: list[int], api_url: Optional[str], close
     for signum in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    import fcntl
+
     for fd in close:
         os.close(fd)
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
+    # each descriptor under the number the command has it under (moved out of the way first: a target may be the
+    # number a received one has)
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
     for fd in fds:
+        os.close(fd)
+    for target, fd in zip(request.get("fd_targets") or range(len(fds)), moved):
+        os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
     os.umask(request["umask"])

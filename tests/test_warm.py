@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from test_flows import REPO, fast_overrides, wait_until
+from test_flows import REPO, cli, fast_overrides, prefect_api, stop_serve, wait_for_deployment, wait_until  # noqa: F401
 
 STOPPED_WITHIN_S = 10
 
@@ -235,6 +235,60 @@ def test_a_changed_module_restarts_the_launcher_and_that_command_starts_cold(tmp
         assert _status(env)["runs_started"] == 1
     finally:
         _stop_launcher(env)
+
+
+def test_a_deployment_run_of_serve_is_a_fork_of_the_launcher_and_stops_with_serve(launcher, prefect_api,
+                                                                                  tiny_model_dir, tmp_path):
+    """`areal-pipeline serve`: Prefect's runner spawns each deployment run (multiprocessing), and the spawned process
+    asks the launcher to run it as a fork; Ctrl-C to serve stops such a run and everything it started."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    env = {**launcher, "PREFECT_API_URL": prefect_api}
+    before = _status(launcher)["runs_started"]
+    serve = cli("serve", "--config", "configs/tiny_cpu.yaml", "--iterations", "2",
+                *fast_overrides(tmp_path, tiny_model_dir, run_id="served"), env=env, start_new_session=True)
+
+    async def run_to_the_end(parameters: dict):
+        async with get_client() as client:
+            deployment = await wait_for_deployment(client, "train/train")
+            run = await client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+            for _ in range(3000):
+                run = await client.read_flow_run(run.id)
+                if run.state.is_final():
+                    return run.state
+                await asyncio.sleep(0.2)
+
+    forked, started = None, []
+    try:
+        state = asyncio.run(run_to_the_end({}))
+        runs_started = _status(launcher)["runs_started"]
+        if not (state.is_completed() and runs_started == before + 1):
+            stop_serve(serve)
+            raise AssertionError(f"{state}, {runs_started - before} runs of the launcher: {serve.stdout.read()[:4000]}")
+        lines = (tmp_path / "served" / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["iteration"] for line in lines] == [1, 2]
+
+        async def start_long_run():
+            async with get_client() as client:
+                deployment = await wait_for_deployment(client, "train/train")
+                await client.create_flow_run_from_deployment(deployment.id, parameters={"iterations": 50})
+
+        asyncio.run(start_long_run())
+        marker = tmp_path / "served" / "iter_4" / "rollout" / "manifest.json"
+        wait_until(lambda: marker.exists(), 300, "the second run's first iteration", interval=0.05)
+        launcher_pid = _status(launcher)["pid"]
+        [forked] = [p for p in psutil.Process(launcher_pid).children() if "--multiprocessing-fork" in p.cmdline()[-1]]
+        started = forked.children(recursive=True)
+        assert any("inference.server" in " ".join(p.cmdline()) for p in started), [p.cmdline() for p in started]
+    finally:
+        sent = time.monotonic()
+        stop_serve(serve)
+    for process in [p for p in [forked, *started] if p is not None]:
+        wait_until(lambda: not process.is_running() or process.status() == psutil.STATUS_ZOMBIE,
+                   STOPPED_WITHIN_S - (time.monotonic() - sent) + 5, f"{process.pid} to exit")
+    assert _status(launcher)["runs_started"] == before + 2
 
 
 def test_a_cold_command_starts_a_launcher_for_the_next_ones_once(tiny_model_dir, tmp_path):
