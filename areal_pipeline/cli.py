@@ -172,7 +172,8 @@ def cmd_serve(args) -> None:
     from flows.serve import serve_deployments
 
     serve_deployments(args.config, args.overrides, args.run_id, args.iterations, cron=args.cron,
-                      interval=args.interval, eval_cron=args.eval_cron, eval_interval=args.eval_interval)
+                      interval=args.interval, eval_cron=args.eval_cron, eval_interval=args.eval_interval,
+                      poll_seconds=args.poll_seconds)
 
 
 def cmd_export(args) -> None:
@@ -314,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     eval_when = p.add_mutually_exclusive_group()
     eval_when.add_argument("--eval-cron", default=None)
     eval_when.add_argument("--eval-interval", type=float, default=None)
+    p.add_argument("--poll-seconds", type=float, default=None,
+                   help="how often to ask the API for runs to start (default: PREFECT_RUNNER_POLL_FREQUENCY if set, "
+                        "else 2; Prefect's own default is 10)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_serve)
 

@@ -66,8 +66,12 @@ def deployments(config_path: str, overrides: list[str], run_id: Optional[str], i
     return [(train, train_deployment), (evaluate, evaluate_deployment), (sweep, sweep_deployment)]
 
 
-def serve_deployments(*args, **kwargs) -> None:
-    """What `prefect.serve` does, with the flows given to the runner."""
+DEFAULT_POLL_SECONDS = 2.0  # a run started from the UI begins within this (Prefect's default: 10 s)
+
+
+def serve_deployments(*args, poll_seconds: Optional[float] = None, **kwargs) -> None:
+    """What `prefect.serve` does, with the flows given to the runner, which asks the API for runs to start every
+    `poll_seconds` (default: PREFECT_RUNNER_POLL_FREQUENCY where set, else `DEFAULT_POLL_SECONDS`)."""
     import asyncio
 
     from prefect.exceptions import TerminationSignal
@@ -79,7 +83,9 @@ def serve_deployments(*args, **kwargs) -> None:
     # each run a fork of the warm launcher (flows/warm.py), which starts now where AREAL_WARM=auto
     if warm.use_for_spawned_processes():
         warm.start_for_next_commands(dict(os.environ))
-    runner = Runner(pause_on_shutdown=True)
+    if poll_seconds is None and not os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY"):
+        poll_seconds = DEFAULT_POLL_SECONDS
+    runner = Runner(pause_on_shutdown=True, query_seconds=poll_seconds)
     served = []
     for flow, arguments in deployments(*args, **kwargs):
         runner.add_flow(_by_reference(flow), **arguments)

@@ -1,0 +1,146 @@
+"""Start-up of a run started from the Prefect UI: `areal-pipeline serve` against a Prefect API, a deployment run
+created as the UI's Run button creates it, timed on the API's clock from its creation to its first iteration.
+
+    python bench/serve_startup.py [--config configs/tiny_cpu.yaml] [--runs 3] [--no-warm] [key=value ...]
+
+Two settings, each its own `serve` process (ABBA order across the rounds of `--runs`): "cold", each run a new
+interpreter spawned by Prefect's runner (`AREAL_WARM=0`), and "warm", each run a fork of a warm launcher that the
+bench starts first (`AREAL_WARM=1`, a private socket). Every run is a 1-iteration `train` of its own run id, on an
+embedded model built before any clock starts, against a temporary Prefect API server the bench starts (SQLite, a
+private PREFECT_HOME). Phases from the API: `picked_up` (the runner set the run Pending: its poll), `began` (the run's
+process set it Running: after its imports), `first_iteration` (the first iteration's flow run began); each relative to
+the run's creation. The last line is one JSON object of the figures (medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _wait_healthy(url: str, timeout: float = 180) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit(f"no Prefect API at {url} within {timeout:.0f} s")
+
+
+async def _one_run(deployment_name: str, run_id: str) -> dict:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    async with get_client() as client:
+        for _ in range(600):
+            try:
+                deployment = await client.read_deployment_by_name(deployment_name)
+                break
+            except Exception:
+                await asyncio.sleep(0.2)
+        run = await client.create_flow_run_from_deployment(deployment.id, parameters={"run_id": run_id})
+        created = run.created
+        while True:
+            run = await client.read_flow_run(run.id)
+            if run.state.is_final():
+                break
+            await asyncio.sleep(0.2)
+        if not run.state.is_completed():
+            raise SystemExit(f"run {run_id} ended {run.state.name}: {run.state.message}")
+        states = await client.read_flow_run_states(run.id)
+        children = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+    at = {s.type.value: s.timestamp for s in reversed(states)}  # each state type's first time
+    first_iteration = min(c.start_time for c in children if c.name.endswith("iter-1") and c.start_time)
+    return {"picked_up": (at["PENDING"] - created).total_seconds(),
+            "began": (at["RUNNING"] - created).total_seconds(),
+            "first_iteration": (first_iteration - created).total_seconds(),
+            "ended": (run.end_time - created).total_seconds()}
+
+
+def _serve(cli: str, args, env: dict, work: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([cli, "serve", "--config", args.config, "--iterations", "1", f"output_dir={work}",
+                             "total_iterations=1", "eval_freq=0", *args.overrides], cwd=REPO, env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/tiny_cpu.yaml")
+    p.add_argument("--runs", type=int, default=3, help="runs of each setting")
+    p.add_argument("--no-warm", action="store_true", help="the cold setting only")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    from areal_pipeline.config import load_config
+    from areal_pipeline.model import resolve_model_path
+    from areal_pipeline.utils import find_free_port
+
+    cfg = load_config(args.config, [f"output_dir={work}", *args.overrides])
+    resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
+    cli = str(Path(sys.executable).with_name("areal-pipeline"))
+    port = find_free_port()
+    env = {**os.environ, "PREFECT_HOME": str(work / "prefect-home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    os.environ.update({k: env[k] for k in ("PREFECT_HOME", "PREFECT_API_URL")})
+    api = subprocess.Popen([sys.executable, "-m", "flows.api_server", "--port", str(port)], cwd=REPO,
+                           env={**env, "PREFECT_UI_ENABLED": "0"}, stdout=(work / "api.log").open("w"),
+                           stderr=subprocess.STDOUT, start_new_session=True)
+    settings = {"cold": {**env, "AREAL_WARM": "0"}}
+    if not args.no_warm:
+        settings["warm"] = {**env, "AREAL_WARM": "1", "AREAL_WARM_SOCKET": str(work / "warm.sock")}
+    figures: dict[str, list[dict]] = {name: [] for name in settings}
+    try:
+        _wait_healthy(env["PREFECT_API_URL"])
+        if "warm" in settings:
+            subprocess.run([cli, "warm", "start"], env=settings["warm"], check=True, capture_output=True)
+        for r in range(args.runs):
+            for name in (list(settings) if r % 2 == 0 else list(settings)[::-1]):
+                log = work / f"serve-{name}-{r}.log"
+                serve = _serve(cli, args, settings[name], work, log)  # the model built above is under work/_models
+                try:
+                    while "Serving " not in log.read_text():  # its deployments registered, its runner polling next
+                        if serve.poll() is not None:
+                            raise SystemExit(f"serve exited: {log.read_text()[-3000:]}")
+                        time.sleep(0.2)
+                    time.sleep(1.0)
+                    one = asyncio.run(_one_run("train/train", f"{name}-{r}"))
+                finally:
+                    os.killpg(serve.pid, signal.SIGINT)
+                    serve.wait(60)
+                figures[name].append(one)
+                print(f"run {r} {name:4s} " + "  ".join(f"{k} {v:.2f}" for k, v in one.items()), flush=True)
+    finally:
+        if "warm" in settings:
+            subprocess.run([cli, "warm", "stop"], env=settings["warm"], check=False, capture_output=True)
+        api.terminate()
+        api.wait(30)
+    result = {"runs": args.runs}
+    for name, runs in figures.items():
+        for key in runs[0]:
+            result[f"{name}_{key}"] = round(statistics.median(r[key] for r in runs), 2)
+    if "warm" in figures:
+        cold_start = result["cold_first_iteration"] - result["cold_picked_up"]
+        warm_start = result["warm_first_iteration"] - result["warm_picked_up"]
+        result["cold_vs_warm_picked_up_to_first_iteration"] = round(cold_start / warm_start, 2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
