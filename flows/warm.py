@@ -697,12 +697,13 @@ def _become_command(request: dict, fds: list[int], api_url: Optional[str], close
 
     for fd in close:
         os.close(fd)
-    # each descriptor under the number the command has it under (moved out of the way first: a target may be the
-    # number a received one has)
-    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
+    # each descriptor under the number the command has it under (moved above every target first: a target may be
+    # the number a received one has)
+    targets = request.get("fd_targets") or list(range(len(fds)))
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, max(targets) + 1) for fd in fds]
     for fd in fds:
         os.close(fd)
-    for target, fd in zip(request.get("fd_targets") or range(len(fds)), moved):
+    for target, fd in zip(targets, moved):
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
