@@ -359,7 +359,11 @@ def start_for_next_commands(env: dict) -> Optional[int]:
         return None
     if _launcher_there(socket_path()) or _ask({"op": "status"}, timeout=2.0) is not None:
         return None
-    return _spawn(AUTO_IDLE_MINUTES, env=env).pid
+    try:
+        return _spawn(AUTO_IDLE_MINUTES, env=env).pid
+    except OSError as error:  # the command has done its work: this is no reason to fail it
+        print(f"areal-pipeline: no warm launcher started: {error}", file=sys.stderr)
+        return None
 
 
 def stop(timeout: float = 60.0) -> Optional[dict]:
