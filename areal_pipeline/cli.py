@@ -490,8 +490,9 @@ def _start_launcher_for_next_commands(cold_env: dict) -> None:
 
     pid = warm.start_for_next_commands(cold_env)
     if pid is not None:
-        print(f"\nareal-pipeline: started a warm launcher in the background (pid {pid}): from its next command on, "
-              f"`train`, `evaluate` and `sweep` start in about a second as forks of it. It ends after "
+        print(f"\nareal-pipeline: started a warm launcher in the background (pid {pid}): once it has imported "
+              f"torch, transformers and Prefect (~10 s), `train`, `evaluate` and `sweep` start in about a second as "
+              f"forks of it. It ends after "
               f"{warm.AUTO_IDLE_MINUTES:.0f} idle minutes or on `areal-pipeline warm stop`; AREAL_WARM=1 starts "
               f"none by itself, AREAL_WARM=0 uses none.", file=sys.stderr)
 
