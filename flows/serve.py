@@ -80,9 +80,9 @@ def serve_deployments(*args, poll_seconds: Optional[float] = None, **kwargs) -> 
 
     from flows import warm
 
-    # each run a fork of the warm launcher (flows/warm.py), which starts now where AREAL_WARM=auto
+    # each run a fork of the warm launcher (flows/warm.py): one is started now where AREAL_WARM=auto, and kept
     if warm.use_for_spawned_processes():
-        warm.start_for_next_commands(dict(os.environ))
+        warm.keep_warm_while_serving(dict(os.environ))
     if poll_seconds is None and not os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY"):
         poll_seconds = DEFAULT_POLL_SECONDS
     runner = Runner(pause_on_shutdown=True, query_seconds=poll_seconds)

@@ -297,6 +297,29 @@ def _spawned_child() -> None:
     spawn.spawn_main(**arguments)
 
 
+KEEP_WARM_SECONDS_ENV = "AREAL_WARM_KEEP_SECONDS"  # how often `serve` looks (default 60)
+
+
+def keep_warm_while_serving(env: dict) -> None:
+    """For `serve`, whose runs may come hours apart (a schedule): a daemon thread that every minute tells the
+    launcher that runs may come (so it does not end by idleness while `serve` runs) and, where AREAL_WARM=auto and
+    none is there (ended, killed), starts one with `env` (as after a cold command)."""
+    import threading
+    import time
+
+    every = float(os.environ.get(KEEP_WARM_SECONDS_ENV) or 60.0)
+
+    def keep() -> None:
+        while True:
+            if _ask({"op": "touch"}, timeout=5.0) is None:
+                pid = start_for_next_commands(env)
+                if pid is not None:
+                    print(f"areal-pipeline serve: started a warm launcher for its runs (pid {pid})", flush=True)
+            time.sleep(every)
+
+    threading.Thread(target=keep, name="keep the warm launcher", daemon=True).start()
+
+
 def _wait_until_gone(pid: int, timeout: Optional[float] = None) -> None:
     import time
 
@@ -585,6 +608,9 @@ class Launcher:
             request, fds = _receive_request(conn)
             op = request.get("op")
             if op == "status":
+                conn.sendall(json.dumps(self.status()).encode() + b"\n")
+            elif op == "touch":  # a `serve` is there to start runs: not idle
+                self.last_activity = time.monotonic()
                 conn.sendall(json.dumps(self.status()).encode() + b"\n")
             elif op == "stop":
                 self.stopping = True

@@ -291,6 +291,48 @@ def test_a_deployment_run_of_serve_is_a_fork_of_the_launcher_and_stops_with_serv
     assert _status(launcher)["runs_started"] == before + 2
 
 
+def test_serve_keeps_a_launcher_for_its_runs(prefect_api, tiny_model_dir, tmp_path):
+    """AREAL_WARM=auto: `serve` starts a launcher, and starts another when that one is gone (killed here; ended by
+    idleness the same), and its next deployment run is a fork of the new one."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    env = {**os.environ, "AREAL_WARM_SOCKET": str(tmp_path / "warm.sock"), "PREFECT_HOME": str(tmp_path / "ph"),
+           "PREFECT_API_URL": prefect_api, "AREAL_WARM_KEEP_SECONDS": "1"}
+    for name in ("AREAL_WARM", "CI"):
+        env.pop(name, None)
+    serve = cli("serve", "--config", "configs/tiny_cpu.yaml", "--iterations", "1",
+                *fast_overrides(tmp_path, tiny_model_dir, run_id="kept"), env=env, start_new_session=True)
+    try:
+        first = wait_until(lambda: _status_or_none(env), 300, "the launcher serve starts")
+        _LAUNCHERS[env["AREAL_WARM_SOCKET"]] = first["pid"]
+        launcher = psutil.Process(first["pid"])
+        for process in [*launcher.children(recursive=True), launcher]:
+            process.kill()
+        launcher.wait(10)
+        second = wait_until(lambda: (lambda s: s if s and s["pid"] != first["pid"] else None)(_status_or_none(env)),
+                            300, "serve to start another launcher")
+        _LAUNCHERS[env["AREAL_WARM_SOCKET"]] = second["pid"]
+
+        async def run_to_the_end():
+            async with get_client() as client:
+                deployment = await wait_for_deployment(client, "train/train", run_id=None)
+                run = await client.create_flow_run_from_deployment(deployment.id, parameters={"run_id": "kept"})
+                for _ in range(3000):
+                    run = await client.read_flow_run(run.id)
+                    if run.state.is_final():
+                        return run.state
+                    await asyncio.sleep(0.2)
+
+        assert asyncio.run(run_to_the_end()).is_completed()
+        assert _status(env)["runs_started"] == 1
+    finally:
+        stop_serve(serve)
+        if env["AREAL_WARM_SOCKET"] in _LAUNCHERS:
+            _stop_launcher(env)
+
+
 def test_a_cold_command_starts_a_launcher_for_the_next_ones_once(tiny_model_dir, tmp_path):
     """AREAL_WARM=auto (the default): a cold command that ran to its end leaves a launcher behind, in the
     background; a command that ends while it still imports starts no second one; the next command is its fork."""
