@@ -17,8 +17,8 @@ command starts cold and says why, so the result never depends on it:
 
 Prefect's settings are read again from the command's environment in the fork (`refresh_global_settings_context`).
 The socket is the user's own (mode 0600; a connection from another user is refused) at `$AREAL_WARM_SOCKET`, else
-`$TMPDIR/areal-pipeline-warm-<uid>.sock`. It ends after `--idle-minutes` without a run, on `areal-pipeline warm
-stop`, or on SIGTERM.
+`$TMPDIR/areal-pipeline-warm-<uid>-<hash of the environment and the checkout>.sock`. It ends after `--idle-minutes`
+without a run, on `areal-pipeline warm stop`, or on SIGTERM.
 
 `AREAL_WARM` (`warm_mode`): `auto` (the default) uses a launcher where one runs and, like Gradle's daemon, starts one
 in the background after a cold command that ran to its end (not under CI), so that the next command starts warm;
@@ -60,7 +60,16 @@ def socket_path() -> Path:
     configured = os.environ.get(SOCKET_ENV)
     if configured:
         return Path(configured)
-    return Path(os.environ.get("TMPDIR") or "/tmp") / f"areal-pipeline-warm-{os.getuid()}.sock"
+    return Path(os.environ.get("TMPDIR") or "/tmp") / f"areal-pipeline-warm-{os.getuid()}-{_installation()}.sock"
+
+
+def _installation() -> str:
+    """This environment's and this project's copy, in a few characters: two virtual environments or checkouts
+    of one user each have a launcher (a command of one would start cold with the other's, for good)."""
+    import hashlib
+
+    where = f"{os.path.dirname(os.path.abspath(sys.executable))}\0{Path(__file__).resolve().parents[1]}"
+    return hashlib.sha256(where.encode()).hexdigest()[:8]
 
 
 def warm_mode() -> str:

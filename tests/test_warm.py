@@ -363,6 +363,19 @@ def test_a_cold_command_starts_a_launcher_for_the_next_ones_once(tiny_model_dir,
             _stop_launcher(env)
 
 
+def test_each_python_environment_has_its_own_launcher_socket(monkeypatch, tmp_path):
+    from flows import warm
+
+    monkeypatch.delenv("AREAL_WARM_SOCKET", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    mine = warm.socket_path()
+    assert mine.parent == tmp_path and mine.name.startswith(f"areal-pipeline-warm-{os.getuid()}-")
+    monkeypatch.setattr(sys, "executable", str(Path(sys.executable).with_name("python3.11")))  # the same directory
+    assert warm.socket_path() == mine
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "other-venv" / "bin" / "python"))
+    assert warm.socket_path() != mine
+
+
 def test_no_launcher_is_started_under_ci_or_where_areal_warm_says_so(monkeypatch, tmp_path):
     from flows import warm
 
