@@ -30,19 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def _wait_healthy(url: str, timeout: float = 180) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"no Prefect API at {url} within {timeout:.0f} s")
-
-
 async def _one_run(deployment_name: str, run_id: str) -> dict:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
@@ -91,23 +78,21 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     from areal_pipeline.config import load_config
     from areal_pipeline.model import resolve_model_path
-    from areal_pipeline.utils import find_free_port
+    from flows.api_server import TemporaryAPIServer
 
     cfg = load_config(args.config, [f"output_dir={work}", *args.overrides])
     resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
     cli = str(Path(sys.executable).with_name("areal-pipeline"))
-    port = find_free_port()
-    env = {**os.environ, "PREFECT_HOME": str(work / "prefect-home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
-    os.environ.update({k: env[k] for k in ("PREFECT_HOME", "PREFECT_API_URL")})
-    api = subprocess.Popen([sys.executable, "-m", "flows.api_server", "--port", str(port)], cwd=REPO,
-                           env={**env, "PREFECT_UI_ENABLED": "0"}, stdout=(work / "api.log").open("w"),
-                           stderr=subprocess.STDOUT, start_new_session=True)
+    os.environ["PREFECT_HOME"] = str(work / "prefect-home")
+    api = TemporaryAPIServer()  # the Prefect API that `serve` and this process (creating the runs) talk to
+    os.environ["PREFECT_API_URL"] = api.url
+    env = dict(os.environ)
     settings = {"cold": {**env, "AREAL_WARM": "0"}}
     if not args.no_warm:
         settings["warm"] = {**env, "AREAL_WARM": "1", "AREAL_WARM_SOCKET": str(work / "warm.sock")}
     figures: dict[str, list[dict]] = {name: [] for name in settings}
     try:
-        _wait_healthy(env["PREFECT_API_URL"])
+        api.wait_ready()
         if "warm" in settings:
             subprocess.run([cli, "warm", "start"], env=settings["warm"], check=True, capture_output=True)
         for r in range(args.runs):
@@ -129,8 +114,7 @@ def main() -> None:
     finally:
         if "warm" in settings:
             subprocess.run([cli, "warm", "stop"], env=settings["warm"], check=False, capture_output=True)
-        api.terminate()
-        api.wait(30)
+        api.stop()
     result = {"runs": args.runs}
     for name, runs in figures.items():
         for key in runs[0]:

@@ -41,7 +41,7 @@ def _by_reference(flow: Flow) -> Flow:
 
 def deployments(config_path: str, overrides: list[str], run_id: Optional[str], iterations: Optional[int],
                 cron: Optional[str] = None, interval: Optional[float] = None,
-                eval_cron: Optional[str] = None, eval_interval: Optional[float] = None) -> list[tuple[object, dict]]:
+                eval_cron: Optional[str] = None, eval_interval: Optional[float] = None) -> list[tuple[Flow, dict]]:
     """A scheduled train run continues the same run id from its newest checkpoint for `iterations` more
     iterations; a scheduled evaluate run scores the run's newest checkpoint. A sweep run (the UI's Run, with the
     axes to add, e.g. `trainer.optimizer.lr=1e-3,5e-4`) starts a train run per combination, the served overrides

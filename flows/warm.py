@@ -389,7 +389,7 @@ def start_for_next_commands(env: dict) -> Optional[int]:
     or None where none was started."""
     if warm_mode() != "auto" or os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
         return None
-    if _launcher_there(socket_path()) or _ask({"op": "status"}, timeout=2.0) is not None:
+    if _launcher_there(socket_path()):  # answering or still importing: every launcher holds the lock
         return None
     try:
         return _spawn(AUTO_IDLE_MINUTES, env=env).pid
@@ -484,16 +484,17 @@ class Launcher:
         self.restart = False  # a file it imported changed: it execs itself anew once its runs have ended
         self.prefect_env = {k: v for k, v in os.environ.items() if k.startswith("PREFECT_")}
         self.process = _process_settings()  # its limits, priority and CPUs: a fork keeps them
+        import subprocess
+
+        self.interpreter_flags = subprocess._args_from_interpreter_flags()  # what multiprocessing passes on
         self.api = None  # Prefect's API for runs that configure none (what each would otherwise start for itself)
 
     def why_cold(self, request: dict) -> Optional[str]:
         if request.get("entry", "cli") not in ENTRIES:
             return f"no such entry: {request.get('entry')}"
         if request.get("entry") == "mp-spawn":
-            import subprocess
-
             flags = (request.get("argv") or [])[1:-3]  # EXE [flags] -c PROGRAM --multiprocessing-fork
-            if flags != subprocess._args_from_interpreter_flags():
+            if flags != self.interpreter_flags:
                 return f"interpreter flags {' '.join(flags)} are not the launcher's"
         if not _same_interpreter(request.get("executable") or "", sys.executable):
             return f"the command's interpreter {request.get('executable')} is not the launcher's {sys.executable}"

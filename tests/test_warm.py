@@ -317,7 +317,7 @@ def test_serve_keeps_a_launcher_for_its_runs(prefect_api, tiny_model_dir, tmp_pa
 
         async def run_to_the_end():
             async with get_client() as client:
-                deployment = await wait_for_deployment(client, "train/train", run_id=None)
+                deployment = await wait_for_deployment(client, "train/train")
                 run = await client.create_flow_run_from_deployment(deployment.id, parameters={"run_id": "kept"})
                 for _ in range(3000):
                     run = await client.read_flow_run(run.id)
