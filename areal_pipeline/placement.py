@@ -162,3 +162,15 @@ def rank_cuda_index(local_rank: int, visible: int, backend: str) -> int:
                              f"(CUDA_VISIBLE_DEVICES={shown}) and NCCL never puts two ranks on one GPU; set "
                              f"trainer.nproc to at most {visible}, or give the trainer more GPUs (trainer.gpus)")
     return local_rank % visible
+
+
+def gpu_uuid(device) -> Optional[str]:
+    """The physical GPU behind a torch device (its UUID; None off CUDA): the same GPU under any
+    CUDA_VISIBLE_DEVICES numbering, so two processes can tell whether they share one."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)

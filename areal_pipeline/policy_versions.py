@@ -142,7 +142,8 @@ class PolicyVersions:
                                     master_address=t.weight_sync_master_address,
                                     master_port=t.weight_sync_master_port or find_free_port(),
                                     dtype=self._wire_dtype(infos[0]),
-                                    server_devices=[str(i.get("device") or "cuda") for i in infos])
+                                    server_devices=[str(i.get("device") or "cuda") for i in infos],
+                                    server_gpus=[i.get("gpu_uuid") for i in infos])
                         engine.set_version(version)
                     finally:
                         await engine.resume()

@@ -2,6 +2,7 @@
 `model.generate` on the same padded batch and against one request at a time through the server.
 
     python bench/rollout_throughput.py [--episodes 64] [--prompt-len 20] [--new-tokens 64] [--repeats 5] [--threads 1]
+    python bench/rollout_throughput.py --device cuda --dtype bfloat16 --shape qwen2.5-0.5b --new-tokens 256   (on a GPU)
 
 Targets (issue 2): server within 10% of batched generate (ratio >= 0.9) and >= 4x one-at-a-time.
 Each side runs as it would in use: the server as the pipeline launches it (`ServerProcess`: OpenMP threads wait
@@ -11,6 +12,8 @@ just generated keep spinning, and they took half the cores from the server measu
 `--threads` torch threads (default 1, as the default config's `inference.num_threads`): with 2 threads on 2 cores
 and any other process busy, every parallel region waits for a descheduled thread, and the same `generate` took
 0.28 s or 17 s from one run to the next.
+On a GPU (`--device cuda`) both sides run there in `--dtype`, on a model of `--shape` built from a config (random
+weights, nothing downloaded), and generate's time ends at a device synchronisation.
 Each measurement lasts about half a second, and this machine's speed moves between seconds: the ratios are
 taken within each repeat (server and generate back to back) and their median reported, with their range.
 The last line is one JSON object of the figures.
@@ -35,8 +38,9 @@ from areal_pipeline.config import GenerationConfig
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.inference.launcher import ServerProcess
 from areal_pipeline.inference.types import ModelRequest
-from areal_pipeline.model import build_tiny_model, load_model
+from areal_pipeline.model import load_model
 from areal_pipeline.utils import find_free_port
+from train_throughput import SHAPES, build_model  # bench/ is this script's directory, first on sys.path
 
 
 async def through_server(engine: RemoteSGLangEngine, prompts, new_tokens: int, concurrent: bool) -> float:
@@ -58,26 +62,29 @@ async def through_server(engine: RemoteSGLangEngine, prompts, new_tokens: int, c
 
 
 def batched_generate(model, prompts, new_tokens: int, pad_id: int) -> float:
-    ids = torch.tensor(prompts)  # equal lengths: the padded batch needs no padding
+    ids = torch.tensor(prompts, device=model.device)  # equal lengths: the padded batch needs no padding
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
+    if out.is_cuda:
+        torch.cuda.synchronize()
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / (time.perf_counter() - start)
 
 
-def generate_in_own_process(model_dir: str, prompts, new_tokens: int, threads: int) -> float:
+def generate_in_own_process(model_dir: str, prompts, new_tokens: int, threads: int, device: str,
+                             dtype: str) -> float:
     """`batched_generate` (after a warm-up) in a fresh process: its tokens/s."""
     done = subprocess.run([sys.executable, __file__, "--generate-worker", model_dir, "--new-tokens", str(new_tokens),
-                           "--threads", str(threads)],
+                           "--threads", str(threads), "--device", device, "--dtype", dtype],
                           input=json.dumps(prompts), capture_output=True, text=True, check=True)
     return float(done.stdout.strip().splitlines()[-1])
 
 
-def generate_worker(model_dir: str, new_tokens: int, threads: int) -> None:
+def generate_worker(model_dir: str, new_tokens: int, threads: int, device: str, dtype: str) -> None:
     torch.set_num_threads(threads)
     prompts = json.loads(sys.stdin.read())
-    model = load_model(model_dir)
+    model = load_model(model_dir, dtype=dtype, device=device)
     batched_generate(model, prompts[:8], 8, model.config.pad_token_id)  # warm-up
     print(batched_generate(model, prompts, new_tokens, model.config.pad_token_id))
 
@@ -91,19 +98,23 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--model", default="", help="HF model dir (default: the embedded tiny model)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server and of generate")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: where the server and generate run")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="the model built when --model is not given")
     p.add_argument("--generate-worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.generate_worker:
-        return generate_worker(args.generate_worker, args.new_tokens, args.threads)
+        return generate_worker(args.generate_worker, args.new_tokens, args.threads, args.device, args.dtype)
 
     work = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
-    model_dir = args.model or str(build_tiny_model(work / "tiny"))
+    model_dir = args.model or str(build_model(args.shape, work / args.shape))
     rng = random.Random(0)
     prompts = [[rng.randrange(0, 256) for _ in range(args.prompt_len)] for _ in range(args.episodes)]
 
     port = find_free_port()
     server = ServerProcess([sys.executable, "-m", "areal_pipeline.inference.server", "--model", model_dir,
-                            "--port", str(port), "--log-level", "warning", "--num-threads", str(args.threads)], f"127.0.0.1:{port}",
+                            "--port", str(port), "--log-level", "warning", "--num-threads", str(args.threads),
+                            "--device", args.device, "--dtype", args.dtype], f"127.0.0.1:{port}",
                            work / "server.log").start()
     figures = {"server": [], "generate": [], "one_at_a_time": []}
     try:
@@ -119,7 +130,7 @@ def main() -> None:
         # Interleave the measurements so that drifts in machine load hit all three alike.
         for r in range(args.repeats):
             conc, seq = asyncio.run(server_runs())
-            gen = generate_in_own_process(model_dir, prompts, args.new_tokens, args.threads)
+            gen = generate_in_own_process(model_dir, prompts, args.new_tokens, args.threads, args.device, args.dtype)
             figures["server"].append(conc)
             figures["one_at_a_time"].append(seq)
             figures["generate"].append(gen)
@@ -132,6 +143,9 @@ def main() -> None:
     ratios = [server / generate for server, generate in zip(figures["server"], figures["generate"])]
     result = {
         "episodes": args.episodes,
+        "device": args.device,
+        "dtype": args.dtype,
+        "shape": args.model or args.shape,
         "threads": args.threads,
         "new_tokens": args.new_tokens,
         "tokens_per_s": round(med["server"], 1),

@@ -3,7 +3,7 @@ micro-batches, 1 vs 2 ranks (gloo on CPU, NCCL on GPU), and shared prompt prefix
 
     python bench/train_throughput.py [--trajectories 128] [--min-len 16] [--max-len 256] [--updates 3]
     python bench/train_throughput.py --device cuda --shape qwen2.5-0.5b --min-len 4096 --max-len 4096 \
-        --trajectories 64 --mb-max-tokens 16384 --variants packed_1rank        (on a GPU)
+        --trajectories 64 --mb-max-tokens 16384 32768 --variants packed_1rank --profile-dir prof   (on a GPU)
 
 Lengths are spread uniformly (as agent trajectories are), which is where padding wastes compute; those
 trajectories share no prompt. The shared-prefix variants train on GRPO-shaped batches instead: groups of
@@ -14,6 +14,9 @@ config with random weights (nothing downloaded); `--device cuda` trains in bfloa
 ranks on one GPU are refused) and adds the update's peak GPU memory and its MFU: model FLOPs per trained token,
 6 x (non-embedding parameters + the output projection) + 12 x layers x hidden x mean sequence length (attention),
 times tokens/s, over `--peak-tflops` (an H100 SXM's dense bfloat16: 989).
+Several `--mb-max-tokens` measure each variant at each budget (`<variant>_mb<N>` in the figures; MFU and peak memory
+per budget on a GPU). `--profile-dir DIR` profiles one more update of each measurement after the timed ones
+(torch's profiler in the trainer, AREAL_TRAINER_PROFILE) and writes its operator table to DIR.
 The last line is one JSON object of the figures.
 """
 
@@ -21,16 +24,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from areal_pipeline.config import load_config
 from areal_pipeline.data.shards import write_shards
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.model import build_byte_tokenizer, build_tiny_model
 from areal_pipeline.training.client import launch_trainer
+from areal_pipeline.training.trainer_server import PROFILE_ENV, PROFILE_ITERATIONS_ENV
 from areal_pipeline.training.ppo import write_batch
 
 
@@ -106,12 +112,27 @@ def flops_per_token(model_dir: str, mean_length: float) -> float:
     return 6 * dense + 12 * c.num_hidden_layers * c.hidden_size * mean_length
 
 
-def measure(cfg, model_dir: str, batch_dir: Path, updates: int, log_dir: Path) -> dict:
-    """Median tokens/s over `updates` updates after a warm-up one, and the largest peak GPU memory (GiB)."""
-    process, client = launch_trainer(cfg, model_dir, log_dir)
+def measure(cfg, model_dir: str, batch_dir: Path, updates: int, log_dir: Path,
+            profile_dir: Optional[Path] = None) -> dict:
+    """Median tokens/s over `updates` updates after a warm-up one, and the largest peak GPU memory (GiB);
+    with `profile_dir`, one more update, profiled (not timed), whose operator table is written there."""
+    profiled = 2 + updates
+    env = {PROFILE_ENV: str(profile_dir), PROFILE_ITERATIONS_ENV: str(profiled)} if profile_dir else {}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the trainer process inherits them
+    try:
+        process, client = launch_trainer(cfg, model_dir, log_dir)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         client.call("train", batch_dir=str(batch_dir), iteration=1)  # warm-up
         stats = [client.call("train", batch_dir=str(batch_dir), iteration=k)["stats"] for k in range(2, 2 + updates)]
+        if profile_dir:
+            client.call("train", batch_dir=str(batch_dir), iteration=profiled)
     finally:
         process.stop()
     peaks = [s["peak_memory_gib"] for s in stats if "peak_memory_gib" in s]
@@ -125,7 +146,7 @@ def main() -> None:
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--updates", type=int, default=3)
-    p.add_argument("--mb-max-tokens", type=int, default=4096)
+    p.add_argument("--mb-max-tokens", type=int, nargs="+", default=[4096], help="micro-batch token budget(s)")
     p.add_argument("--model", default="", help="HF model dir (default: the embedded tiny model)")
     p.add_argument("--group", type=int, default=8, help="samples per prompt of the GRPO-shaped batch")
     p.add_argument("--prompt-len", type=int, default=56, help="its prompt length (the default task's: ~55)")
@@ -134,12 +155,12 @@ def main() -> None:
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="the model built when --model is not given")
     p.add_argument("--variants", nargs="+", default=None, help="which to measure (default: all that fit the device)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's peak for MFU (H100 SXM bf16)")
+    p.add_argument("--profile-dir", type=Path, default=None, help="profile one more update of each measurement")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     model_dir = args.model or str(build_model(args.shape, work / args.shape))
-    base = [f"output_dir={work}", f"total_iterations={args.updates + 1}",
-            f"trainer.mb_max_tokens={args.mb_max_tokens}", f"trainer.device={args.device}"]
+    base = [f"output_dir={work}", f"total_iterations={args.updates + 2}", f"trainer.device={args.device}"]
     batch_dir = synthetic_batch(work, args.trajectories, args.min_len, args.max_len, load_config(None, base))
     grpo_dir = grpo_batch(work / "grpo", 2 * args.trajectories, args.group, args.prompt_len, args.answer_len,
                           load_config(None, base))
@@ -155,27 +176,40 @@ def main() -> None:
     if unknown:
         p.error(f"unknown variants {unknown}; valid: {', '.join(variants)}")
     results = {}
-    for name in chosen:
-        data, overrides = variants[name]
-        cfg = load_config(None, base + overrides)
-        results[name] = measure(cfg, model_dir, data, args.updates, work / name)
-        print(f"{name}: {results[name]['tokens_per_s']:,.0f} trained tokens/s"
-              + (f", peak {results[name]['peak_memory_gib']:.1f} GiB" if results[name]["peak_memory_gib"] else ""),
-              flush=True)
-    rates = {name: r["tokens_per_s"] for name, r in results.items()}
+    budgets = args.mb_max_tokens
+    for mb in budgets:
+        for name in chosen:
+            label = name if len(budgets) == 1 else f"{name}_mb{mb}"
+            data, overrides = variants[name]
+            cfg = load_config(None, base + overrides + [f"trainer.mb_max_tokens={mb}"])
+            try:
+                results[label] = measure(cfg, model_dir, data, args.updates, work / label, args.profile_dir)
+            except Exception as e:  # e.g. out of memory at a large budget: the other measurements still count
+                print(f"{label}: failed: {e}", flush=True)
+                results[label] = {"tokens_per_s": None, "peak_memory_gib": None, "error": str(e)[-300:]}
+                continue
+            print(f"{label}: {results[label]['tokens_per_s']:,.0f} trained tokens/s"
+                  + (f", peak {results[label]['peak_memory_gib']:.1f} GiB" if results[label]["peak_memory_gib"] else ""),
+                  flush=True)
+    rates = {name: r["tokens_per_s"] for name, r in results.items() if r["tokens_per_s"] is not None}
     figures = {"trajectories": args.trajectories, "device": args.device, "shape": args.model or args.shape,
-               **{f"{name}_tokens_per_s": round(rate, 1) for name, rate in rates.items()}}
-    if "packed_1rank" in rates:
-        figures["tokens_per_s"] = round(rates["packed_1rank"], 1)
+               **{f"{name}_tokens_per_s": round(rate, 1) for name, rate in rates.items()},
+               **{f"{name}_error": r["error"] for name, r in results.items() if "error" in r}}
+    for mb in budgets:
+        label = "packed_1rank" if len(budgets) == 1 else f"packed_1rank_mb{mb}"
+        if label not in rates:
+            continue
+        suffix = "" if mb == budgets[0] else f"_mb{mb}"
+        figures["tokens_per_s" + suffix] = round(rates[label], 1)
         if args.device == "cuda":
             mean_length = (args.min_len + args.max_len) / 2
-            flops = flops_per_token(model_dir, mean_length) * rates["packed_1rank"]
-            figures["mfu"] = round(flops / (args.peak_tflops * 1e12), 4)
-            figures["peak_memory_gib"] = results["packed_1rank"]["peak_memory_gib"]
+            flops = flops_per_token(model_dir, mean_length) * rates[label]
+            figures["mfu" + suffix] = round(flops / (args.peak_tflops * 1e12), 4)
+            figures["peak_memory_gib" + suffix] = round(results[label]["peak_memory_gib"], 2)
     for ratio, (a, b) in {"packed_vs_padded": ("packed_1rank", "padded_1rank"),
                           "two_ranks_vs_one": ("packed_2ranks", "packed_1rank"),
                           "shared_prefix_vs_not": ("grpo_shared_prefix", "grpo_no_shared_prefix")}.items():
-        if a in rates and b in rates:
+        if len(budgets) == 1 and a in rates and b in rates:
             figures[ratio] = round(rates[a] / rates[b], 3)
     print(json.dumps(figures))
 

@@ -34,6 +34,7 @@ from areal_pipeline.http_json import (
 from areal_pipeline.inference.engine import BatchEngine, GenRequest, RequestError, SamplingParams
 from areal_pipeline.inference.openai_api import OpenAIRoutes
 from areal_pipeline.inference.server_args import DEFAULT_MAX_BODY_BYTES, build_arg_parser
+from areal_pipeline.placement import gpu_uuid
 from areal_pipeline.utils import exit_when_parent_dies, get_logger
 
 logger = get_logger(__name__)
@@ -241,6 +242,8 @@ class InferenceServer:
             "version": f"areal-pipeline-cpu-{__version__}",
             "weight_version": self.engine.weight_version,
             "context_length": self.engine.context_length,
+            # which physical GPU (None on the CPU): NCCL cannot join two processes on one GPU (colocated use)
+            "gpu_uuid": gpu_uuid(self.engine.device),
             "internal_states": [{**self.engine.stats, "paused": self.engine.paused,
                                  "running_requests": self.engine.num_running()}],
         })

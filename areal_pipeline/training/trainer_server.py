@@ -43,12 +43,18 @@ import torch.distributed as dist
 from areal_pipeline.checksums import IntegrityError
 from areal_pipeline.config import ExperimentConfig, load_config
 from areal_pipeline.data.shards import read_table
+from areal_pipeline.placement import gpu_uuid
 from areal_pipeline.training.client import TRAINER_INIT_METHOD_ENV
 from areal_pipeline.training.engine import TrainEngine, resolve_device
 from areal_pipeline.training.loss_registry import make_loss
 from areal_pipeline.training.ppo import read_batch
 from areal_pipeline.utils import (atomic_directory, atomic_path, exit_when_parent_dies, get_logger,
                                   import_in_background)
+
+# Where the trainer writes torch profiler tables of its updates (one file per update and rank), and which
+# iterations' updates (comma-separated; unset: every one): for finding where an update's time goes.
+PROFILE_ENV = "AREAL_TRAINER_PROFILE"
+PROFILE_ITERATIONS_ENV = "AREAL_TRAINER_PROFILE_ITERATIONS"
 
 logger = get_logger("areal_pipeline.trainer")
 
@@ -122,6 +128,30 @@ class Trainer:
         return {"path": out_path, "rows": len(values), "version": self.actor.version if self.actor else None}
 
     def train(self, batch_dir: str, iteration: int) -> dict:
+        profile_dir = os.environ.get(PROFILE_ENV)
+        wanted = os.environ.get(PROFILE_ITERATIONS_ENV, "")
+        if profile_dir and (not wanted or str(iteration) in wanted.split(",")):
+            return self._profiled(Path(profile_dir) / f"train-iter{iteration}-rank{self.rank}.txt",
+                                  lambda: self._train(batch_dir, iteration))
+        return self._train(batch_dir, iteration)
+
+    def _profiled(self, out: Path, command):
+        """`command()` under torch's profiler; its operators by time (self device time on a GPU) go to `out`."""
+        from torch.profiler import ProfilerActivity, profile
+
+        on_gpu = self.require_actor().device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        with profile(activities=activities) as prof:
+            result = command()
+            if on_gpu:
+                torch.cuda.synchronize()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+        with atomic_path(out) as tmp:
+            Path(tmp).write_text(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60))
+        return result
+
+    def _train(self, batch_dir: str, iteration: int) -> dict:
         actor = self.require_actor()
         if actor.version != iteration - 1:
             raise CommandError(
@@ -165,14 +195,19 @@ class Trainer:
 
     def update_weights_distributed(self, servers: list[str], master_address: str, master_port: int,
                                    dtype: str = "float32", group_name: str = "weight_update_group",
-                                   server_devices: Optional[list[str]] = None) -> dict:
+                                   server_devices: Optional[list[str]] = None,
+                                   server_gpus: Optional[list[Optional[str]]] = None) -> dict:
         """`server_devices`: where each server holds its model (its /get_server_info "device"; None: where this
-        trainer is). NCCL needs both ends on GPUs; otherwise the group is gloo, the trainer sending host copies."""
+        trainer is); `server_gpus`: their GPUs' UUIDs where they say (the project's server does, SGLang does not).
+        NCCL needs both ends on GPUs, and on different ones (it refuses two members on one GPU: colocated use);
+        otherwise the group is gloo, the trainer sending host copies."""
         from areal_pipeline.training.weight_sync import broadcast_weights
 
         actor = self.require_actor()
         on_gpus = server_devices is None or all(str(d).startswith("cuda") for d in server_devices)
-        backend = "nccl" if actor.device.type == "cuda" and on_gpus else "gloo"
+        shares_gpu = self.cfg.trainer.colocate or (
+            actor.device.type == "cuda" and gpu_uuid(actor.device) in set(server_gpus or ()))
+        backend = "nccl" if actor.device.type == "cuda" and on_gpus and not shares_gpu else "gloo"
         state = actor.full_state_dict()  # a collective: every rank takes part in gathering
         version = actor.version
         if self.rank == 0:
