@@ -263,6 +263,10 @@ class TrainerConfig:
     # long as each sequence's rest; the same logprobs and gradients for fewer forward tokens (sdpa/eager attention)
     share_prefix: bool = True
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
+    # On CUDA, torch.compile the per-token logprob, entropy and their gradient over the vocabulary into fused
+    # kernels (eager, each step is a pass over a float32 [tokens, vocab] temporary); the first update pays the
+    # compilation. Ignored on the CPU
+    compile: bool = True
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # AdamW and its learning-rate schedule
     # how new weights reach the servers: disk (a Hugging Face directory they load) | distributed (a broadcast
     # over a process group they join: NCCL where trainer and servers are on CUDA, gloo otherwise)

@@ -156,11 +156,13 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=None, help="which to measure (default: all that fit the device)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's peak for MFU (H100 SXM bf16)")
     p.add_argument("--profile-dir", type=Path, default=None, help="profile one more update of each measurement")
+    p.add_argument("overrides", nargs="*", help="config overrides for every variant, key=value (e.g. trainer.compile=false)")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     model_dir = args.model or str(build_model(args.shape, work / args.shape))
-    base = [f"output_dir={work}", f"total_iterations={args.updates + 2}", f"trainer.device={args.device}"]
+    base = [f"output_dir={work}", f"total_iterations={args.updates + 2}", f"trainer.device={args.device}",
+            *args.overrides]
     batch_dir = synthetic_batch(work, args.trajectories, args.min_len, args.max_len, load_config(None, base))
     grpo_dir = grpo_batch(work / "grpo", 2 * args.trajectories, args.group, args.prompt_len, args.answer_len,
                           load_config(None, base))
@@ -183,7 +185,8 @@ def main() -> None:
             data, overrides = variants[name]
             cfg = load_config(None, base + overrides + [f"trainer.mb_max_tokens={mb}"])
             try:
-                results[label] = measure(cfg, model_dir, data, args.updates, work / label, args.profile_dir)
+                results[label] = measure(cfg, model_dir, data, args.updates, work / label,
+                                         args.profile_dir / label if args.profile_dir else None)
             except Exception as e:  # e.g. out of memory at a large budget: the other measurements still count
                 print(f"{label}: failed: {e}", flush=True)
                 results[label] = {"tokens_per_s": None, "peak_memory_gib": None, "error": str(e)[-300:]}
@@ -193,6 +196,7 @@ def main() -> None:
                   flush=True)
     rates = {name: r["tokens_per_s"] for name, r in results.items() if r["tokens_per_s"] is not None}
     figures = {"trajectories": args.trajectories, "device": args.device, "shape": args.model or args.shape,
+               **({"overrides": args.overrides} if args.overrides else {}),
                **{f"{name}_tokens_per_s": round(rate, 1) for name, rate in rates.items()},
                **{f"{name}_error": r["error"] for name, r in results.items() if "error" in r}}
     for mb in budgets:

@@ -28,7 +28,7 @@ from areal_pipeline.model import DTYPES
 from areal_pipeline.training.checkpoint_io import (MODEL_SUBDIR, flatten_optimizer_state, read_hf_weights,
                                                    rng_state, set_rng_state, unflatten_optimizer_state,
                                                    write_hf_dir)
-from areal_pipeline.training.losses import entropy_from_logits, gather_logprobs
+from areal_pipeline.training.losses import logprobs_and_entropy, use_compiled_vocab_kernels
 from areal_pipeline.training.packing import (MicroBatch, balance, count_micro_batches, pack, shared_prefix_units,
                                                 unit_length, unpack)
 from areal_pipeline.utils import atomic_directory, atomic_write_text, get_logger
@@ -111,6 +111,7 @@ class TrainEngine:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         self.model = model
+        use_compiled_vocab_kernels(self.cfg.compile and self.device.type == "cuda")
         if not self.trainable:
             model.eval().requires_grad_(False)
             return
@@ -170,11 +171,11 @@ class TrainEngine:
                           **extra).logits
         # the tokens of a shared trunk read the same slot: normalise each slot once, then gather per token
         slots, rows = torch.unique(mb.grid_index, return_inverse=True)
-        logits = grid.flatten(0, 1)[slots]
+        logits = grid.flatten(0, 1)
+        if slots.numel() != logits.shape[0]:  # some slots hold no token; else slots is every slot, in order
+            logits = logits[slots]
         labels = torch.roll(mb.input_ids, -1)
-        next_logp = gather_logprobs(logits, labels, self.temperature, rows=rows)
-        with torch.no_grad():
-            next_entropy = entropy_from_logits(logits, temperature=self.temperature)[rows]
+        next_logp, next_entropy = logprobs_and_entropy(logits, labels, self.temperature, rows=rows)
         first = mb.position_ids == 0
         # logits at t predict token t + 1: shift by one so that position t holds token t's values
         logp = torch.where(first, 0.0, torch.roll(next_logp, 1))

@@ -133,58 +133,127 @@ def _over_tokens(fn: Callable[..., Tensor], chunk_size: int, logits: Tensor, *al
     return out.reshape(logits.shape[:-1])
 
 
+def _chunk_stats(chunk: Tensor, inv_temperature: float) -> tuple[Tensor, Tensor]:
+    """Per row of `chunk` ([n, V]): logsumexp and entropy of softmax(chunk * inv_temperature), in float32."""
+    z = chunk.float()
+    if inv_temperature != 1.0:
+        z = z * inv_temperature
+    m = z.amax(dim=-1, keepdim=True)
+    e = torch.exp(z - m)
+    s = e.sum(dim=-1)
+    lse = m.squeeze(-1) + s.log()
+    # H = lse - sum_v p_v z_v; a -inf logit (masked vocabulary) has p_v = 0 and adds 0 (nansum drops 0 * -inf)
+    return lse, lse - torch.nansum(e * z, dim=-1) / s
+
+
+def _chunk_logsumexp_grad(chunk: Tensor, lse: Tensor, grad: Tensor, inv_temperature: float) -> Tensor:
+    """d(sum_i grad_i lse_i)/d chunk = softmax(chunk * inv_temperature) * grad * inv_temperature, in chunk's dtype."""
+    z = chunk.float()
+    if inv_temperature != 1.0:
+        z = z * inv_temperature
+    return (torch.exp(z - lse[:, None]) * (grad * inv_temperature)[:, None]).to(chunk.dtype)
+
+
+class _VocabKernels:
+    """The two per-chunk functions above, eager or compiled into fused kernels (`use_compiled_vocab_kernels`):
+    eager, each elementwise step is a pass over a float32 `[n, V]` temporary; compiled, the bfloat16 logits are
+    read once or twice per chunk. A compilation that fails falls back to eager, once, with a warning."""
+
+    def __init__(self):
+        self.stats, self.grad = _chunk_stats, _chunk_logsumexp_grad
+        self.compiled = False
+
+    def compile(self) -> None:
+        self.stats = torch.compile(_chunk_stats, dynamic=True)
+        self.grad = torch.compile(_chunk_logsumexp_grad, dynamic=True)
+        self.compiled = True
+
+    def call(self, name: str, *args):
+        try:
+            return getattr(self, name)(*args)
+        except Exception as e:  # noqa: BLE001 (a compiler failure of any kind: the eager functions are exact)
+            if not self.compiled:
+                raise
+            import logging
+
+            logging.getLogger("areal_pipeline.trainer").warning(
+                "compiled logprob kernels failed (%s: %s); running them eagerly", type(e).__name__, e)
+            self.__init__()
+            return getattr(self, name)(*args)
+
+
+VOCAB_KERNELS = _VocabKernels()
+
+
+def use_compiled_vocab_kernels(enabled: bool = True) -> None:
+    """Compile the per-token logsumexp/entropy/gradient over the vocabulary (the trainer does on CUDA)."""
+    if enabled and not VOCAB_KERNELS.compiled:
+        VOCAB_KERNELS.compile()
+    elif not enabled:
+        VOCAB_KERNELS.__init__()
+
+
 def entropy_from_logits(logits: Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> Tensor:
-    """Per-token entropy `H = -sum_v p_v log p_v`, with `log p = log_softmax(logits / temperature)` in float32
-    (divided chunk by chunk: no scaled copy of the whole logits)."""
+    """Per-token entropy `H = -sum_v p_v log p_v`, with `p = softmax(logits / temperature)` in float32, over
+    chunks of tokens (no float32 copy of the whole logits)."""
+    return _over_tokens(lambda chunk: VOCAB_KERNELS.call("stats", chunk, 1.0 / temperature)[1], chunk_size,
+                        logits.detach())
 
-    def entropy(chunk: Tensor) -> Tensor:
-        logp = torch.log_softmax(chunk.float() / temperature, dim=-1)
-        # A -inf logit (masked vocabulary) has p = 0 and must add 0, not 0 * -inf = nan.
-        return -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(dim=-1)
 
-    return _over_tokens(entropy, chunk_size, logits)
+def logprobs_and_entropy(logits: Tensor, labels: Tensor, temperature: float = 1.0, chunk_size: int = 1024,
+                         rows: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """`log_softmax(logits / temperature)[label]` per token (differentiable) and the entropy of that
+    distribution (detached), from one pass over each chunk of the logits.
+
+    `logits` is `[..., V]`, `labels` is `logits.shape[:-1]`. The logprob is `z[label] - logsumexp(z)`: gathering
+    instead of normalising the whole row, and a logsumexp that keeps nothing of its float32 work for backward,
+    leave autograd only the logits themselves (no `[N, V]` log-softmax, no float32 copy). With `rows` (`[N]`),
+    `logits` is `[R, V]` and token i reads row `rows[i]`: rows that several tokens share are normalised once.
+    """
+    if rows is None:
+        shape = logits.shape[:-1]
+        flat = logits.reshape(-1, logits.shape[-1])
+        rows = torch.arange(flat.shape[0], device=flat.device)
+        logp, entropy = logprobs_and_entropy(flat, labels.reshape(-1), temperature, chunk_size, rows)
+        return logp.reshape(shape), entropy.reshape(shape)
+    lse, entropy = _ChunkedVocabStats.apply(logits, temperature, chunk_size)
+    return logits[rows, labels].float() / temperature - lse[rows], entropy[rows]
 
 
 def gather_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0, chunk_size: int = 1024,
                     rows: Optional[Tensor] = None) -> Tensor:
-    """`log_softmax(logits / temperature)[label]` per token, computed as `z[label] - logsumexp(z)`.
-
-    `logits` is `[..., V]`, `labels` is `logits.shape[:-1]`. Gathering instead of normalising the whole row, and
-    a logsumexp that keeps nothing of its float32 work for backward (`chunked_logsumexp`), leave autograd only the
-    logits themselves: no `[N, V]` log-softmax, no float32 copy. With `rows` (`[N]`), `logits` is `[R, V]` and
-    label i is read from row `rows[i]`: rows that several labels share are normalised once.
-    """
-    if rows is not None:
-        return logits[rows, labels].float() / temperature - chunked_logsumexp(logits, temperature, chunk_size)[rows]
-    flat = logits.reshape(-1, logits.shape[-1])
-    flat_labels = labels.reshape(-1)
-    picked = flat.gather(-1, flat_labels[:, None]).squeeze(-1).float() / temperature
-    return (picked - chunked_logsumexp(flat, temperature, chunk_size)).reshape(logits.shape[:-1])
+    """`log_softmax(logits / temperature)[label]` per token (`logprobs_and_entropy` without the entropy)."""
+    return logprobs_and_entropy(logits, labels, temperature, chunk_size, rows)[0]
 
 
 def chunked_logsumexp(logits: Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
     """`logsumexp(logits.float() / temperature)` over the last dim of `[N, V]` logits, in chunks of tokens. Its
     backward recomputes each chunk's softmax from the logits, so only the logits (which the model's output holds
     anyway) and the `[N]` result are saved; autograd's own logsumexp would keep every chunk's float32 `[n, V]`."""
-    return _ChunkedLogSumExp.apply(logits, temperature, chunk_size)
+    return _ChunkedVocabStats.apply(logits, temperature, chunk_size)[0]
 
 
-class _ChunkedLogSumExp(torch.autograd.Function):
+class _ChunkedVocabStats(torch.autograd.Function):
+    """(logsumexp, entropy) of each row of `[N, V]` logits; only the logsumexp has a gradient."""
+
     @staticmethod
-    def forward(ctx, logits: Tensor, temperature: float, chunk_size: int) -> Tensor:
-        out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    def forward(ctx, logits: Tensor, temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        entropy = torch.empty_like(lse)
         for i in range(0, logits.shape[0], chunk_size):
-            out[i : i + chunk_size] = (logits[i : i + chunk_size].float() / temperature).logsumexp(dim=-1)
-        ctx.save_for_backward(logits, out)
+            lse[i : i + chunk_size], entropy[i : i + chunk_size] = VOCAB_KERNELS.call(
+                "stats", logits[i : i + chunk_size], 1.0 / temperature)
+        ctx.save_for_backward(logits, lse)
+        ctx.mark_non_differentiable(entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return out
+        return lse, entropy
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        logits, out = ctx.saved_tensors
-        t, n = ctx.temperature, ctx.chunk_size
+    def backward(ctx, grad_lse: Tensor, _grad_entropy: Tensor):
+        logits, lse = ctx.saved_tensors
+        n = ctx.chunk_size
         grad = torch.empty_like(logits)
         for i in range(0, logits.shape[0], n):
-            softmax = torch.exp(logits[i : i + n].float() / t - out[i : i + n, None])
-            grad[i : i + n] = softmax * (grad_out[i : i + n, None] / t)
+            grad[i : i + n] = VOCAB_KERNELS.call("grad", logits[i : i + n], lse[i : i + n], grad_lse[i : i + n],
+                                                 1.0 / ctx.temperature)
         return grad, None, None
