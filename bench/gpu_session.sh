@@ -4,7 +4,12 @@
 #   bash bench/gpu_session.sh            # from the repository root; logs and figures under $OUT (default /tmp/gpu-out)
 #
 # On the device machine the project is not installed: its Python packages that the machine's image lacks travel as
-# wheels in .whl/ (README, "GPUs") and are installed into /tmp/site; the repository root goes on PYTHONPATH.
+# wheels in .whl/ and are installed into /tmp/site; the repository root goes on PYTHONPATH. The wheels, for its
+# Python 3.12 (drop those the image has: prefect's dependencies include many it has):
+#   pip download --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
+#       --platform manylinux_2_28_x86_64 [--platform manylinux_2_N_x86_64 ...] -c constraints.txt -d .whl \
+#       prefect==3.8.8 omegaconf math-verify pebble setproctitle "fastapi<0.151" "sqlalchemy[asyncio]<2.1"
+# On a GPU machine of your own, `pip install -e .` instead, and run the steps' commands as they are.
 # Steps, each under its own time limit, each one's output in $OUT/<step>.log (the last lines printed here):
 #   train     bench/train_throughput.py: a Qwen2.5-0.5B-shaped model, bf16 FSDP2 on one GPU, 64 packed 4096-token
 #             rows at mb_max_tokens 16384 and 32768: tokens/s, MFU, peak memory; a profiled update's operator table
@@ -44,7 +49,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, keep its log, print its last l
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
     $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
-cuda=torch.cuda.is_available())"
+'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$OUT/env.log"
 
 # One 0.5B-shaped model (random weights, byte tokenizer) for the trainer and the server benchmarks.

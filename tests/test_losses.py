@@ -204,3 +204,33 @@ def test_entropy_from_logits():
     # a -inf logit has p = 0 and adds nothing (not nan)
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [log(2), 0.0, 0.0, -math.inf]])
     close(entropy_from_logits(logits, chunk_size=1), [log(4), 1.5 * log(2)])
+
+
+def test_logprobs_and_entropy_in_one_pass_compiled_or_not():
+    """The trainer's per-token logprob (with its gradient) and entropy from one pass over each chunk: equal to
+    log-softmax's; and the same through the torch.compile'd kernels the trainer uses on CUDA (compiled here on
+    the CPU: the same code, generated for another device), over chunks that split the rows unevenly."""
+    from areal_pipeline.training import losses
+
+    torch.manual_seed(0)
+    logits = torch.randn(37, 50, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 50, (37,))
+    rows = torch.tensor([0, 0, 1, 2, 5, 36])  # tokens reading shared rows
+
+    def run():
+        logp, entropy = losses.logprobs_and_entropy(logits, labels[rows], 0.7, chunk_size=8, rows=rows)
+        (grad,) = torch.autograd.grad((logp * torch.linspace(-1, 1, len(rows))).sum(), logits)
+        return logp.detach(), entropy, grad
+
+    reference = torch.log_softmax(logits.detach().double() / 0.7, -1)
+    logp, entropy, grad = run()
+    torch.testing.assert_close(logp.double(), reference[rows, labels[rows]], rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), -(reference.exp() * reference).sum(-1)[rows], rtol=0, atol=1e-5)
+    try:
+        losses.use_compiled_vocab_kernels(True)
+        compiled = run()
+        assert losses.VOCAB_KERNELS.compiled  # not fallen back to eager
+    finally:
+        losses.use_compiled_vocab_kernels(False)
+    for eager, fused in zip((logp, entropy, grad), compiled):
+        torch.testing.assert_close(fused.float(), eager.float(), rtol=0, atol=1e-5)

@@ -149,3 +149,15 @@ def test_placement_configs_that_load():
         "trainer.weight_sync_master_address=10.1.2.1")
     # a CUDA trainer and the project's CPU server: distributed sync runs over gloo from host copies
     cfg("trainer.device=cuda", "trainer.weight_sync=distributed")
+
+
+def test_weight_update_group_is_nccl_only_between_distinct_gpus():
+    """NCCL refuses two members on one GPU (one-GPU colocated use, seen on an H200): such groups are gloo."""
+    from areal_pipeline.training.weight_sync import weight_group_backend
+
+    assert weight_group_backend("GPU-a", ["cuda", "cuda"], ["GPU-b", "GPU-c"], colocated=False) == "nccl"
+    assert weight_group_backend("GPU-a", None, None, colocated=False) == "nccl"  # SGLang says neither
+    assert weight_group_backend("GPU-a", ["cuda"], ["GPU-a"], colocated=False) == "gloo"  # an external server on it
+    assert weight_group_backend("GPU-a", ["cuda"], [None], colocated=True) == "gloo"  # SGLang colocated
+    assert weight_group_backend("GPU-a", ["cuda", "cpu"], ["GPU-b", None], colocated=False) == "gloo"
+    assert weight_group_backend(None, ["cuda"], ["GPU-b"], colocated=False) == "gloo"  # a CPU trainer

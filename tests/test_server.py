@@ -353,6 +353,7 @@ def test_bfloat16_on_the_device_given(tiny_model_dir, tmp_path):
     try:
         info = http(server.address, "/get_server_info")[1]
         assert info["device"] == "cpu" and info["dtype"] == "bfloat16"
+        assert info["gpu_uuid"] is None  # on a GPU its UUID: the trainer's NCCL group must not share it
         status, reply = generate(server.address, return_logprob=True,
                                  sampling_params={"max_new_tokens": 8, "ignore_eos": True, "top_k": 5, "top_p": 0.9})
         assert status == 200 and reply["meta_info"]["completion_tokens"] == 8

@@ -201,13 +201,10 @@ class Trainer:
         trainer is); `server_gpus`: their GPUs' UUIDs where they say (the project's server does, SGLang does not).
         NCCL needs both ends on GPUs, and on different ones (it refuses two members on one GPU: colocated use);
         otherwise the group is gloo, the trainer sending host copies."""
-        from areal_pipeline.training.weight_sync import broadcast_weights
+        from areal_pipeline.training.weight_sync import broadcast_weights, weight_group_backend
 
         actor = self.require_actor()
-        on_gpus = server_devices is None or all(str(d).startswith("cuda") for d in server_devices)
-        shares_gpu = self.cfg.trainer.colocate or (
-            actor.device.type == "cuda" and gpu_uuid(actor.device) in set(server_gpus or ()))
-        backend = "nccl" if actor.device.type == "cuda" and on_gpus and not shares_gpu else "gloo"
+        backend = weight_group_backend(gpu_uuid(actor.device), server_devices, server_gpus, self.cfg.trainer.colocate)
         state = actor.full_state_dict()  # a collective: every rank takes part in gathering
         version = actor.version
         if self.rank == 0:

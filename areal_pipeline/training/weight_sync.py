@@ -97,6 +97,21 @@ def _gloo_options_toward(master_address: str, timeout: timedelta):
     return options
 
 
+def weight_group_backend(trainer_gpu: Optional[str], server_devices: Optional[list[str]],
+                         server_gpus: Optional[list[Optional[str]]], colocated: bool) -> str:
+    """The weight-update group's backend: NCCL where the trainer (`trainer_gpu`: its GPU's UUID, None off CUDA) and
+    every server (`server_devices`, None: where the trainer is) are on GPUs and none shares the trainer's GPU
+    (`server_gpus`, their UUIDs where known; `colocated`: the run lets them share): NCCL refuses two members on one
+    GPU. Otherwise gloo, the trainer sending host copies."""
+    if trainer_gpu is None:
+        return "gloo"
+    if server_devices is not None and not all(str(d).startswith("cuda") for d in server_devices):
+        return "gloo"
+    if colocated or trainer_gpu in {g for g in server_gpus or () if g}:
+        return "gloo"
+    return "nccl"
+
+
 def create_weight_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
                                group_name: str, timeout: timedelta = GROUP_TIMEOUT):
     """Join (rank 0: host) a standalone process group; blocks until all `world_size` members have joined."""
