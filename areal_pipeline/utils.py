@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 import logging
 import os
+import random
 import shutil
 import socket
 import threading
@@ -79,7 +80,32 @@ def atomic_directory(path: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+LOWEST_CHOSEN_PORT = 20000  # above the usual fixed services' ports (PostgreSQL 5432, Prefect 4200, 8000-8080)
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux; elsewhere the IANA range)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
+    """A port free now on `host` for a service about to be started, chosen below the ephemeral range: a port the
+    kernel hands out (bind to 0) lies in that range, where any process's outgoing connection may take it before the
+    service binds it (a trainer died of EADDRINUSE so under parallel tests). Falls back to the kernel's choice."""
+    low, _ = _ephemeral_ports()
+    chooser = random.SystemRandom()
+    for _ in range(64 if low > LOWEST_CHOSEN_PORT + 1000 else 0):
+        port = chooser.randrange(LOWEST_CHOSEN_PORT, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -313,3 +313,19 @@ def test_set_up_steps_start_together_and_a_failure_waits_for_the_others():
     with pytest.raises(RuntimeError, match="could not start"):
         run_together([failing_start, slow_start])
     assert finished == ["slow"]  # nothing is still starting when the caller cleans up
+
+
+def test_service_ports_are_chosen_below_the_ephemeral_range():
+    """A port the kernel hands out lies in the range outgoing connections draw from, where another process's
+    connection can take it before the service binds it (a trainer died of EADDRINUSE under parallel tests): the
+    ports chosen for services lie below it, and are free."""
+    import socket
+
+    from areal_pipeline.utils import LOWEST_CHOSEN_PORT, _ephemeral_ports, find_free_port
+
+    low, _ = _ephemeral_ports()
+    ports = [find_free_port() for _ in range(20)]
+    assert all(LOWEST_CHOSEN_PORT <= p < low for p in ports), (ports, low)
+    assert len(set(ports)) > 1  # drawn, not one fixed port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))
