@@ -171,6 +171,8 @@ class _VocabKernels:
     def call(self, name: str, *args):
         try:
             return getattr(self, name)(*args)
+        except torch.OutOfMemoryError:
+            raise  # the data's size, not the compiler: eager would need more memory still
         except Exception as e:  # noqa: BLE001 (a compiler failure of any kind: the eager functions are exact)
             if not self.compiled:
                 raise
