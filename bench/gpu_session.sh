@@ -62,7 +62,7 @@ build_model('qwen2.5-0.5b', Path('$WORK/qwen05'))" >>"$OUT/env.log" 2>&1 || echo
 TAIL=8 step train 240 $PY bench/train_throughput.py --device cuda --model "$WORK/qwen05" --min-len 4096 \
     --max-len 4096 --trajectories 64 --mb-max-tokens 16384 32768 --variants packed_1rank --updates 2 \
     --profile-dir "$WORK/prof"
-cat "$WORK"/prof/train-iter*-rank0.txt >"$OUT/profile.txt" 2>/dev/null
+for table in "$WORK"/prof/*/train-iter*-rank0.txt; do echo "== $table"; cat "$table"; done >"$OUT/profile.txt" 2>/dev/null
 
 GPU_RUN=(trainer.device=cuda inference.device=cuda inference.dtype=bfloat16 trainer.colocate=true
          inference.sglang.mem_fraction_static=0.3 trainer.memory_fraction=0.5 output_dir="$WORK/runs")

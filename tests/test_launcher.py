@@ -162,6 +162,8 @@ def test_cpu_services_keep_their_fork_and_environment(tmp_path):
     assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--dtype") + 1] == "bfloat16"
     trainer = trainer_process(cfg, "/m", tmp_path)
     assert trainer.fork is not None and trainer.env is None
+    # told to use CUDA without a placement (bench/train_throughput.py --device cuda): launched, never forked
+    assert trainer_process(load_config(None, ["trainer.device=cuda"]), "/m", tmp_path).fork is None
 
 
 def test_a_trainer_that_fails_to_start_is_called_the_trainer_and_says_why(tiny_model, tmp_path):

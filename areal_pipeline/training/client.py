@@ -105,7 +105,8 @@ def trainer_process(cfg: ExperimentConfig, model_path: str, log_dir: Path, gpus:
     port = find_free_port()
     command = build_trainer_command(cfg, config_path, model_path, port)
     # On GPUs never forked: the forkserver's process may have initialised the CUDA driver, which a fork cannot use
-    fork = None if gpus else single_rank_fork(cfg, command, Path(log_dir))
+    # (a trainer placed on GPUs, or told to use CUDA without a placement, as bench/train_throughput.py does)
+    fork = None if gpus or cfg.trainer.device == "cuda" else single_rank_fork(cfg, command, Path(log_dir))
     return ServerProcess(command, f"127.0.0.1:{port}", Path(log_dir) / "trainer.log",
                          env=gpu_env(gpus) if gpus else None, fork=fork, kind="trainer")
 
