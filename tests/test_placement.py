@@ -152,7 +152,7 @@ def test_placement_configs_that_load():
 
 
 def test_weight_update_group_is_nccl_only_between_distinct_gpus():
-    """NCCL refuses two members on one GPU (one-GPU colocated use, seen on an H200): such groups are gloo."""
+    """NCCL refuses two members on one GPU ("Duplicate GPU detected": one-GPU colocated use): such groups are gloo."""
     from areal_pipeline.training.weight_sync import weight_group_backend
 
     assert weight_group_backend("GPU-a", ["cuda", "cuda"], ["GPU-b", "GPU-c"], colocated=False) == "nccl"
