@@ -19,6 +19,8 @@
 #             requests) against model.generate on the same GPU
 #   flow      `areal-pipeline train` (the Prefect flow, its temporary API server included), 20 iterations on the
 #             GPU, colocated, weights pushed by a process group (gloo: NCCL refuses two members on one GPU)
+#   resume    the same run continued to 25 iterations by a new command: its trainer loads the checkpoint of
+#             iteration 20 (weights, optimizer, RNG) on the GPU
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -74,4 +76,8 @@ step rollout 120 $PY bench/rollout_throughput.py --device cuda --dtype bfloat16 
 
 TAIL=12 step flow 150 $PY -m areal_pipeline.cli train --config configs/tiny_cpu.yaml "${GPU_RUN[@]}" run_id=gpu-flow \
     total_iterations=20 trainer.weight_sync=distributed
+TAIL=8 step resume 120 $PY -m areal_pipeline.cli train --config configs/tiny_cpu.yaml "${GPU_RUN[@]}" run_id=gpu-flow \
+    total_iterations=25 trainer.weight_sync=distributed
+# its update of iteration 21 needs the trainer at version 20: a trainer that did not load the checkpoint fails it
+echo "iterations recorded: $(wc -l <"$WORK/runs/gpu-flow/metrics.jsonl")"
 echo "=== done ($(date +%T))"
