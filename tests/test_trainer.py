@@ -281,8 +281,11 @@ def test_resume_from_checkpoint_is_bitwise_exact(tiny_model_dir, batches, tmp_pa
     assert {"optimizer.safetensors", "trainer_state.json"} <= {p.name for p in ckpt.iterdir()}
 
 
-def test_version_guard_and_command_errors(tiny_model_dir, batches, tmp_path):
+def test_version_guard_and_command_errors(tiny_model_dir, batches, tmp_path, monkeypatch):
     cfg = trainer_config(tmp_path)
+    # and the profiler tables of chosen updates (AREAL_TRAINER_PROFILE), here iteration 1's only
+    monkeypatch.setenv("AREAL_TRAINER_PROFILE", str(tmp_path / "profile"))
+    monkeypatch.setenv("AREAL_TRAINER_PROFILE_ITERATIONS", "1,7")
     process, client = launch_trainer(cfg, str(tiny_model_dir), tmp_path / "logs")
     try:
         with pytest.raises(TrainerError) as err:
@@ -297,6 +300,9 @@ def test_version_guard_and_command_errors(tiny_model_dir, batches, tmp_path):
             client.call("train", batchdir="x")
         assert client.health()["version"] == 0  # still serving
         assert client.call("train", batch_dir=str(batches[0]), iteration=1)["version"] == 1
+        assert client.call("train", batch_dir=str(batches[1]), iteration=2)["version"] == 2
+        [table] = (tmp_path / "profile").iterdir()
+        assert table.name == "train-iter1-rank0.txt" and "aten::mm" in table.read_text()
     finally:
         process.stop()
 
