@@ -399,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a module of yours to keep imported too (a workflow's, a reward's); repeatable")
     p.set_defaults(func=cmd_warm)
 
+    p = sub.add_parser("engine", help="a flow run a Prefect worker starts, as a fork of the warm launcher where one "
+                                      "runs: a process work pool's command in place of `python -m prefect.engine` "
+                                      "(prefect.yaml)")
+    p.add_argument("flow_run_id", nargs="?", help="default: PREFECT__FLOW_RUN_ID, which the worker sets")
+    p.set_defaults(func=lambda args: sys.exit(_prefect_engine([args.flow_run_id] if args.flow_run_id else [])))
+
     p = sub.add_parser("rollout", help="roll out one iteration's batch into Parquet shards, or show N decoded "
                                        "episodes (--show N)")
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
@@ -436,6 +442,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         from flows.warm import run_as_interpreter
 
         run_as_interpreter(sys.argv)
+    if argv is None and sys.argv[1:2] == ["engine"]:
+        sys.exit(_prefect_engine(sys.argv[2:]))
     cold_env = None  # the environment a launcher started after this cold command gets
     if argv is None and len(sys.argv) > 1 and sys.argv[1] in WARM_COMMANDS:
         # as a fork of the warm launcher, where one runs (flows/warm.py; importing `flows` sets the project's
@@ -483,6 +491,23 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(shutdown.exit_status(shutdown.requested_by() or signal.SIGINT))
     if cold_env is not None:
         _start_launcher_for_next_commands(cold_env)
+
+
+def _prefect_engine(args: list[str]) -> int:
+    """`areal-pipeline engine`: a process work pool's command in place of `python -m prefect.engine` (prefect.yaml):
+    each flow run a worker starts is a fork of the warm launcher where one runs, else runs here as Prefect's
+    engine would (and, where it succeeded, leaves a launcher for the next ones, as a cold `train` does)."""
+    from flows import warm
+
+    code = warm.run_warm(args, entry="prefect-engine")
+    if code is not None:
+        return code
+    # not this run's own variables (its id, its worker's control port and token): the launcher serves the next runs
+    cold_env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT__")}
+    code = warm.run_prefect_engine(args)
+    if code == 0:
+        _start_launcher_for_next_commands(cold_env)
+    return code
 
 
 def _start_launcher_for_next_commands(cold_env: dict) -> None:

@@ -1,7 +1,11 @@
 """Start-up of a run started from the Prefect UI: `areal-pipeline serve` against a Prefect API, a deployment run
 created as the UI's Run button creates it, timed on the API's clock from its creation to its first iteration.
 
-    python bench/serve_startup.py [--config configs/tiny_cpu.yaml] [--runs 3] [--no-warm] [key=value ...]
+    python bench/serve_startup.py [--config configs/tiny_cpu.yaml] [--runs 3] [--no-warm] [--worker] [key=value ...]
+
+`--worker`: the deployment on a process work pool (prefect.yaml's, `prefect deploy`) and a `prefect worker start`
+instead of `serve`: "cold" is Prefect's own command for each run (`python -m prefect.engine`), "warm" the pool's
+command `areal-pipeline engine` (a job variable), each run then a fork of the launcher.
 
 Two settings, each its own `serve` process (ABBA order across the rounds of `--runs`): "cold", each run a new
 interpreter spawned by Prefect's runner (`AREAL_WARM=0`), and "warm", each run a fork of a warm launcher that the
@@ -30,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-async def _one_run(deployment_name: str, run_id: str) -> dict:
+async def _one_run(deployment_name: str, run_id: str, parameters: dict) -> dict:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
@@ -41,7 +45,7 @@ async def _one_run(deployment_name: str, run_id: str) -> dict:
                 break
             except Exception:
                 await asyncio.sleep(0.2)
-        run = await client.create_flow_run_from_deployment(deployment.id, parameters={"run_id": run_id})
+        run = await client.create_flow_run_from_deployment(deployment.id, parameters={"run_id": run_id, **parameters})
         created = run.created
         while True:
             run = await client.read_flow_run(run.id)
@@ -67,11 +71,28 @@ def _serve(cli: str, args, env: dict, work: Path, log: Path) -> subprocess.Popen
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _worker(cli: str, args, env: dict, work: Path, log: Path, warm: bool) -> subprocess.Popen:
+    """The train deployment (re)deployed to a process pool of this setting's command, and a worker of that pool."""
+    prefect = str(Path(cli).with_name("prefect"))
+    pool = "bench-warm" if warm else "bench-cold"
+    subprocess.run([prefect, "work-pool", "create", pool, "--type", "process", "--overwrite"], cwd=REPO, env=env,
+                   check=True, capture_output=True)
+    command = ["--job-variable", f"command={cli} engine"] if warm else []
+    subprocess.run([prefect, "--no-prompt", "deploy", "--name", "train", "--pool", pool, *command], cwd=REPO,
+                   env=env, check=True, capture_output=True)
+    with log.open("w") as out:
+        out.write("Serving \n")  # the deployment is there, the worker polls from its start (as serve's line says)
+    return subprocess.Popen([prefect, "worker", "start", "--pool", pool], cwd=work,
+                            env={**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}, stdout=log.open("a"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
     p.add_argument("--runs", type=int, default=3, help="runs of each setting")
     p.add_argument("--no-warm", action="store_true", help="the cold setting only")
+    p.add_argument("--worker", action="store_true", help="a process work pool's worker instead of serve")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
 
@@ -98,14 +119,20 @@ def main() -> None:
         for r in range(args.runs):
             for name in (list(settings) if r % 2 == 0 else list(settings)[::-1]):
                 log = work / f"serve-{name}-{r}.log"
-                serve = _serve(cli, args, settings[name], work, log)  # the model built above is under work/_models
+                if args.worker:  # the worker polls every second: serve's --poll-seconds default is 2
+                    serve = _worker(cli, args, settings[name], work, log, warm=name == "warm")
+                else:
+                    serve = _serve(cli, args, settings[name], work, log)  # the model built is under work/_models
                 try:
                     while "Serving " not in log.read_text():  # its deployments registered, its runner polling next
                         if serve.poll() is not None:
                             raise SystemExit(f"serve exited: {log.read_text()[-3000:]}")
                         time.sleep(0.2)
                     time.sleep(1.0)
-                    one = asyncio.run(_one_run("train/train", f"{name}-{r}"))
+                    parameters = {"iterations": 1, "config_path": args.config,
+                                  "overrides": [f"output_dir={work}", "total_iterations=1", "eval_freq=0",
+                                                *args.overrides]} if args.worker else {}
+                    one = asyncio.run(_one_run("train/train", f"{name}-{r}", parameters))
                 finally:
                     os.killpg(serve.pid, signal.SIGINT)
                     serve.wait(60)
@@ -115,7 +142,7 @@ def main() -> None:
         if "warm" in settings:
             subprocess.run([cli, "warm", "stop"], env=settings["warm"], check=False, capture_output=True)
         api.stop()
-    result = {"runs": args.runs}
+    result = {"runs": args.runs, "runner": "worker" if args.worker else "serve"}
     for name, runs in figures.items():
         for key in runs[0]:
             result[f"{name}_{key}"] = round(statistics.median(r[key] for r in runs), 2)

@@ -47,7 +47,8 @@ AUTO_IDLE_MINUTES = 60.0  # a launcher nobody asked for by name ends sooner than
 # what a fork may run: the command line (the commands that ask: areal_pipeline.cli.WARM_COMMANDS), or one run of a
 # sweep (`python -m flows.sweep --child`)
 ENTRIES = {"cli": "areal_pipeline.cli:main", "sweep-run": "flows.sweep:_child",
-           "mp-spawn": "flows.warm:_spawned_child"}  # a process that multiprocessing spawns (a deployment run)
+           "mp-spawn": "flows.warm:_spawned_child",  # a process that multiprocessing spawns (a deployment run)
+           "prefect-engine": "flows.warm:_prefect_engine"}  # a flow run a Prefect worker starts: `areal-pipeline engine`
 # read while the preloaded modules import: a command whose value differs would not get what it asked for
 IMPORT_TIME_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "PYTORCH_", "TORCH_", "HF_", "HUGGINGFACE",
                             "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "LD_", "SAFETENSORS_", "MPL",
@@ -304,6 +305,31 @@ def _spawned_child() -> None:
     # the run's services are forks with nothing left to import
     forkserver.start_here()
     spawn.spawn_main(**arguments)
+
+
+def run_prefect_engine(argv: list[str]) -> int:
+    """What `python -m prefect.engine *argv` does (a Prefect worker's flow run: PREFECT__FLOW_RUN_ID, ...), in this
+    process, after starting its services' forkserver; its exit status."""
+    import runpy
+
+    from areal_pipeline import forkserver
+    from flows.api_server import exit_code
+
+    forkserver.start_here()  # before the run's threads, as `areal-pipeline train` does
+    sys.argv = [sys.argv[0], *argv]
+    try:
+        runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
+    except SystemExit as ended:
+        return exit_code(ended)
+    return 0
+
+
+def _prefect_engine() -> None:
+    """In the fork: a worker's flow run (`areal-pipeline engine`)."""
+    redo_prefect_logging()  # as a new interpreter's import of Prefect would have set it up
+    code = run_prefect_engine(sys.argv[1:])
+    if code:
+        raise SystemExit(code)
 
 
 KEEP_WARM_SECONDS_ENV = "AREAL_WARM_KEEP_SECONDS"  # how often `serve` looks (default 60)

@@ -89,3 +89,58 @@ def _processes_of(flow_run_ids: set[str]) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return found
+
+
+def test_a_process_workers_flow_runs_are_forks_of_the_warm_launcher(server, tiny_model_dir, tmp_path):
+    """With `areal-pipeline engine` as the work pool's command (a job variable), each flow run the worker starts is a
+    fork of the warm launcher instead of a new `python -m prefect.engine`; where it can use none (AREAL_WARM=0
+    here), the command runs Prefect's engine itself. Either way the run goes to its end."""
+    import sys
+    from pathlib import Path
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from test_warm import _start_launcher, _status, _stop_launcher
+
+    (tmp_path / "warm").mkdir()
+    launcher = _start_launcher(tmp_path / "warm")
+    try:
+        env = {**client_env(server, tmp_path / "prefect-home"), "PREFECT_WORKER_QUERY_SECONDS": "1",
+               "AREAL_WARM": "1", "AREAL_WARM_SOCKET": launcher["AREAL_WARM_SOCKET"]}
+        pool = "areal-warm"
+        prefect_cli("work-pool", "create", pool, "--type", "process", env=env)
+        engine = Path(sys.executable).with_name("areal-pipeline")
+        prefect_cli("--no-prompt", "deploy", "--name", "evaluate", "--pool", pool,
+                    "--job-variable", f"command={engine} engine", env=env)
+
+        async def run(k: int) -> object:
+            async with get_client() as client:
+                deployment = await client.read_deployment_by_name("evaluate/evaluate")
+                assert deployment.job_variables.get("command") == f"{engine} engine"
+                flow_run = await client.create_flow_run_from_deployment(deployment.id, parameters={
+                    "overrides": fast_overrides(tmp_path, tiny_model_dir, run_id=f"pooled-{k}"),
+                    "checkpoint": str(tiny_model_dir)})
+                for _ in range(3000):
+                    flow_run = await client.read_flow_run(flow_run.id)
+                    if flow_run.state.is_final():
+                        return flow_run
+                    await asyncio.sleep(0.2)
+                raise AssertionError(f"the run did not finish: {flow_run.state}")
+
+        for k, (mode, forks) in enumerate((("1", 1), ("0", 0))):
+            before = _status(launcher)["runs_started"]
+            log_path = tmp_path / f"worker-{k}.log"
+            worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool], cwd=tmp_path,
+                                      env={**env, "AREAL_WARM": mode}, stdout=open(log_path, "w"),
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                with temporary_settings(updates={PREFECT_API_URL: server}):
+                    evaluated = asyncio.run(run(k))
+            finally:
+                stop_group(worker)
+            log = log_path.read_text()
+            assert evaluated.state.is_completed(), (mode, evaluated.state, log[-3000:])
+            assert "started cold" not in log, log[-3000:]
+            assert _status(launcher)["runs_started"] == before + forks, mode
+    finally:
+        _stop_launcher(launcher)
