@@ -52,14 +52,8 @@ def test_prefect_deploy_and_a_process_worker_run_train_and_evaluate(server, tiny
             assert deployment.pull_steps == [
                 {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
             flow_run = await client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
-            for _ in range(3000):
-                flow_run = await client.read_flow_run(flow_run.id)
-                if flow_run.state.is_final():
-                    return flow_run
-                if flow_run.state.is_running():
-                    seen.update(p.pid for p in _processes_of({str(flow_run.id)}))
-                await asyncio.sleep(0.2)
-            raise AssertionError(f"{deployment_name} run did not finish: {flow_run.state}")
+            return await _until_final(client, flow_run, lambda run: seen.update(
+                p.pid for p in _processes_of({str(run.id)})))
 
     try:
         with temporary_settings(updates={PREFECT_API_URL: server}):
@@ -78,6 +72,18 @@ def test_prefect_deploy_and_a_process_worker_run_train_and_evaluate(server, tiny
     ids = {str(trained.id), str(evaluated.id)}
     assert len(seen) >= 3  # the flow run's process, the inference server, the trainer, ...
     wait_until(lambda: not _processes_of(ids), 30, "the flow runs' processes to exit")
+
+
+async def _until_final(client, flow_run, while_running=None):
+    """The flow run once its state is final (10 minutes at most); `while_running(run)` at each look while it runs."""
+    for _ in range(3000):
+        flow_run = await client.read_flow_run(flow_run.id)
+        if flow_run.state.is_final():
+            return flow_run
+        if while_running is not None and flow_run.state.is_running():
+            while_running(flow_run)
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{flow_run.name} did not finish: {flow_run.state}")
 
 
 def _processes_of(flow_run_ids: set[str]) -> list[psutil.Process]:
@@ -120,12 +126,7 @@ def test_a_process_workers_flow_runs_are_forks_of_the_warm_launcher(server, tiny
                 flow_run = await client.create_flow_run_from_deployment(deployment.id, parameters={
                     "overrides": fast_overrides(tmp_path, tiny_model_dir, run_id=f"pooled-{k}"),
                     "checkpoint": str(tiny_model_dir)})
-                for _ in range(3000):
-                    flow_run = await client.read_flow_run(flow_run.id)
-                    if flow_run.state.is_final():
-                        return flow_run
-                    await asyncio.sleep(0.2)
-                raise AssertionError(f"the run did not finish: {flow_run.state}")
+                return await _until_final(client, flow_run)
 
         for k, (mode, forks) in enumerate((("1", 1), ("0", 0))):
             before = _status(launcher)["runs_started"]
