@@ -140,11 +140,32 @@ def stop_everything_on_sigterm() -> Iterator[None]:
             previous(signum, frame)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    signal.signal(signal.SIGTERM, stop)
+    with _as_prefects_bridge(previous, stop):
+        yield
+
+
+@contextlib.contextmanager
+def _as_prefects_bridge(previous, handler) -> Iterator[None]:
+    """Install `handler` for SIGTERM. Where `previous` is Prefect's SIGTERM bridge, `handler` stands in for it
+    where Prefect asks which handler is installed: a run that a worker cancels acknowledges the cancel on its control
+    channel only while Prefect's own handler is installed (checked by identity), and otherwise ends Crashed, not
+    Cancelled. `handler` calls the bridge after stopping the services, so Prefect still gets its TerminationSignal."""
+    from prefect.utilities import engine as prefect_engine
+
+    bridge = getattr(prefect_engine, "_prefect_sigterm_handler", None)
+    lock = getattr(prefect_engine, "_prefect_sigterm_bridge_lock", None)
+    stands_in = bridge is not None and previous is bridge and lock is not None
+    with lock if stands_in else contextlib.nullcontext():
+        signal.signal(signal.SIGTERM, handler)
+        if stands_in:
+            prefect_engine._prefect_sigterm_handler = handler
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        with lock if stands_in else contextlib.nullcontext():
+            signal.signal(signal.SIGTERM, previous)
+            if stands_in:
+                prefect_engine._prefect_sigterm_handler = bridge
 
 
 _PROGRESS: dict[str, artifacts.Progress] = {}

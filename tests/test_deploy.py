@@ -143,5 +143,34 @@ def test_a_process_workers_flow_runs_are_forks_of_the_warm_launcher(server, tiny
             assert evaluated.state.is_completed(), (mode, evaluated.state, log[-3000:])
             assert "started cold" not in log, log[-3000:]
             assert _status(launcher)["runs_started"] == before + forks, mode
+
+        # the UI's Cancel on such a run: the worker's cancel is acknowledged on its control channel (the run's
+        # SIGTERM handler stands in for Prefect's), so the run ends Cancelled, not Crashed, and nothing of it is left
+        prefect_cli("--no-prompt", "deploy", "--name", "train", "--pool", pool,
+                    "--job-variable", f"command={engine} engine", env=env)
+        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool], cwd=tmp_path, env=env,
+                                  stdout=open(tmp_path / "worker-cancel.log", "w"), stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+
+        async def cancel_a_long_run() -> object:
+            from prefect.states import Cancelling
+
+            async with get_client() as client:
+                deployment = await client.read_deployment_by_name("train/train")
+                flow_run = await client.create_flow_run_from_deployment(deployment.id, parameters={
+                    "overrides": fast_overrides(tmp_path, tiny_model_dir, run_id="long", iterations=500),
+                    "iterations": 500})
+                while not (tmp_path / "long" / "iter_2").exists():
+                    await asyncio.sleep(0.1)
+                await client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
+                return await _until_final(client, flow_run)
+
+        try:
+            with temporary_settings(updates={PREFECT_API_URL: server}):
+                cancelled = asyncio.run(cancel_a_long_run())
+        finally:
+            stop_group(worker)
+        assert cancelled.state.is_cancelled(), (cancelled.state, (tmp_path / "worker-cancel.log").read_text()[-3000:])
+        wait_until(lambda: not _processes_of({str(cancelled.id)}), 30, "the cancelled run's processes to exit")
     finally:
         _stop_launcher(launcher)
