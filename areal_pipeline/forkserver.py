@@ -37,7 +37,7 @@ from multiprocessing import connection as mp_connection
 from multiprocessing import popen_forkserver, resource_tracker, spawn, util
 from typing import TYPE_CHECKING, Optional
 
-from areal_pipeline.utils import PARENT_PID_ENV
+from areal_pipeline.utils import PARENT_PID_ENV, environment
 
 if TYPE_CHECKING:
     import psutil
@@ -76,16 +76,8 @@ def start_preloading() -> Optional[multiprocessing.context.BaseContext]:
             # /proc/<pid>/environ shows for every fork of it) names it, as a launched service's does.
             started_with = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY") or "PASSIVE",
                             PARENT_PID_ENV: str(os.getpid())}
-            before = {name: os.environ.get(name) for name in started_with}
-            os.environ.update(started_with)
-            try:
+            with environment(**started_with):
                 mp_forkserver.ensure_running()
-            finally:
-                for name, value in before.items():
-                    if value is None:
-                        os.environ.pop(name, None)
-                    else:
-                        os.environ[name] = value
             _context = context
         return _context
 

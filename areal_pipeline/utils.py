@@ -80,6 +80,21 @@ def atomic_directory(path: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def environment(**variables: str) -> Iterator[None]:
+    """`os.environ` with `variables` set for the block (what a process started in it inherits), as it was after."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 LOWEST_CHOSEN_PORT = 20000  # above the usual fixed services' ports (PostgreSQL 5432, Prefect 4200, 8000-8080)
 
 

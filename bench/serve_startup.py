@@ -71,7 +71,7 @@ def _serve(cli: str, args, env: dict, work: Path, log: Path) -> subprocess.Popen
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _worker(cli: str, args, env: dict, work: Path, log: Path, warm: bool) -> subprocess.Popen:
+def _worker(cli: str, env: dict, work: Path, log: Path, warm: bool) -> subprocess.Popen:
     """The train deployment (re)deployed to a process pool of this setting's command, and a worker of that pool."""
     prefect = str(Path(cli).with_name("prefect"))
     pool = "bench-warm" if warm else "bench-cold"
@@ -80,10 +80,8 @@ def _worker(cli: str, args, env: dict, work: Path, log: Path, warm: bool) -> sub
     command = ["--job-variable", f"command={cli} engine"] if warm else []
     subprocess.run([prefect, "--no-prompt", "deploy", "--name", "train", "--pool", pool, *command], cwd=REPO,
                    env=env, check=True, capture_output=True)
-    with log.open("w") as out:
-        out.write("Serving \n")  # the deployment is there, the worker polls from its start (as serve's line says)
     return subprocess.Popen([prefect, "worker", "start", "--pool", pool], cwd=work,
-                            env={**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}, stdout=log.open("a"),
+                            env={**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -120,11 +118,12 @@ def main() -> None:
             for name in (list(settings) if r % 2 == 0 else list(settings)[::-1]):
                 log = work / f"serve-{name}-{r}.log"
                 if args.worker:  # the worker polls every second: serve's --poll-seconds default is 2
-                    serve = _worker(cli, args, settings[name], work, log, warm=name == "warm")
+                    serve = _worker(cli, settings[name], work, log, warm=name == "warm")
                 else:
                     serve = _serve(cli, args, settings[name], work, log)  # the model built is under work/_models
                 try:
-                    while "Serving " not in log.read_text():  # its deployments registered, its runner polling next
+                    # serve: its deployments registered, its runner polling next; a worker: polling from here on
+                    while (" started!" if args.worker else "Serving ") not in log.read_text():
                         if serve.poll() is not None:
                             raise SystemExit(f"serve exited: {log.read_text()[-3000:]}")
                         time.sleep(0.2)

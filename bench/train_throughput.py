@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -37,6 +36,7 @@ from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.model import build_byte_tokenizer, build_tiny_model
 from areal_pipeline.training.client import launch_trainer
 from areal_pipeline.training.trainer_server import PROFILE_ENV, PROFILE_ITERATIONS_ENV
+from areal_pipeline.utils import environment
 from areal_pipeline.training.ppo import write_batch
 
 
@@ -118,16 +118,8 @@ def measure(cfg, model_dir: str, batch_dir: Path, updates: int, log_dir: Path,
     with `profile_dir`, one more update, profiled (not timed), whose operator table is written there."""
     profiled = 2 + updates
     env = {PROFILE_ENV: str(profile_dir), PROFILE_ITERATIONS_ENV: str(profiled)} if profile_dir else {}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the trainer process inherits them
-    try:
+    with environment(**env):  # the trainer process inherits them
         process, client = launch_trainer(cfg, model_dir, log_dir)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
         client.call("train", batch_dir=str(batch_dir), iteration=1)  # warm-up
         stats = [client.call("train", batch_dir=str(batch_dir), iteration=k)["stats"] for k in range(2, 2 + updates)]

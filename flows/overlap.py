@@ -155,14 +155,15 @@ def _as_prefects_bridge(previous, handler) -> Iterator[None]:
     bridge = getattr(prefect_engine, "_prefect_sigterm_handler", None)
     lock = getattr(prefect_engine, "_prefect_sigterm_bridge_lock", None)
     stands_in = bridge is not None and previous is bridge and lock is not None
-    with lock if stands_in else contextlib.nullcontext():
+    swapping = lock if stands_in else contextlib.nullcontext()
+    with swapping:
         signal.signal(signal.SIGTERM, handler)
         if stands_in:
             prefect_engine._prefect_sigterm_handler = handler
     try:
         yield
     finally:
-        with lock if stands_in else contextlib.nullcontext():
+        with swapping:
             signal.signal(signal.SIGTERM, previous)
             if stands_in:
                 prefect_engine._prefect_sigterm_handler = bridge

@@ -160,6 +160,9 @@ class _VocabKernels:
     read once or twice per chunk. A compilation that fails falls back to eager, once, with a warning."""
 
     def __init__(self):
+        self.use_eager()
+
+    def use_eager(self) -> None:
         self.stats, self.grad = _chunk_stats, _chunk_logsumexp_grad
         self.compiled = False
 
@@ -180,7 +183,7 @@ class _VocabKernels:
 
             logging.getLogger("areal_pipeline.trainer").warning(
                 "compiled logprob kernels failed (%s: %s); running them eagerly", type(e).__name__, e)
-            self.__init__()
+            self.use_eager()
             return getattr(self, name)(*args)
 
 
@@ -192,7 +195,7 @@ def use_compiled_vocab_kernels(enabled: bool = True) -> None:
     if enabled and not VOCAB_KERNELS.compiled:
         VOCAB_KERNELS.compile()
     elif not enabled:
-        VOCAB_KERNELS.__init__()
+        VOCAB_KERNELS.use_eager()
 
 
 def entropy_from_logits(logits: Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> Tensor:
@@ -228,15 +231,10 @@ def gather_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0, ch
     return logprobs_and_entropy(logits, labels, temperature, chunk_size, rows)[0]
 
 
-def chunked_logsumexp(logits: Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
-    """`logsumexp(logits.float() / temperature)` over the last dim of `[N, V]` logits, in chunks of tokens. Its
-    backward recomputes each chunk's softmax from the logits, so only the logits (which the model's output holds
-    anyway) and the `[N]` result are saved; autograd's own logsumexp would keep every chunk's float32 `[n, V]`."""
-    return _ChunkedVocabStats.apply(logits, temperature, chunk_size)[0]
-
-
 class _ChunkedVocabStats(torch.autograd.Function):
-    """(logsumexp, entropy) of each row of `[N, V]` logits; only the logsumexp has a gradient."""
+    """(logsumexp, entropy) of each row of `[N, V]` logits in float32, chunk by chunk; only the logsumexp has a
+    gradient. Its backward recomputes each chunk's softmax from the logits, so only the logits (which the model's
+    output holds anyway) and the `[N]` logsumexp are saved; autograd's own would keep every chunk's float32 `[n, V]`."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:
