@@ -267,6 +267,10 @@ class TrainerConfig:
     # kernels (eager, each step is a pass over a float32 [tokens, vocab] temporary); the first update pays the
     # compilation. Ignored on the CPU
     compile: bool = True
+    # torch.compile each decoder layer (its norms, rotary embedding and SwiGLU fused around the matrix products):
+    # None: on CUDA only; true: on any device; false: never. The first updates pay the compilation (seconds per
+    # new shape, until the compiler treats lengths as dynamic)
+    compile_layers: Optional[bool] = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # AdamW and its learning-rate schedule
     # how new weights reach the servers: disk (a Hugging Face directory they load) | distributed (a broadcast
     # over a process group they join: NCCL where trainer and servers are on CUDA, gloo otherwise)

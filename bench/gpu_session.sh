@@ -2,6 +2,7 @@
 # Issue #17's GPU measurements in one command, for a session that is lent a GPU machine (the device tool):
 #
 #   bash bench/gpu_session.sh            # from the repository root; logs and figures under $OUT (default /tmp/gpu-out)
+#   STEPS="train train_eager" MB_TOKENS="16384 24576" bash bench/gpu_session.sh   # the trainer alone, an H100's budgets
 #
 # On the device machine the project is not installed: its Python packages that the machine's image lacks travel as
 # wheels in .whl/ and are installed into /tmp/site; the repository root goes on PYTHONPATH. The wheels, for its
@@ -9,10 +10,13 @@
 #   pip download --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
 #       --platform manylinux_2_28_x86_64 [--platform manylinux_2_N_x86_64 ...] -c constraints.txt -d .whl \
 #       prefect==3.8.8 omegaconf math-verify pebble setproctitle "fastapi<0.151" "sqlalchemy[asyncio]<2.1"
+# (the train steps alone need omegaconf antlr4-python3-runtime math-verify latex2sympy2_extended pebble setproctitle
+# tensordict pyvers orjson datasets dill multiprocess)
 # On a GPU machine of your own, `pip install -e .` instead, and run the steps' commands as they are.
 # Steps, each under its own time limit, each one's output in $OUT/<step>.log (the last lines printed here):
 #   train     bench/train_throughput.py: a Qwen2.5-0.5B-shaped model, bf16 FSDP2 on one GPU, 64 packed 4096-token
 #             rows at mb_max_tokens 16384 and 32768: tokens/s, MFU, peak memory; a profiled update's operator table
+#   train_eager  the same at the first budget without compiled decoder layers (trainer.compile_layers=false)
 #   plain     bench/time_to_reward.py: the RL loop of configs/tiny_cpu.yaml (100 iterations), trainer and the
 #             project's server colocated on the one GPU; then `evaluate` loads its last checkpoint on the GPU
 #   rollout   bench/rollout_throughput.py: the project's server on the GPU (bf16, 0.5B shape, 64 concurrent
@@ -37,9 +41,10 @@ PY=${PYTHON:-python3}
 WORK=/tmp/gpu-work
 rm -rf "$WORK" && mkdir -p "$WORK"
 
-step() {  # step NAME SECONDS COMMAND...: run it, keep its log, print its last lines
+step() {  # step NAME SECONDS COMMAND...: run it, keep its log, print its last lines (skipped unless in $STEPS)
     local name=$1 limit=$2
     shift 2
+    case " ${STEPS:-train train_eager plain evaluate rollout flow resume} " in *" $name "*) ;; *) return 0 ;; esac
     echo "=== $name ($(date +%T), limit ${limit}s)"
     local start=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -61,9 +66,15 @@ from pathlib import Path
 from train_throughput import build_model
 build_model('qwen2.5-0.5b', Path('$WORK/qwen05'))" >>"$OUT/env.log" 2>&1 || echo "model build failed"
 
-TAIL=8 step train 240 $PY bench/train_throughput.py --device cuda --model "$WORK/qwen05" --min-len 4096 \
-    --max-len 4096 --trajectories 64 --mb-max-tokens 16384 32768 --variants packed_1rank --updates 2 \
+# MB_TOKENS: the micro-batch budgets (32768 needs more than an H100's 80 GB); train_eager: the same without the
+# compiled decoder layers (trainer.compile_layers=false), the baseline of the compiled ones
+MB_TOKENS=${MB_TOKENS:-16384 32768}
+TAIL=8 step train 300 $PY bench/train_throughput.py --device cuda --model "$WORK/qwen05" --min-len 4096 \
+    --max-len 4096 --trajectories 64 --mb-max-tokens $MB_TOKENS --variants packed_1rank --updates 2 \
     --profile-dir "$WORK/prof"
+TAIL=4 step train_eager 200 $PY bench/train_throughput.py --device cuda --model "$WORK/qwen05" --min-len 4096 \
+    --max-len 4096 --trajectories 64 --mb-max-tokens ${MB_TOKENS%% *} --variants packed_1rank --updates 2 \
+    trainer.compile_layers=false
 for table in "$WORK"/prof/*/train-iter*-rank0.txt; do echo "== $table"; cat "$table"; done >"$OUT/profile.txt" 2>/dev/null
 
 GPU_RUN=(trainer.device=cuda inference.device=cuda inference.dtype=bfloat16 trainer.colocate=true

@@ -127,6 +127,23 @@ def test_packed_and_padded_batches_give_same_loss_and_gradients(single_process_g
     assert torch.allclose(loss_packed, reference, atol=1e-6)
 
 
+def test_compiled_decoder_layers_give_the_same_loss_and_gradients(single_process_group, tiny_model_dir, tmp_path):
+    """trainer.compile_layers (on by default on CUDA, forced here on the CPU): each layer compiled before FSDP shards
+    it gives eager's loss and gradients, and the compiler really ran (its graphs are counted)."""
+    from torch._dynamo.utils import counters  # dynamo's own counters: the one way to see that a graph was compiled
+
+    cfg, batch, columns, loss_fn = whole_batch_setup(tmp_path, tiny_model_dir, seed=3)
+    cfg.trainer.compile_layers = False
+    _, loss_eager, g_eager = whole_batch_loss_and_grads(cfg, tiny_model_dir, batch, columns, loss_fn)
+    counters.clear()
+    cfg.trainer.compile_layers = True
+    _, loss_compiled, g_compiled = whole_batch_loss_and_grads(cfg, tiny_model_dir, batch, columns, loss_fn)
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert torch.allclose(loss_eager, loss_compiled, atol=1e-5)
+    for name in g_eager:
+        assert torch.allclose(g_eager[name], g_compiled[name], atol=1e-4), name
+
+
 def test_shared_prefixes_give_the_same_logprobs_loss_and_gradients(single_process_group, tiny_model_dir, tmp_path):
     """Each group's prompt laid out once, its samples as branches under an attention mask: the same logprobs,
     loss and gradients as one row per sequence, for sdpa and eager attention, for a fraction of the forward

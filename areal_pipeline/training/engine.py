@@ -107,7 +107,12 @@ class TrainEngine:
             param_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
+        compile_layers = self.cfg.compile_layers
+        if compile_layers is None:
+            compile_layers = self.device.type == "cuda"
         for layer in model.model.layers:
+            if compile_layers:  # fuses each block's norms, rotary and SwiGLU; FSDP's hooks stay outside the graph
+                layer.compile()
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         self.model = model
