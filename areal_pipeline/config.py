@@ -97,8 +97,24 @@ class SGLangConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """How `python -m vllm.entrypoints.openai.api_server` is launched, used when inference.backend == "vllm"."""
+
+    # The interpreter of vLLM's own environment (vLLM pins its own torch). Empty: the project's .venv-vllm/bin/python
+    # where it exists, else this interpreter
+    python: str = ""
+    dtype: str = "auto"  # the served weights' dtype (--dtype); auto: the checkpoint's
+    max_model_len: Optional[int] = None  # longest prompt + generation (--max-model-len); None: the model's
+    enforce_eager: bool = True  # no torch.compile / graph capture (a faster start, slower decoding)
+    extra_args: list[str] = field(default_factory=list)  # more api_server flags, passed as they are
+    # More environment variables of the server, e.g. {"VLLM_CPU_KVCACHE_SPACE": "4"} (GiB of KV cache on a CPU)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class InferenceConfig:
-    # cpu: the project's own server (transformers; on the CPU or, with device=cuda, a GPU) | sglang: SGLang's
+    # cpu: the project's own server (transformers; on the CPU or, with device=cuda, a GPU) | sglang: SGLang's |
+    # vllm: vLLM's OpenAI-compatible server (its own environment: inference.vllm.python)
     backend: str = "cpu"
     num_servers: int = 1  # servers launched, data parallel (round robin; a trajectory sticks to its server)
     host: str = "127.0.0.1"  # the address launched servers listen on
@@ -122,6 +138,12 @@ class InferenceConfig:
     # be a path they read at the same name) or distributed (trainer.weight_sync_master_address must reach them)
     addresses: list[str] = field(default_factory=list)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # launch flags of SGLang servers (backend=sglang)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # launch flags of vLLM servers (backend=vllm)
+    # After every weight update, check on each server that it serves the trainer's weights: the logprobs it gives a
+    # short fixed probe against the trainer's. A mismatch is an error, never a run on stale weights
+    verify_weights: bool = True
+    # Largest |served - trainer| probe logprob that passes; 0: by the served dtype (float32 tight, 16-bit looser)
+    verify_tolerance: float = 0.0
 
 
 @dataclass
@@ -606,6 +628,13 @@ _HOST = Rule("a host name or IP address", lambda host: bool(re.fullmatch(r"[\w.:
 _NORM_LEVEL = one_of("group", "batch", "none")
 _DTYPES = ("float32", "bfloat16", "float16")  # model.DTYPES
 
+_VLLM_PYTHON = Rule("empty (.venv-vllm/bin/python, else this interpreter) or an existing executable file",
+                    lambda path: path == "" or (os.path.isfile(os.path.expanduser(path))
+                                                and os.access(os.path.expanduser(path), os.X_OK)))
+_ENV_VARS = Rule("a mapping of environment variable names to string values",
+                 lambda env: all(isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)
+                                 and isinstance(v, str) for k, v in env.items()))
+
 # Per section type, its fields' rules (a tuple: checked in order, the first one broken is reported). Keyed by
 # type rather than dotted key: a section used twice (ppo.reward_norm, ppo.adv_norm) has one set of rules.
 FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
@@ -622,7 +651,9 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                     "arithmetic_test_size": _NON_NEGATIVE, "arithmetic_max_operand": _NON_NEGATIVE},
     SGLangConfig: {"tp_size": _COUNT, "dp_size": _COUNT, "mem_fraction_static": within(0, 1, open_low=True),
                    "context_length": _COUNT},
-    InferenceConfig: {"backend": one_of("cpu", "sglang"), "num_servers": _COUNT, "base_port": _PORT,
+    VLLMConfig: {"python": _VLLM_PYTHON, "dtype": one_of("auto", *_DTYPES), "max_model_len": _COUNT,
+                 "env": _ENV_VARS},
+    InferenceConfig: {"backend": one_of("cpu", "sglang", "vllm"), "verify_tolerance": _NON_NEGATIVE, "num_servers": _COUNT, "base_port": _PORT,
                       "setup_timeout": _POSITIVE, "request_timeout": _POSITIVE, "request_retries": _NON_NEGATIVE,
                       "max_batch_size": _COUNT, "context_length": _COUNT, "num_threads": _NON_NEGATIVE,
                       "max_body_bytes": _COUNT, "device": one_of("cpu", "cuda"), "dtype": one_of(*_DTYPES),
@@ -772,6 +803,10 @@ def _weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]
         yield (f"{key('trainer.weight_sync')}='distributed': SGLang servers receive weights over NCCL, which a "
                f"trainer on the CPU ({key('trainer.device')}=cpu) cannot take part in; use "
                f"{key('trainer.weight_sync')}=disk")
+    if t.weight_sync == "distributed" and inf.backend == "vllm":
+        yield (f"{key('trainer.weight_sync')}='distributed': not supported with {key('inference.backend')}=vllm "
+               "(vLLM's weight transfer engine needs GPUs on both sides and is not wired to this trainer); use "
+               f"{key('trainer.weight_sync')}=disk (each version is loaded with vLLM's reload_weights)")
     remote = [a for a in inf.addresses if not _LOOPBACK.fullmatch(a.rsplit(":", 1)[0])]
     if remote and t.weight_sync == "distributed" and _LOOPBACK.fullmatch(t.weight_sync_master_address):
         yield (f"{key('trainer.weight_sync_master_address')}={t.weight_sync_master_address!r}: servers on other "
