@@ -40,6 +40,12 @@ class WeightSyncExtension:
                                "to tie again after a reload")
         return head, embed
 
+    def tied_head_state(self) -> dict:
+        """Whether the model ties its head to its embedding, and whether the two are now apart (a reload broke the
+        tie): for naming the parameters when a weight check fails."""
+        pair = self._areal_tied_pair()
+        return {"tied": pair is not None, "apart": pair is not None and pair[0].weight is not pair[1].weight}
+
     def retie_embeddings(self) -> dict:
         """Point a tied output head at the current input embedding again. Returns whether the model is tied and
         whether the head had come apart from the embedding."""
