@@ -711,6 +711,28 @@ def _generation_fits_context(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
     if cfg.inference.backend == "cpu" and cfg.rollout.gconfig.max_new_tokens >= cfg.inference.context_length:
         yield (f"{key('rollout.gconfig.max_new_tokens')}={cfg.rollout.gconfig.max_new_tokens}: must be < "
                f"{key('inference.context_length')}={cfg.inference.context_length} (the prompt needs room too)")
+    limit = cfg.inference.vllm.max_model_len
+    if cfg.inference.backend == "vllm" and limit is not None and cfg.rollout.gconfig.max_new_tokens >= limit:
+        yield (f"{key('rollout.gconfig.max_new_tokens')}={cfg.rollout.gconfig.max_new_tokens}: must be < "
+               f"{key('inference.vllm.max_model_len')}={limit} (the prompt needs room too)")
+
+
+# Head sizes vLLM's CPU attention computes (vllm/v1/attention/backends/cpu_attn.py, 0.32); it loads a model with
+# another one and fails on its first request
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _vllm_serves_the_embedded_model(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    inf, tiny = cfg.inference, cfg.model.tiny
+    if inf.backend != "vllm" or inf.device != "cpu" or cfg.model.path or tiny.hidden_size % tiny.num_attention_heads:
+        return
+    head = tiny.hidden_size // tiny.num_attention_heads
+    if head not in VLLM_CPU_HEAD_SIZES:
+        yield (f"{key('model.tiny.num_attention_heads')}={tiny.num_attention_heads}: the embedded model's head size "
+               f"({key('model.tiny.hidden_size')}={tiny.hidden_size} / {tiny.num_attention_heads} = {head}) must be "
+               f"one vLLM's CPU attention computes ({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}) with "
+               f"{key('inference.backend')}=vllm on the CPU; e.g. {key('model.tiny.num_attention_heads')}="
+               f"{max(1, tiny.hidden_size // 32)} (and {key('model.tiny.num_key_value_heads')} dividing it)")
 
 
 def _selected_workflows_own_rules(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
@@ -820,7 +842,7 @@ def _weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]
 CROSS_RULES: dict[type, tuple[Callable[[Any, Key], Iterator[str]], ...]] = {
     TinyModelConfig: (_attention_heads_divide,),
     RetrievalConfig: (_default_topk_within_max,),
-    ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, _warm_start_in_the_run_format,
+    ExperimentConfig: (_generation_fits_context, _vllm_serves_the_embedded_model, _evaluation_has_prompts, _warm_start_in_the_run_format,
                        _selected_workflows_own_rules, _gpus_placed_consistently,
                        _weights_reach_the_servers),
 }

@@ -94,6 +94,7 @@ def build_vllm_command(model_path: str, host: str, port: int, cfg: VLLMConfig, s
         # sampled tokens' logprobs as the trainer computes them: after temperature (raw ones ignore it)
         "--logprobs-mode", "processed_logprobs",
         "--worker-extension-cls", VLLM_WORKER_EXTENSION,
+        "--enable-scale-out",  # POST /inference/v1/generate: token ids in and out, with each token's weight version
     ]  # fmt: skip
     if cfg.max_model_len is not None:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
@@ -116,6 +117,24 @@ def vllm_env(cfg: VLLMConfig, log_dir: Path, index: int, base: Optional[dict[str
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes a large share of the memory
     env.update(cfg.env)
     return env
+
+
+def check_vllm_cpu_model(model_path: str) -> None:
+    """vLLM's CPU attention takes some head sizes only, and fails on a model's first request, not at its load: a
+    local model's head size is checked before the launch."""
+    import json
+
+    from areal_pipeline.config import VLLM_CPU_HEAD_SIZES
+
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return  # a hub id: vLLM resolves it
+    config = json.loads(config_file.read_text())
+    config = config.get("text_config", config)
+    head = config.get("head_dim") or (config.get("hidden_size", 0) // max(1, config.get("num_attention_heads", 1)))
+    if head and head not in VLLM_CPU_HEAD_SIZES:
+        raise ServerLaunchError(f"vLLM on the CPU cannot serve {model_path}: its attention head size is {head}, and "
+                                f"vLLM's CPU attention computes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}")
 
 
 def build_cpu_server_command(model_path: str, host: str, port: int, cfg: InferenceConfig, seed: int,
@@ -319,6 +338,8 @@ def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: 
     if cfg.backend not in builders:
         raise ValueError(f"unknown inference backend '{cfg.backend}'; valid: {', '.join(builders)}")
     gpus = list(gpus) if gpus else [()] * cfg.num_servers
+    if cfg.backend == "vllm" and not any(gpus):
+        check_vllm_cpu_model(model_path)
     if len(gpus) != cfg.num_servers:
         raise ValueError(f"{len(gpus)} GPU placements for {cfg.num_servers} servers")
     ports: list[int] = []
