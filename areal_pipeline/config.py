@@ -109,6 +109,10 @@ class VLLMConfig:
     extra_args: list[str] = field(default_factory=list)  # more api_server flags, passed as they are
     # More environment variables of the server, e.g. {"VLLM_CPU_KVCACHE_SPACE": "4"} (GiB of KV cache on a CPU)
     env: dict[str, str] = field(default_factory=dict)
+    # Send each episode's sampling seed (reruns sample the same tokens where the batch is the same). Off by default:
+    # vLLM 0.32's CPU engine dies ("CPU Generator does not use offset") when a seeded request's prefill is split
+    # across steps, which a rollout's burst of requests does; on GPUs it can be turned on
+    seeded_sampling: bool = False
 
 
 @dataclass

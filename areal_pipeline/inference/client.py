@@ -383,5 +383,5 @@ def engine_for(addresses: list[str], cfg: InferenceConfig, **kwargs: Any) -> Rem
     if cfg.backend == "vllm":
         from areal_pipeline.inference.vllm_client import RemoteVLLMEngine
 
-        return RemoteVLLMEngine(addresses, **options)
+        return RemoteVLLMEngine(addresses, seeded=cfg.vllm.seeded_sampling, **options)
     return RemoteSGLangEngine(addresses, **options)

@@ -35,10 +35,13 @@ _SEED_RANGE = 1 << 63  # vLLM's seed is a signed 64-bit integer; the pipeline's 
 class RemoteVLLMEngine(RemoteSGLangEngine):
     backend = "vllm"
 
-    def __init__(self, addresses: list[str], *, retie_tied_embeddings: bool = True, **kwargs: Any):
-        """`retie_tied_embeddings=False` reloads weights with vLLM's plain `reload_weights`, which leaves a tied
-        output head at the old weights (see vllm_worker.py): only for showing that verification catches it."""
+    def __init__(self, addresses: list[str], *, seeded: bool = False, retie_tied_embeddings: bool = True,
+                 **kwargs: Any):
+        """`seeded`: send a request's `sampling_seed` as vLLM's `seed` (off: dropped; see inference.vllm.seeded_sampling
+        for why). `retie_tied_embeddings=False` reloads weights with vLLM's plain `reload_weights`, which leaves a
+        tied output head at the old weights (see vllm_worker.py): only for showing that verification catches it."""
         super().__init__(addresses, **kwargs)
+        self.seeded = seeded
         self.retie_tied_embeddings = retie_tied_embeddings
 
     # -- generation -------------------------------------------------------------------------------
@@ -56,7 +59,11 @@ class RemoteVLLMEngine(RemoteSGLangEngine):
         }
         for key, value in req.extra_sampling_params.items():
             key = _SGLANG_TO_VLLM.get(key, key)
-            params[key] = value % _SEED_RANGE if key == "seed" and value is not None else value
+            if key == "seed":
+                if not self.seeded or value is None:
+                    continue
+                value %= _SEED_RANGE
+            params[key] = value
         # A fresh id each round: vLLM refuses an id still registered, and an aborted request may linger a moment
         return {"request_id": f"{req.rid or 'areal'}-{uuid.uuid4().hex[:12]}",
                 "token_ids": list(req.input_ids) + list(generated), "sampling_params": params}
