@@ -40,11 +40,30 @@ class WeightSyncExtension:
                                "to tie again after a reload")
         return head, embed
 
+    @staticmethod
+    def _areal_apart(head, embed) -> bool:
+        """Whether the head computes with something other than the embedding: another tensor, or a kernel prepared
+        from an old one (the head's own GEMM on a few fixed inputs against the embedding's matrix)."""
+        import torch
+
+        weight = embed.weight
+        if head.weight is not weight:
+            return True
+        method = getattr(head, "quant_method", None)
+        if method is None or not hasattr(method, "apply"):
+            return False
+        generator = torch.Generator(device=weight.device).manual_seed(0)
+        x = torch.randn(4, weight.shape[1], generator=generator, device=weight.device).to(weight.dtype)
+        with torch.no_grad():
+            served = method.apply(head, x).float()
+            wanted = torch.nn.functional.linear(x, weight).float()
+        return not torch.allclose(served, wanted, rtol=2e-2, atol=2e-2 * float(wanted.abs().max()))
+
     def tied_head_state(self) -> dict:
         """Whether the model ties its head to its embedding, and whether the two are now apart (a reload broke the
         tie): for naming the parameters when a weight check fails."""
         pair = self._areal_tied_pair()
-        return {"tied": pair is not None, "apart": pair is not None and pair[0].weight is not pair[1].weight}
+        return {"tied": pair is not None, "apart": pair is not None and self._areal_apart(*pair)}
 
     def retie_embeddings(self) -> dict:
         """Point a tied output head at the current input embedding again. Returns whether the model is tied and
@@ -53,7 +72,7 @@ class WeightSyncExtension:
         if pair is None:
             return {"tied": False, "was_apart": False}
         head, embed = pair
-        was_apart = head.weight is not embed.weight
+        was_apart = self._areal_apart(head, embed)
         head.weight = embed.weight
         method = getattr(head, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
