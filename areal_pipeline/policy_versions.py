@@ -172,7 +172,7 @@ class PolicyVersions:
 
         async def check():
             async with self._engine() as engine:
-                return await verify_served(engine, probe, expected, version, tol)
+                return await verify_served(engine, probe, expected, version, tol, backend=self.cfg.inference.backend)
         report = run_async(check())
         logger.info("servers verified at version %d: largest probe logprob difference %.3g (tolerance %.3g)",
                     version, max(report.values()), tol)

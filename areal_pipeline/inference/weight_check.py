@@ -76,18 +76,19 @@ async def _diagnosis(engine, address: str) -> str:
 
 
 async def verify_served(engine, probe: list[int], expected: list[float], version: int, tol: float,
-                        addresses: Optional[list[str]] = None) -> dict[str, float]:
+                        addresses: Optional[list[str]] = None, backend: Optional[str] = None) -> dict[str, float]:
     """Each server's largest probe logprob difference from `expected` (address -> value); WeightMismatchError
-    naming the first server beyond `tol`."""
+    naming the first server beyond `tol` and its `backend` (inference.backend; default: the engine's protocol)."""
     addresses = list(addresses or engine.addresses)
+    backend = backend or engine.backend
     served = await asyncio.gather(*(engine.probe_logprobs(a, probe) for a in addresses))
     report = {}
     for address, values in zip(addresses, served):
         if len(values) != len(expected):
-            raise WeightMismatchError(engine.backend, address, version, float("inf"), tol,
+            raise WeightMismatchError(backend, address, version, float("inf"), tol,
                                       f"{len(values)} probe logprobs, the trainer {len(expected)}")
         diff = max(abs(a - b) for a, b in zip(values, expected))
         if not diff <= tol:  # NaN fails too
-            raise WeightMismatchError(engine.backend, address, version, diff, tol, await _diagnosis(engine, address))
+            raise WeightMismatchError(backend, address, version, diff, tol, await _diagnosis(engine, address))
         report[address] = diff
     return report
