@@ -285,10 +285,11 @@ def test_asynchronous_training_on_vllm(server, models, tmp_path, caplog):
     assert _verified_versions(caplog) and len(set(_verified_versions(caplog))) >= 3
 
 
-@pytest.mark.parametrize("config", ["gsm8k_multi_turn", "gsm8k_reflection", "calculator_agent"])
+@pytest.mark.parametrize("config", ["gsm8k_multi_turn", "gsm8k_reflection", "remax", "search_agent", "calculator_agent"])
 def test_agent_workflows_run_on_vllm(server, models, tmp_path, config, caplog):
-    """Multi-turn, reflection and the OpenAI-SDK agent (its client is served in process from the engine, so it
-    reaches vLLM through RemoteVLLMEngine like every workflow) train an iteration each on vLLM."""
+    """Multi-turn, reflection, ReMax, the search agent (with its retrieval server) and the OpenAI-SDK agent (its
+    client is served in process from the engine, so it reaches vLLM through RemoteVLLMEngine like every workflow)
+    train an iteration each on vLLM, on the shared server's model."""
     caplog.set_level(logging.INFO, logger="areal_pipeline")
     _, records = short_run(f"{config}.yaml", tmp_path, *VLLM_OVERRIDES, f"model.path={models[0]}",
                            f"inference.addresses=[{server}]", "total_iterations=1", "rollout.batch_size=2",
