@@ -146,7 +146,7 @@ class InferenceConfig:
     # After every weight update, check on each server that it serves the trainer's weights: the logprobs it gives a
     # short fixed probe against the trainer's. A mismatch is an error, never a run on stale weights
     verify_weights: bool = True
-    # Largest |served - trainer| probe logprob that passes; 0: by the served dtype (float32 tight, 16-bit looser)
+    # Largest mean |served - trainer| probe logprob that passes; 0: by precision (float32 tight, 16 bits looser)
     verify_tolerance: float = 0.0
 
 

@@ -163,7 +163,7 @@ class PolicyVersions:
     def verify_served_weights(self, client: TrainerClient, version: int) -> dict[str, float]:
         """Check that every server computes with the trainer's weights (a short probe's logprobs, see
         inference/weight_check.py): WeightMismatchError naming the backend and the server if one does not.
-        Returns each server's largest logprob difference."""
+        Returns each server's mean logprob difference."""
         from areal_pipeline.inference.weight_check import probe_ids, tolerance, verify_served
 
         probe = probe_ids(self.tokenizer)
@@ -174,7 +174,7 @@ class PolicyVersions:
             async with self._engine() as engine:
                 return await verify_served(engine, probe, expected, version, tol, backend=self.cfg.inference.backend)
         report = run_async(check())
-        logger.info("servers verified at version %d: largest probe logprob difference %.3g (tolerance %.3g)",
+        logger.info("servers verified at version %d: largest mean probe logprob difference %.3g (tolerance %.3g)",
                     version, max(report.values()), tol)
         return report
 

@@ -19,8 +19,9 @@ from typing import Any, Optional
 PROBE_TEXT = "Question: what is 17 + 25? Answer: 42. The capital of France is Paris; 3 * 4 = 12."
 PROBE_MAX_TOKENS = 32
 
-# Largest |server - trainer| logprob that passes, by precision. Both in float32 the two differ by the order of
-# their reductions alone; a 16-bit side rounds every weight and activation, so the bound is far looser.
+# Largest mean |server - trainer| probe logprob that passes, by precision. Both in float32 the two differ by the
+# order of their reductions alone; a 16-bit side rounds every weight and activation, so the bound is far looser. The
+# mean, not the largest: in 16 bits a single unlikely token may be off by more than the rest together.
 TOLERANCE_FP32 = 1e-3
 TOLERANCE_16BIT = 0.1
 
@@ -28,14 +29,15 @@ TOLERANCE_16BIT = 0.1
 class WeightMismatchError(RuntimeError):
     """A server does not serve the weights the trainer pushed."""
 
-    def __init__(self, backend: str, address: str, version: int, max_diff: float, tolerance: float,
-                 detail: str = ""):
+    def __init__(self, backend: str, address: str, version: int, mean_diff: float, max_diff: float,
+                 tolerance: float, detail: str = ""):
         super().__init__(
             f"weight update to version {version} not served: {backend} server {address} gives the probe's tokens "
-            f"logprobs up to {max_diff:.4g} away from the trainer's (tolerance {tolerance:.3g}), so its parameters "
-            f"are not the trainer's{': ' + detail if detail else ''}. Not running on stale weights.")
+            f"logprobs {mean_diff:.4g} away from the trainer's on average (up to {max_diff:.4g}; tolerance "
+            f"{tolerance:.3g}), so its parameters are not the trainer's{': ' + detail if detail else ''}. Not running "
+            "on stale weights.")
         self.backend, self.address, self.version = backend, address, version
-        self.max_diff, self.tolerance = max_diff, tolerance
+        self.mean_diff, self.max_diff, self.tolerance = mean_diff, max_diff, tolerance
 
 
 def probe_ids(tokenizer) -> list[int]:
@@ -76,7 +78,7 @@ async def _diagnosis(engine, address: str) -> str:
 
 async def verify_served(engine, probe: list[int], expected: list[float], version: int, tol: float,
                         addresses: Optional[list[str]] = None, backend: Optional[str] = None) -> dict[str, float]:
-    """Each server's largest probe logprob difference from `expected` (address -> value); WeightMismatchError
+    """Each server's mean probe logprob difference from `expected` (address -> value); WeightMismatchError
     naming the first server beyond `tol` and its `backend` (inference.backend; default: the engine's protocol)."""
     addresses = list(addresses or engine.addresses)
     backend = backend or engine.backend
@@ -84,10 +86,12 @@ async def verify_served(engine, probe: list[int], expected: list[float], version
     report = {}
     for address, values in zip(addresses, served):
         if len(values) != len(expected):
-            raise WeightMismatchError(backend, address, version, float("inf"), tol,
+            raise WeightMismatchError(backend, address, version, float("inf"), float("inf"), tol,
                                       f"{len(values)} probe logprobs, the trainer {len(expected)}")
-        diff = max(abs(a - b) for a, b in zip(values, expected))
-        if not diff <= tol:  # NaN fails too
-            raise WeightMismatchError(backend, address, version, diff, tol, await _diagnosis(engine, address))
-        report[address] = diff
+        diffs = [abs(a - b) for a, b in zip(values, expected)]
+        mean = sum(diffs) / len(diffs)
+        if not mean <= tol:  # NaN fails too
+            raise WeightMismatchError(backend, address, version, mean, max(diffs), tol,
+                                      await _diagnosis(engine, address))
+        report[address] = mean
     return report
