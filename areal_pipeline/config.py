@@ -657,7 +657,8 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                    "context_length": _COUNT},
     VLLMConfig: {"python": _VLLM_PYTHON, "dtype": one_of("auto", *_DTYPES), "max_model_len": _COUNT,
                  "env": _ENV_VARS},
-    InferenceConfig: {"backend": one_of("cpu", "sglang", "vllm"), "verify_tolerance": _NON_NEGATIVE, "num_servers": _COUNT, "base_port": _PORT,
+    InferenceConfig: {"backend": one_of("cpu", "sglang", "vllm"), "num_servers": _COUNT, "base_port": _PORT,
+                      "verify_tolerance": _NON_NEGATIVE,
                       "setup_timeout": _POSITIVE, "request_timeout": _POSITIVE, "request_retries": _NON_NEGATIVE,
                       "max_batch_size": _COUNT, "context_length": _COUNT, "num_threads": _NON_NEGATIVE,
                       "max_body_bytes": _COUNT, "device": one_of("cpu", "cuda"), "dtype": one_of(*_DTYPES),
@@ -846,9 +847,9 @@ def _weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]
 CROSS_RULES: dict[type, tuple[Callable[[Any, Key], Iterator[str]], ...]] = {
     TinyModelConfig: (_attention_heads_divide,),
     RetrievalConfig: (_default_topk_within_max,),
-    ExperimentConfig: (_generation_fits_context, _vllm_serves_the_embedded_model, _evaluation_has_prompts, _warm_start_in_the_run_format,
+    ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, _warm_start_in_the_run_format,
                        _selected_workflows_own_rules, _gpus_placed_consistently,
-                       _weights_reach_the_servers),
+                       _weights_reach_the_servers, _vllm_serves_the_embedded_model),
 }
 
 

@@ -69,7 +69,8 @@ def models(tmp_path_factory) -> dict[int, Path]:
 @pytest.fixture(scope="module")
 def server(vllm_python, models, tmp_path_factory) -> str:
     """One vLLM server for the module, launched as a run launches it; stopped (its process group) at the end."""
-    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [HEADS, *VLLM_OVERRIDES, f"inference.vllm.python={vllm_python}"])
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml",
+                      [HEADS, *VLLM_OVERRIDES, f"inference.vllm.python={vllm_python}"])
     servers = launch_servers(str(models[0]), cfg.inference, seed=1, log_dir=tmp_path_factory.mktemp("vllm-logs"))
     yield servers[0].address
     for s in servers:
@@ -97,14 +98,16 @@ async def _push(engine: RemoteVLLMEngine, path: Path, version: int) -> None:
 
 
 def test_config_refuses_what_vllm_cannot_do():
-    with pytest.raises(ConfigError, match=r"trainer.weight_sync='distributed': not supported with inference.backend=vllm"):
+    with pytest.raises(ConfigError,
+                       match=r"trainer.weight_sync='distributed': not supported with inference.backend=vllm"):
         load_config(None, [HEADS, "inference.backend=vllm", "trainer.weight_sync=distributed"])
     with pytest.raises(ConfigError, match=r"head size .* = 16\) must be one vLLM's CPU attention computes"):
         load_config(REPO / "configs" / "tiny_cpu.yaml", ["inference.backend=vllm"])
     with pytest.raises(ConfigError, match=r"inference.vllm.python='/no/such/python': must be empty"):
         load_config(None, ["inference.backend=vllm", "inference.vllm.python=/no/such/python"])
     with pytest.raises(ConfigError, match=r"inference.vllm.max_model_len=8"):
-        load_config(None, ["inference.backend=vllm", "inference.vllm.max_model_len=8", "rollout.gconfig.max_new_tokens=8"])
+        load_config(None, ["inference.backend=vllm", "inference.vllm.max_model_len=8",
+                           "rollout.gconfig.max_new_tokens=8"])
 
 
 def test_launch_command_and_environment(tmp_path):
@@ -285,7 +288,8 @@ def test_asynchronous_training_on_vllm(server, models, tmp_path, caplog):
     assert _verified_versions(caplog) and len(set(_verified_versions(caplog))) >= 3
 
 
-@pytest.mark.parametrize("config", ["gsm8k_multi_turn", "gsm8k_reflection", "remax", "search_agent", "calculator_agent"])
+@pytest.mark.parametrize("config",
+                         ["gsm8k_multi_turn", "gsm8k_reflection", "remax", "search_agent", "calculator_agent"])
 def test_agent_workflows_run_on_vllm(server, models, tmp_path, config, caplog):
     """Multi-turn, reflection, ReMax, the search agent (with its retrieval server) and the OpenAI-SDK agent (its
     client is served in process from the engine, so it reaches vLLM through RemoteVLLMEngine like every workflow)

@@ -131,7 +131,8 @@ class Trainer:
     def probe_logp(self, input_ids: list[int]) -> dict:
         """The actor's logprob of each of `input_ids[1:]` at temperature 1: what a server holding the same weights
         gives for them (the pipeline checks every weight update with it)."""
-        if not (isinstance(input_ids, list) and len(input_ids) >= 2 and all(type(t) is int and t >= 0 for t in input_ids)):
+        if not (isinstance(input_ids, list) and len(input_ids) >= 2
+                and all(type(t) is int and t >= 0 for t in input_ids)):
             raise CommandError("'input_ids' must be a list of at least 2 token ids >= 0", status=400)
         actor = self.require_actor()
         temperature, actor.temperature = actor.temperature, 1.0
