@@ -278,14 +278,24 @@ def test_default_config_learns_on_vllm_with_every_update_verified(server, models
     assert asyncio.run(served())[server] < 1e-4
 
 
-def test_asynchronous_training_on_vllm(server, models, tmp_path, caplog):
-    """rollout.max_head_offpolicyness=1: rollouts run during updates, servers are pushed and verified."""
+def test_asynchronous_training_on_a_vllm_server_the_run_launches(vllm_python, models, tmp_path, caplog):
+    """rollout.max_head_offpolicyness=1 on a server the run launches itself (no inference.addresses): rollouts run
+    during updates, every push is verified, and the run's end leaves none of the server's processes behind."""
+    import psutil
+
     caplog.set_level(logging.INFO, logger="areal_pipeline")
     _, records = short_run("tiny_cpu.yaml", tmp_path, HEADS, *VLLM_OVERRIDES, f"model.path={models[0]}",
-                           f"inference.addresses=[{server}]", "total_iterations=4", "rollout.max_head_offpolicyness=1",
-                           "rollout.batch_size=8")
+                           f"inference.vllm.python={vllm_python}", "total_iterations=4",
+                           "rollout.max_head_offpolicyness=1", "rollout.batch_size=8")
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
-    assert _verified_versions(caplog) and len(set(_verified_versions(caplog))) >= 3
+    assert len(set(_verified_versions(caplog))) >= 3
+
+    def ours(process) -> bool:
+        try:
+            return process.environ().get("VLLM_CACHE_ROOT", "").startswith(str(tmp_path.resolve()))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False
+    assert [p.pid for p in psutil.process_iter() if ours(p)] == []
 
 
 @pytest.mark.parametrize("config",
