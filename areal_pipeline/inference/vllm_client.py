@@ -21,6 +21,7 @@ shared loop of `RemoteSGLangEngine.agenerate_group` re-sends prompt + tokens so 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any, Optional
 
@@ -135,9 +136,19 @@ class RemoteVLLMEngine(RemoteSGLangEngine):
         else:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
         await self._all("/collective_rpc", rpc)
-        await self._all("/reset_prefix_cache")
+        await asyncio.gather(*(self._reset_prefix_cache(a) for a in self.addresses))
         await self._all("/update_weight_version", {"new_version": str(version)})
         self.set_version(version)
+
+    async def _reset_prefix_cache(self, address: str, timeout: float = 30.0) -> None:
+        """Drop the KV blocks computed with the old weights. vLLM answers success false while blocks are still held
+        (an aborted request's, freed a moment later): asked again until it succeeds or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while not (await self.request(address, "/reset_prefix_cache")).get("success"):
+            if time.monotonic() >= deadline:
+                raise InferenceServerError(address, "/reset_prefix_cache", f"the prefix cache still holds blocks "
+                                           f"after {timeout:.0f}s: KV of the old weights would be reused")
+            await asyncio.sleep(0.05)
 
     # -- health and info --------------------------------------------------------------------------
 
