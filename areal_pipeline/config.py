@@ -97,8 +97,28 @@ class SGLangConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """How `python -m vllm.entrypoints.openai.api_server` is launched, used when inference.backend == "vllm"."""
+
+    # The interpreter of vLLM's own environment (vLLM pins its own torch). Empty: the project's .venv-vllm/bin/python
+    # where it exists, else this interpreter
+    python: str = ""
+    dtype: str = "auto"  # the served weights' dtype (--dtype); auto: the checkpoint's
+    max_model_len: Optional[int] = None  # longest prompt + generation (--max-model-len); None: the model's
+    enforce_eager: bool = True  # no torch.compile / graph capture (a faster start, slower decoding)
+    extra_args: list[str] = field(default_factory=list)  # more api_server flags, passed as they are
+    # More environment variables of the server, e.g. {"VLLM_CPU_KVCACHE_SPACE": "4"} (GiB of KV cache on a CPU)
+    env: dict[str, str] = field(default_factory=dict)
+    # Send each episode's sampling seed (reruns sample the same tokens where the batch is the same). Off by default:
+    # vLLM 0.32's CPU engine dies ("CPU Generator does not use offset") when a seeded request's prefill is split
+    # across steps, which a rollout's burst of requests does; on GPUs it can be turned on
+    seeded_sampling: bool = False
+
+
+@dataclass
 class InferenceConfig:
-    # cpu: the project's own server (transformers; on the CPU or, with device=cuda, a GPU) | sglang: SGLang's
+    # cpu: the project's own server (transformers; on the CPU or, with device=cuda, a GPU) | sglang: SGLang's |
+    # vllm: vLLM's OpenAI-compatible server (its own environment: inference.vllm.python)
     backend: str = "cpu"
     num_servers: int = 1  # servers launched, data parallel (round robin; a trajectory sticks to its server)
     host: str = "127.0.0.1"  # the address launched servers listen on
@@ -122,6 +142,12 @@ class InferenceConfig:
     # be a path they read at the same name) or distributed (trainer.weight_sync_master_address must reach them)
     addresses: list[str] = field(default_factory=list)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # launch flags of SGLang servers (backend=sglang)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # launch flags of vLLM servers (backend=vllm)
+    # After every weight update, check on each server that it serves the trainer's weights: the logprobs it gives a
+    # short fixed probe against the trainer's. A mismatch is an error, never a run on stale weights
+    verify_weights: bool = True
+    # Largest mean |served - trainer| probe logprob that passes; 0: by precision (float32 tight, 16 bits looser)
+    verify_tolerance: float = 0.0
 
 
 @dataclass
@@ -610,6 +636,13 @@ _HOST = Rule("a host name or IP address", lambda host: bool(re.fullmatch(r"[\w.:
 _NORM_LEVEL = one_of("group", "batch", "none")
 _DTYPES = ("float32", "bfloat16", "float16")  # model.DTYPES
 
+_VLLM_PYTHON = Rule("empty (.venv-vllm/bin/python, else this interpreter) or an existing executable file",
+                    lambda path: path == "" or (os.path.isfile(os.path.expanduser(path))
+                                                and os.access(os.path.expanduser(path), os.X_OK)))
+_ENV_VARS = Rule("a mapping of environment variable names to string values",
+                 lambda env: all(isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)
+                                 and isinstance(v, str) for k, v in env.items()))
+
 # Per section type, its fields' rules (a tuple: checked in order, the first one broken is reported). Keyed by
 # type rather than dotted key: a section used twice (ppo.reward_norm, ppo.adv_norm) has one set of rules.
 FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
@@ -626,7 +659,10 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                     "arithmetic_test_size": _NON_NEGATIVE, "arithmetic_max_operand": _NON_NEGATIVE},
     SGLangConfig: {"tp_size": _COUNT, "dp_size": _COUNT, "mem_fraction_static": within(0, 1, open_low=True),
                    "context_length": _COUNT},
-    InferenceConfig: {"backend": one_of("cpu", "sglang"), "num_servers": _COUNT, "base_port": _PORT,
+    VLLMConfig: {"python": _VLLM_PYTHON, "dtype": one_of("auto", *_DTYPES), "max_model_len": _COUNT,
+                 "env": _ENV_VARS},
+    InferenceConfig: {"backend": one_of("cpu", "sglang", "vllm"), "num_servers": _COUNT, "base_port": _PORT,
+                      "verify_tolerance": _NON_NEGATIVE,
                       "setup_timeout": _POSITIVE, "request_timeout": _POSITIVE, "request_retries": _NON_NEGATIVE,
                       "max_batch_size": _COUNT, "context_length": _COUNT, "num_threads": _NON_NEGATIVE,
                       "max_body_bytes": _COUNT, "device": one_of("cpu", "cuda"), "dtype": one_of(*_DTYPES),
@@ -684,6 +720,28 @@ def _generation_fits_context(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
     if cfg.inference.backend == "cpu" and cfg.rollout.gconfig.max_new_tokens >= cfg.inference.context_length:
         yield (f"{key('rollout.gconfig.max_new_tokens')}={cfg.rollout.gconfig.max_new_tokens}: must be < "
                f"{key('inference.context_length')}={cfg.inference.context_length} (the prompt needs room too)")
+    limit = cfg.inference.vllm.max_model_len
+    if cfg.inference.backend == "vllm" and limit is not None and cfg.rollout.gconfig.max_new_tokens >= limit:
+        yield (f"{key('rollout.gconfig.max_new_tokens')}={cfg.rollout.gconfig.max_new_tokens}: must be < "
+               f"{key('inference.vllm.max_model_len')}={limit} (the prompt needs room too)")
+
+
+# Head sizes vLLM's CPU attention computes (vllm/v1/attention/backends/cpu_attn.py, 0.32); it loads a model with
+# another one and fails on its first request
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _vllm_serves_the_embedded_model(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    inf, tiny = cfg.inference, cfg.model.tiny
+    if inf.backend != "vllm" or inf.device != "cpu" or cfg.model.path or tiny.hidden_size % tiny.num_attention_heads:
+        return
+    head = tiny.hidden_size // tiny.num_attention_heads
+    if head not in VLLM_CPU_HEAD_SIZES:
+        yield (f"{key('model.tiny.num_attention_heads')}={tiny.num_attention_heads}: the embedded model's head size "
+               f"({key('model.tiny.hidden_size')}={tiny.hidden_size} / {tiny.num_attention_heads} = {head}) must be "
+               f"one vLLM's CPU attention computes ({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}) with "
+               f"{key('inference.backend')}=vllm on the CPU; e.g. {key('model.tiny.num_attention_heads')}="
+               f"{max(1, tiny.hidden_size // 32)} (and {key('model.tiny.num_key_value_heads')} dividing it)")
 
 
 def _selected_workflows_own_rules(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
@@ -776,6 +834,10 @@ def _weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]
         yield (f"{key('trainer.weight_sync')}='distributed': SGLang servers receive weights over NCCL, which a "
                f"trainer on the CPU ({key('trainer.device')}=cpu) cannot take part in; use "
                f"{key('trainer.weight_sync')}=disk")
+    if t.weight_sync == "distributed" and inf.backend == "vllm":
+        yield (f"{key('trainer.weight_sync')}='distributed': not supported with {key('inference.backend')}=vllm "
+               "(vLLM's weight transfer engine needs GPUs on both sides and is not wired to this trainer); use "
+               f"{key('trainer.weight_sync')}=disk (each version is loaded with vLLM's reload_weights)")
     remote = [a for a in inf.addresses if not _LOOPBACK.fullmatch(a.rsplit(":", 1)[0])]
     if remote and t.weight_sync == "distributed" and _LOOPBACK.fullmatch(t.weight_sync_master_address):
         yield (f"{key('trainer.weight_sync_master_address')}={t.weight_sync_master_address!r}: servers on other "
@@ -791,7 +853,7 @@ CROSS_RULES: dict[type, tuple[Callable[[Any, Key], Iterator[str]], ...]] = {
     RetrievalConfig: (_default_topk_within_max,),
     ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, _warm_start_in_the_run_format,
                        _selected_workflows_own_rules, _gpus_placed_consistently,
-                       _weights_reach_the_servers),
+                       _weights_reach_the_servers, _vllm_serves_the_embedded_model),
 }
 
 

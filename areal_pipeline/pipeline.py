@@ -37,7 +37,7 @@ from areal_pipeline.config import ExperimentConfig, save_config, to_dict
 from areal_pipeline.data.datasets import load_records
 from areal_pipeline.data.shards import keep_if_intact, read_manifest
 from areal_pipeline.evaluation import evaluate_policy
-from areal_pipeline.inference.client import RemoteSGLangEngine
+from areal_pipeline.inference.client import RemoteSGLangEngine, engine_for
 from areal_pipeline.model import load_tokenizer, resolve_model_path
 from areal_pipeline.policy_versions import PolicyVersions
 from areal_pipeline.rewards.pool import RewardPool
@@ -140,9 +140,7 @@ class Pipeline(PolicyVersions):
 
     # ----- versions --------------------------------------------------------------------------------
     def _engine(self) -> RemoteSGLangEngine:
-        inf = self.cfg.inference
-        return RemoteSGLangEngine(self.services.addresses, request_timeout=inf.request_timeout,
-                                  request_retries=inf.request_retries)
+        return engine_for(self.services.addresses, self.cfg.inference)  # the backend's protocol
 
     # ----- the DAG's nodes -------------------------------------------------------------------------
     @_timed

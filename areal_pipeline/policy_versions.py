@@ -156,7 +156,31 @@ class PolicyVersions:
                 async with self._engine() as engine:
                     await engine.update_weights(str(path), version)
         run_async(push())
+        if self.cfg.inference.verify_weights:
+            self.verify_served_weights(client, version)
         return version
+
+    def verify_served_weights(self, client: TrainerClient, version: int) -> dict[str, float]:
+        """Check that every server computes with the trainer's weights (a short probe's logprobs, see
+        inference/weight_check.py): WeightMismatchError naming the backend and the server if one does not.
+        Returns each server's mean logprob difference."""
+        from areal_pipeline.inference.weight_check import probe_ids, tolerance, verify_served
+
+        probe = probe_ids(self.tokenizer)
+        expected = client.call("probe_logp", input_ids=probe)["logprobs"]
+        tol = tolerance(self.cfg.inference, trainer_fp32=self._trainer_fp32())
+
+        async def check():
+            async with self._engine() as engine:
+                return await verify_served(engine, probe, expected, version, tol, backend=self.cfg.inference.backend)
+        report = run_async(check())
+        logger.info("servers verified at version %d: largest mean probe logprob difference %.3g (tolerance %.3g)",
+                    version, max(report.values()), tol)
+        return report
+
+    def _trainer_fp32(self) -> bool:
+        t = self.cfg.trainer
+        return t.param_dtype == "float32" or (t.param_dtype == "auto" and not self.services.placement.trainer)
 
     def _notify_version(self, version: int) -> None:
         if self._async_rollout is not None:

@@ -16,6 +16,9 @@ On a GPU (`--device cuda`) both sides run there in `--dtype`, on a model of `--s
 weights, nothing downloaded), and generate's time ends at a device synchronisation.
 Each measurement lasts about half a second, and this machine's speed moves between seconds: the ratios are
 taken within each repeat (server and generate back to back) and their median reported, with their range.
+With `--vllm` (vLLM's interpreter, or "auto": inference.vllm.python's default), a vLLM server on the same model, in
+the same dtype, takes the same concurrent requests through the pipeline's vLLM client, in each repeat beside the
+project's server: `vllm_tokens_per_s` and `vllm_vs_server` (their ratio within each repeat, then the median).
 The last line is one JSON object of the figures.
 """
 
@@ -36,7 +39,7 @@ import torch
 
 from areal_pipeline.config import GenerationConfig
 from areal_pipeline.inference.client import RemoteSGLangEngine
-from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.inference.launcher import ServerProcess, build_vllm_command, vllm_env
 from areal_pipeline.inference.types import ModelRequest
 from areal_pipeline.model import load_model
 from areal_pipeline.utils import find_free_port
@@ -101,6 +104,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: where the server and generate run")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="the model built when --model is not given")
+    p.add_argument("--vllm", default="", metavar="PYTHON",
+                   help="also measure a vLLM server: its interpreter, or 'auto' (.venv-vllm, else this one)")
     p.add_argument("--generate-worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.generate_worker:
@@ -116,9 +121,25 @@ def main() -> None:
                             "--port", str(port), "--log-level", "warning", "--num-threads", str(args.threads),
                             "--device", args.device, "--dtype", args.dtype], f"127.0.0.1:{port}",
                            work / "server.log").start()
-    figures = {"server": [], "generate": [], "one_at_a_time": []}
+    figures = {"server": [], "generate": [], "one_at_a_time": [], "vllm": []}
+    vllm = None
+    if args.vllm:
+        from areal_pipeline.config import VLLMConfig
+        from areal_pipeline.inference.vllm_client import RemoteVLLMEngine
+
+        vllm_cfg = VLLMConfig(python="" if args.vllm == "auto" else args.vllm, dtype=args.dtype, max_model_len=1024)
+        vllm_port = find_free_port()
+        vllm = ServerProcess(build_vllm_command(model_dir, "127.0.0.1", vllm_port, vllm_cfg, seed=0),
+                             f"127.0.0.1:{vllm_port}", work / "vllm.log", env=vllm_env(vllm_cfg, work, 0)).start()
     try:
         server.wait_healthy(120)
+        if vllm is not None:
+            vllm.wait_healthy(300)
+
+            async def vllm_run():
+                async with RemoteVLLMEngine([vllm.address]) as engine:
+                    await through_server(engine, prompts[:8], 8, True)  # warm-up
+                    return await through_server(engine, prompts, args.new_tokens, True)
 
         async def server_runs():
             async with RemoteSGLangEngine([server.address]) as engine:
@@ -134,12 +155,17 @@ def main() -> None:
             figures["server"].append(conc)
             figures["one_at_a_time"].append(seq)
             figures["generate"].append(gen)
+            if vllm is not None:
+                figures["vllm"].append(asyncio.run(vllm_run()))
             print(f"repeat {r}: server {conc:,.0f} tok/s | batched generate {gen:,.0f} tok/s | "
-                  f"one at a time {seq:,.0f} tok/s", flush=True)
+                  f"one at a time {seq:,.0f} tok/s"
+                  + (f" | vLLM {figures['vllm'][-1]:,.0f} tok/s" if vllm is not None else ""), flush=True)
     finally:
         server.stop()
+        if vllm is not None:
+            vllm.stop()
 
-    med = {k: statistics.median(v) for k, v in figures.items()}
+    med = {k: statistics.median(v) for k, v in figures.items() if v}
     ratios = [server / generate for server, generate in zip(figures["server"], figures["generate"])]
     result = {
         "episodes": args.episodes,
@@ -156,6 +182,10 @@ def main() -> None:
         "server_vs_batched_generate_range": [round(min(ratios), 3), round(max(ratios), 3)],
         "server_vs_one_at_a_time": round(med["server"] / med["one_at_a_time"], 2),
     }
+    if figures["vllm"]:
+        vs = [v / s for v, s in zip(figures["vllm"], figures["server"])]
+        result.update({"vllm_tokens_per_s": round(med["vllm"], 1), "vllm_vs_server": round(statistics.median(vs), 3),
+                       "vllm_vs_server_range": [round(min(vs), 3), round(max(vs), 3)]})
     print(json.dumps(result))
 
 

@@ -183,8 +183,8 @@ def test_a_trainer_that_fails_to_start_is_called_the_trainer_and_says_why(tiny_m
 
 
 def test_unknown_backend_names_valid_ones(tmp_path):
-    with pytest.raises(ValueError, match="valid: cpu, sglang"):
-        launch_servers("/m", InferenceConfig(backend="vllm"), seed=1, log_dir=tmp_path)
+    with pytest.raises(ValueError, match="valid: cpu, sglang, vllm"):
+        launch_servers("/m", InferenceConfig(backend="tensorrt-llm"), seed=1, log_dir=tmp_path)
 
 
 def test_process_that_exits_at_once_reports_log_tail(tmp_path):

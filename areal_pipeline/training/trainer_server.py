@@ -10,6 +10,7 @@ collective, and rank 0 answers. Commands:
     {"cmd": "initialize"} / {"cmd": "reinitialize"}         -> {"version"}
     {"cmd": "compute_logp", "shard_dir", "out_path", "model": "actor" | "ref"}
     {"cmd": "train", "batch_dir", "iteration"}              -> stats; needs version == iteration - 1
+    {"cmd": "probe_logp", "input_ids"}                      -> {"logprobs" of input_ids[1:] at temperature 1}
     {"cmd": "save", "path", "extra"} / {"cmd": "load", "path"}
     {"cmd": "save_weights", "path"}                         -> an HF directory for /update_weights_from_disk
     {"cmd": "update_weights_distributed", "servers", "master_address", "master_port", "dtype"}
@@ -127,6 +128,20 @@ class Trainer:
         # the trainer's version is the actor's, whichever model computed these logprobs
         return {"path": out_path, "rows": len(values), "version": self.actor.version if self.actor else None}
 
+    def probe_logp(self, input_ids: list[int]) -> dict:
+        """The actor's logprob of each of `input_ids[1:]` at temperature 1: what a server holding the same weights
+        gives for them (the pipeline checks every weight update with it)."""
+        if not (isinstance(input_ids, list) and len(input_ids) >= 2
+                and all(type(t) is int and t >= 0 for t in input_ids)):
+            raise CommandError("'input_ids' must be a list of at least 2 token ids >= 0", status=400)
+        actor = self.require_actor()
+        temperature, actor.temperature = actor.temperature, 1.0
+        try:
+            values = actor.compute_logp({"input_ids": [input_ids]})[0]
+        finally:
+            actor.temperature = temperature
+        return {"logprobs": [float(v) for v in values[1:]], "version": actor.version}
+
     def train(self, batch_dir: str, iteration: int) -> dict:
         profile_dir = os.environ.get(PROFILE_ENV)
         wanted = os.environ.get(PROFILE_ITERATIONS_ENV, "")
@@ -222,6 +237,7 @@ class Trainer:
 
     def run(self, command: dict) -> Any:
         handlers = {"initialize": self.initialize, "reinitialize": self.reinitialize, "compute_logp": self.compute_logp, "train": self.train,
+                    "probe_logp": self.probe_logp,
                     "save": self.save, "load": self.load, "save_weights": self.save_weights,
                     "update_weights_distributed": self.update_weights_distributed, "status": self.status}
         name = command.get("cmd")
