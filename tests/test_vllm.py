@@ -8,9 +8,11 @@ attention computes. Under CI (CI=true) a missing vLLM environment fails these te
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -310,3 +312,28 @@ def test_agent_workflows_run_on_vllm(server, models, tmp_path, config, caplog):
                            "rollout.gconfig.n_samples=2")
     assert [r["iteration"] for r in records] == [1]
     assert _verified_versions(caplog) == [0, 1]
+
+
+def test_the_train_flow_runs_on_vllm(server, models, tmp_path):
+    """`areal-pipeline train` as a user runs it (the Prefect flow, its temporary API server included) on the vLLM
+    server: every iteration's flow run completes, and the server ends serving the trainer's final weights."""
+    env = {**os.environ, "AREAL_WARM": "0", "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)
+    iterations = 3
+    done = subprocess.run(
+        [sys.executable, "-m", "areal_pipeline.cli", "train", "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
+         HEADS, *VLLM_OVERRIDES, f"model.path={models[0]}", f"inference.addresses=[{server}]",
+         f"total_iterations={iterations}", f"output_dir={tmp_path}", "run_id=vllm-flow"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = tmp_path / "vllm-flow"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(1, iterations + 1))
+    final = run_dir / "checkpoints" / f"step_{iterations}" / "model"
+    ids = probe(models)
+
+    async def served():
+        async with RemoteVLLMEngine([server]) as engine:
+            assert (await engine.get_model_info())["weight_version"] == str(iterations)
+            return await verify_served(engine, ids, reference_logprobs(final, ids), iterations, TOLERANCE)
+    assert asyncio.run(served())[server] < 1e-4
