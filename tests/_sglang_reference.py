@@ -1,0 +1,128 @@
+"""SGLang's own code, read from its released wheels, for tests that check the project against it.
+
+SGLang itself does not import on a CPU machine beside this project (it pins other torch/transformers versions and
+imports triton and a CUDA torchvision), so a test takes the few functions it needs out of the wheel's source with
+`ast` and runs them with this environment's torch. The wheels are fetched once (`make sglang-wheels`, which
+`make test` runs first) into .cache/sglang-wheels; SGLANG_WHEEL_DIR names another folder. A wheel that cannot be
+had skips its tests locally and fails them under CI (CI=true).
+"""
+
+from __future__ import annotations
+
+import __future__
+
+import ast
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# The releases the project supports: AReaL's pin and the newest checked.
+VERSIONS = ("0.5.10.post1", "0.5.23")
+WHEEL_DIR = Path(os.environ.get("SGLANG_WHEEL_DIR") or Path(__file__).resolve().parents[1] / ".cache" / "sglang-wheels")
+
+
+def wheel(version: str) -> Path:
+    """The sglang `version` wheel, fetched with pip where it is not there yet."""
+    found = sorted(WHEEL_DIR.glob(f"sglang-{version}-*.whl"))
+    if not found:
+        WHEEL_DIR.mkdir(parents=True, exist_ok=True)
+        fetch = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
+                                f"sglang=={version}", "-d", str(WHEEL_DIR)],
+                               capture_output=True, text=True, timeout=600)
+        found = sorted(WHEEL_DIR.glob(f"sglang-{version}-*.whl"))
+        if not found:
+            message = (f"no sglang {version} wheel in {WHEEL_DIR} and pip could not fetch it "
+                       f"(run `make sglang-wheels`): {fetch.stderr.strip()[-500:]}")
+            if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+                pytest.fail(message)
+            pytest.skip(message)
+    return found[-1]
+
+
+def source(version: str, module_path: str) -> str:
+    """The text of `module_path` (e.g. "sglang/srt/utils/common.py") in the `version` wheel."""
+    with zipfile.ZipFile(wheel(version)) as archive:
+        return archive.read(module_path).decode()
+
+
+def _bound_names(node: ast.stmt) -> set[str]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(a.asname or a.name).split(".")[0] for a in node.names}
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return set()
+
+
+def _free_names(node: ast.AST) -> set[str]:
+    """Names `node` reads (a superset of those it does not bind itself: only module-level ones are followed),
+    annotations left out: they are never evaluated under postponed annotations."""
+    names: set[str] = set()
+
+    def visit(n: ast.AST) -> None:
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            names.add(n.id)
+        for field, value in ast.iter_fields(n):
+            if field in ("annotation", "returns"):
+                continue
+            for child in value if isinstance(value, list) else [value]:
+                if isinstance(child, ast.AST):
+                    visit(child)
+
+    visit(node)
+    return names
+
+
+def _method(statements: list[ast.stmt], dotted: str) -> ast.stmt:
+    class_name, name = dotted.split(".")
+    for statement in statements:
+        if isinstance(statement, ast.ClassDef) and statement.name == class_name:
+            for node in statement.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                    return node
+    raise LookupError(f"SGLang's source no longer defines {dotted}")
+
+
+def definitions(code: str, names: list[str], provided: dict[str, Any]) -> dict[str, Any]:
+    """Module-level `names` of `code` ("Class.method": that method, as a plain function taking `self`), executed
+    with the module-level statements they need (found by name, followed transitively) in a namespace starting with
+    `provided`; a name neither defined in `code` nor provided is an error naming it (a new dependency in a later
+    release). Compiled with postponed annotations, so that an annotation names nothing that must exist."""
+    statements = ast.parse(code).body
+    by_name: dict[str, list[ast.stmt]] = {}
+    for statement in statements:
+        if not (isinstance(statement, ast.ImportFrom) and statement.module == "__future__"):
+            for bound in _bound_names(statement):
+                by_name.setdefault(bound, []).append(statement)
+    methods = [_method(statements, n) for n in names if "." in n]
+    unknown = [n for n in names if "." not in n and n not in by_name]
+    if unknown:
+        raise LookupError(f"SGLang's source no longer defines {unknown}")
+    chosen: list[ast.stmt] = []
+    wanted = [n for n in names if "." not in n] + [f for m in methods for f in _free_names(m)]
+    seen: set[str] = set()
+    while wanted:
+        name = wanted.pop()
+        if name in seen or name in provided or name not in by_name:
+            continue
+        seen.add(name)
+        for statement in by_name[name]:
+            if statement not in chosen:
+                chosen.append(statement)
+                wanted += [n for n in _free_names(statement) if n not in seen]
+    chosen.sort(key=statements.index)  # in the module's order, as it runs
+    namespace = dict(provided)
+    module = ast.Module(body=chosen + methods, type_ignores=[])
+    try:
+        exec(compile(module, "<sglang reference>", "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True),
+             namespace)
+    except (NameError, ImportError) as e:
+        raise LookupError(f"SGLang's code needs a name this test does not provide: {e}") from e
+    return {name: namespace[name.split(".")[-1]] for name in names}
