@@ -52,9 +52,11 @@ def _given(body: dict, key: str, default: Any) -> Any:
 class InferenceServer:
     def __init__(self, engine: BatchEngine, server_args: dict[str, Any], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine = engine
+        self.health_check_timeout = float(server_args.get("health_check_timeout", 20.0))
         self.server_args = server_args
         self.max_body_bytes = max_body_bytes
-        self.weight_groups: dict[str, Any] = {}  # group_name -> (process group, store)
+        self.weight_groups: dict[str, Any] = {}  # group_name -> (process group, its backend)
+        self._in_flight: set[str] = set()  # the request ids clients gave of the requests running
         # Text prompts are tokenised here, one at a time (a tokenizer is not safe to reconfigure from two threads),
         # never on the event loop: a long one would hold up every other client, /health included.
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -67,7 +69,8 @@ class InferenceServer:
         r.add_get("/health_generate", self.health_generate)
         for path in ("/get_model_info", "/model_info"):
             r.add_get(path, self.model_info)
-        r.add_get("/get_server_info", self.server_info)
+        for path in ("/get_server_info", "/server_info"):
+            r.add_get(path, self.server_info)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
@@ -110,6 +113,10 @@ class InferenceServer:
         given, batched, are_texts = self._prompts(body)
         params = self._sampling_params(body.get("sampling_params"), len(given), batched)
         rids = self._rids(body.get("rid"), len(given), batched)
+        named = [r for r in rids if r is not None]
+        repeated = sorted({rid for rid in named if named.count(rid) > 1})
+        if repeated:  # as SGLang checks a request's ids, before anything else of it
+            raise RequestError(f"Duplicate request IDs detected within the request: {repeated}")
         loop = asyncio.get_running_loop()
         prompts = given if not are_texts else await loop.run_in_executor(
             self._tokenizing, lambda: [self.engine.tokenize(text, p.max_new_tokens) for text, p in zip(given, params)])
@@ -124,19 +131,32 @@ class InferenceServer:
             self.engine.validate(gen)
             gens.append(gen)
             futures.append(fut)
-        for gen in gens:
-            self.engine.submit(gen)
+        named = self._register_rids(named)
         try:
-            await asyncio.gather(*futures)
-        except asyncio.CancelledError:  # the client went away: free the batch slots
             for gen in gens:
-                self.engine.abort(rid=gen.rid)
-            raise
+                self.engine.submit(gen)
+            try:
+                await asyncio.gather(*futures)
+            except asyncio.CancelledError:  # the client went away: free the batch slots
+                for gen in gens:
+                    self.engine.abort(rid=gen.rid)
+                raise
+        finally:
+            self._in_flight -= named
         failed = next((g for g in gens if g.error is not None), None)
         if failed is not None:  # the server's fault: 500, which clients retry and then report, never resend as paused
             return error_response(failed.error, 500)
         replies = [self._reply(g, with_text) for g in gens]
         return web.json_response(replies if batched else replies[0])
+
+    def _register_rids(self, rids: list[str]) -> set[str]:
+        """Take the request ids a client gave for the requests about to run; one still running is refused with SGLang
+        0.5.10's 400, so that a client which re-sends an id is caught here too."""
+        conflicts = set(rids) & self._in_flight
+        if conflicts:
+            raise RequestError(f"Duplicate request IDs detected: {sorted(conflicts)}")
+        self._in_flight |= set(rids)
+        return set(rids)
 
     @staticmethod
     def _sampling_params(raw: Any, n_prompts: int, batched: bool) -> list[SamplingParams]:
@@ -207,15 +227,23 @@ class InferenceServer:
 
     # ----- health and info -------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        """As SGLang's: 200 once a generation could run; while paused that waits for /continue_generation, and after
+        its timeout the answer is 503 (a client that restarts servers on it must not probe paused ones)."""
         if (not_ready := self._require_ready()) is not None:
             return not_ready
+        deadline = time.monotonic() + self.health_check_timeout
+        while self.engine.paused:
+            if time.monotonic() >= deadline:
+                return error_response(f"health check timed out after {self.health_check_timeout:g}s: generation "
+                                      "is paused", 503)
+            await asyncio.sleep(0.05)
         return web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         if (not_ready := self._require_ready()) is not None:
             return not_ready
-        if self.engine.paused:  # a generation would wait for /continue_generation
-            return web.Response(status=200)
+        if (paused := await self.health(request)).status != 200:
+            return paused
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         probe = GenRequest(input_ids=[self.engine.eos_ids[0] if self.engine.eos_ids else 0],
@@ -304,7 +332,7 @@ class InferenceServer:
         })
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        from areal_pipeline.training.weight_sync import create_weight_update_group
+        from areal_pipeline.training.weight_group import join_weight_group
 
         body = await read_json_object(request)
         try:
@@ -318,19 +346,25 @@ class InferenceServer:
         if args[0] == "nccl" and self.engine.device.type != "cuda":
             raise RequestError(f"this server runs on {self.engine.device}: it joins weight-update groups over "
                                "gloo, not 'nccl' (NCCL needs the server on a GPU: --device cuda)")
+        # As SGLang: this server's one TP rank joins as rank_offset + 0, through torch's tcp:// rendezvous; a name
+        # it already holds is refused by torch, as on SGLang (/destroy_weights_update_group frees it)
+        backend, address, port, rank, world_size, name = args
         try:  # joining blocks until every member is there: keep it off the event loop and the engine
-            group = await asyncio.get_running_loop().run_in_executor(None, lambda: create_weight_update_group(*args))
+            group = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: join_weight_group(backend, address, port, rank, world_size, name))
         except Exception as e:
-            return web.json_response({"success": False, "message": f"could not join the group: {e}"}, status=400)
-        self.weight_groups[args[-1]] = group
-        return web.json_response({"success": True, "message": f"joined {args[-1]} as rank {args[3]}"})
+            return web.json_response({"success": False,
+                                      "message": f"Failed to initialize custom process group: {e}."}, status=400)
+        self.weight_groups[name] = (group, backend)
+        return web.json_response({"success": True, "message": f"joined {name} as rank {rank} of {world_size}"})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
         name = _group_name(body)
-        if name not in self.weight_groups:
-            return web.json_response({"success": False, "message": f"no weight-update group {name!r}; "
-                                      "call /init_weights_update_group first"}, status=400)
+        if name not in self.weight_groups:  # SGLang's scheduler asserts here and the server dies; refused clearly
+            return web.json_response({"success": False, "message": f"Group {name} not in "
+                                      f"{sorted(self.weight_groups)}. Please call `init_weights_update_group` "
+                                      "first."}, status=400)
         names, dtypes, shapes = _given(body, "names", []), _given(body, "dtypes", []), _given(body, "shapes", [])
         if not (isinstance(names, list) and all(type(n) is str for n in names)
                 and isinstance(dtypes, list) and all(type(d) is str for d in dtypes)):
@@ -344,8 +378,9 @@ class InferenceServer:
             await asyncio.wrap_future(self.engine.abort(abort_all=True))
         version = _weight_version(body)
         try:
+            group, backend = self.weight_groups[name]
             count = await asyncio.wrap_future(self.engine.update_weights_from_group(
-                self.weight_groups[name][0], names, dtypes, shapes, version))
+                group, backend, names, dtypes, shapes, version))
         except Exception as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         return web.json_response({"success": True, "message": f"updated {count} tensors; "
@@ -353,9 +388,14 @@ class InferenceServer:
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
+        from areal_pipeline.training.weight_group import destroy_weight_group
+
         removed = self.weight_groups.pop(_group_name(body), None)
-        return web.json_response({"success": removed is not None,
-                                  "message": "destroyed" if removed else "no such group"})
+        if removed is None:  # SGLang's words and status
+            return web.json_response({"success": False, "message": "The group to be destroyed does not exist."},
+                                     status=400)
+        await asyncio.get_running_loop().run_in_executor(None, destroy_weight_group, removed[0])
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await read_json_object(request) if request.method == "POST" else dict(request.query)
@@ -422,7 +462,7 @@ def serve(args: argparse.Namespace) -> None:
     # A model that cannot load ends the server (non-zero exit), as SGLang does, so launchers fail fast.
     engine = BatchEngine(args.model, max_batch_size=args.max_batch_size, context_length=args.context_length,
                          seed=args.seed, dtype=args.dtype, device=str(device), trust_remote_code=args.trust_remote_code,
-                         weight_version=args.weight_version,
+                         weight_version=args.weight_version, deterministic=args.enable_deterministic_inference,
                          on_load_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
     # Listen at once (health says 503 while the model loads), as SGLang does.
     engine.start()
