@@ -36,12 +36,46 @@ def wheel(version: str) -> Path:
                                capture_output=True, text=True, timeout=600)
         found = sorted(WHEEL_DIR.glob(f"sglang-{version}-*.whl"))
         if not found:
-            message = (f"no sglang {version} wheel in {WHEEL_DIR} and pip could not fetch it "
-                       f"(run `make sglang-wheels`): {fetch.stderr.strip()[-500:]}")
-            if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-                pytest.fail(message)
-            pytest.skip(message)
+            _unavailable(f"no sglang {version} wheel in {WHEEL_DIR} and pip could not fetch it "
+                         f"(run `make sglang-wheels`): {fetch.stderr.strip()[-500:]}")
     return found[-1]
+
+
+def msgspec_path() -> str:
+    """A folder holding msgspec (0.5.23's SamplingParams is a msgspec Struct; the project does not depend on it):
+    its wheel, fetched as sglang's are, unpacked once beside it."""
+    try:
+        import msgspec  # noqa: F401
+
+        return ""
+    except ImportError:
+        pass
+    found = sorted(WHEEL_DIR.glob("msgspec-*.whl"))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--disable-pip-version-check", "msgspec", "-d", str(WHEEL_DIR)],
+                       capture_output=True, text=True, timeout=600)
+        found = sorted(WHEEL_DIR.glob("msgspec-*.whl"))
+        if not found:
+            _unavailable(f"no msgspec wheel in {WHEEL_DIR} and pip could not fetch it (run `make sglang-wheels`)")
+    unpacked = WHEEL_DIR / found[-1].stem
+    if not (unpacked / "msgspec").is_dir():
+        staging = WHEEL_DIR / f".{found[-1].stem}.{os.getpid()}"
+        with zipfile.ZipFile(found[-1]) as archive:
+            archive.extractall(staging)
+        try:
+            staging.rename(unpacked)  # another worker may have unpacked it meanwhile: either copy does
+        except OSError:
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+    return str(unpacked)
+
+
+def _unavailable(message: str) -> None:
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 def source(version: str, module_path: str) -> str:
@@ -126,3 +160,55 @@ def definitions(code: str, names: list[str], provided: dict[str, Any]) -> dict[s
     except (NameError, ImportError) as e:
         raise LookupError(f"SGLang's code needs a name this test does not provide: {e}") from e
     return {name: namespace[name.split(".")[-1]] for name in names}
+
+
+def import_module(version: str, name: str, extra_paths: tuple[str, ...] = ()):
+    """Import SGLang's module `name` (e.g. "sglang.srt.sampling.sampling_params") straight from the `version` wheel,
+    its own imports included, without running the `__init__` of `sglang` and `sglang.srt` (they import the whole
+    runtime). For a process of its own (a test's subprocess): the modules stay in sys.modules under SGLang's names."""
+    import importlib
+    import types
+
+    archive = str(wheel(version))
+    sys.path[:0] = list(extra_paths)
+    with zipfile.ZipFile(archive) as files:
+        inits = {n for n in files.namelist() if n.endswith("/__init__.py")}
+    parts = name.split(".")
+    for depth in range(1, len(parts)):
+        package = ".".join(parts[:depth])
+        folder = package.replace(".", "/")
+        # sglang and sglang.srt run the whole runtime; a folder without __init__ is a namespace package, which
+        # zipimport does not find: both get an empty module whose path is the wheel's folder
+        if package in ("sglang", "sglang.srt") or f"{folder}/__init__.py" not in inits:
+            module = types.ModuleType(package)
+            module.__path__ = [f"{archive}/{folder}"]  # zipimport finds the modules in the wheel
+            sys.modules[package] = module
+    return importlib.import_module(name)
+
+
+def _check_sampling_params() -> None:
+    """Subprocess entry (stdin: {"version", "tokenizer", "vocab_size", "params": [...], "extra_path"}): each dict through
+    SGLang's own SamplingParams(**params), normalize(tokenizer) and verify(vocab_size); prints one JSON list, per dict
+    null or the error SGLang raised."""
+    import json
+
+    job = json.load(sys.stdin)
+    module = import_module(job["version"], "sglang.srt.sampling.sampling_params",
+                           (job["extra_path"],) if job["extra_path"] else ())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(job["tokenizer"])
+    errors = []
+    for params in job["params"]:
+        try:
+            sampling = module.SamplingParams(**params)
+            sampling.normalize(tokenizer)
+            sampling.verify(job["vocab_size"])
+            errors.append(None)
+        except Exception as e:  # what SGLang answers 400 with
+            errors.append(f"{type(e).__name__}: {e}")
+    print(json.dumps(errors))
+
+
+if __name__ == "__main__":
+    _check_sampling_params()
