@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import _sglang_reference as ref
 from areal_pipeline.inference.launcher import ServerProcess
-from areal_pipeline.training.weight_sync import broadcast_weights, forget_group, rank_offsets
+from areal_pipeline.training.weight_sync import broadcast_weights, buckets, forget_group, rank_offsets, wire_dtype
 from areal_pipeline.utils import find_free_port
 from conftest import http, start_cpu_server
 
@@ -51,6 +51,19 @@ def test_rank_offsets_leave_room_for_every_tp_rank():
     assert rank_offsets([2, 2]) == ([1, 3], 5)  # SGLang: rank_offset + tp_rank, so server 1 starts at 1 + tp_size
     with pytest.raises(ValueError, match="positive integers"):
         rank_offsets([0])
+
+
+def test_sglangs_dtype_names_map_to_a_wire_dtype():
+    assert [wire_dtype(n) for n in ("half", "float", "float16", "bfloat16", "float32")] == [
+        "float16", "float32", "float16", "bfloat16", "float32"]
+    assert wire_dtype("auto", torch.bfloat16) == "bfloat16" and wire_dtype("auto", "float16") == "float16"
+    assert wire_dtype("auto") == "float32"  # a model that names no dtype: sent whole, the server casts it
+    with pytest.raises(ValueError, match="'int8' is not one of auto, half, float"):
+        wire_dtype("int8")
+
+
+def test_buckets_keep_the_order_and_give_a_large_tensor_a_bucket_of_its_own():
+    assert list(buckets(["a", "b", "c", "d"], [4, 4, 20, 4], 8)) == [["a", "b"], ["c"], ["d"]]
 
 
 @pytest.mark.parametrize("version", ref.VERSIONS)

@@ -48,8 +48,8 @@ _DESTROY_TIMEOUT_S = 30.0
 
 def wire_dtype(name: str, model_dtype: Any = None) -> str:
     """The dtype tensors travel in for SGLang's `--dtype name` (auto: the model's own, `model_dtype` as a torch dtype
-    or its name, as SGLang serves it; float32 where the model names none). A name SGLang does not take is a
-    ValueError naming the valid ones."""
+    or its name; float32 where the model names none: the server casts what it receives to what it serves). A name
+    SGLang does not take is a ValueError naming the valid ones."""
     name = DTYPE_ALIASES.get(name, name)
     if isinstance(model_dtype, str):
         model_dtype = getattr(torch, model_dtype, None)
