@@ -26,19 +26,31 @@ VERSIONS = ("0.5.10.post1", "0.5.23")
 WHEEL_DIR = Path(os.environ.get("SGLANG_WHEEL_DIR") or Path(__file__).resolve().parents[1] / ".cache" / "sglang-wheels")
 
 
+def _fetch(requirement: str, pattern: str, *options: str) -> list[Path]:
+    """The wheels in WHEEL_DIR matching `pattern`, after pip fetched `requirement` where there are none. pip writes
+    into a folder of this process's own, moved in whole: a test worker beside it never sees half a wheel."""
+    found = sorted(WHEEL_DIR.glob(pattern))
+    if found:
+        return found
+    staging = WHEEL_DIR / f".fetch-{os.getpid()}"
+    fetch = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
+                            *options, requirement, "-d", str(staging)], capture_output=True, text=True, timeout=600)
+    for path in staging.glob("*.whl"):
+        path.replace(WHEEL_DIR / path.name)
+    if staging.is_dir():
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    found = sorted(WHEEL_DIR.glob(pattern))
+    if not found:
+        _unavailable(f"no {requirement} wheel in {WHEEL_DIR} and pip could not fetch it (run `make sglang-wheels`): "
+                     f"{fetch.stderr.strip()[-500:]}")
+    return found
+
+
 def wheel(version: str) -> Path:
     """The sglang `version` wheel, fetched with pip where it is not there yet."""
-    found = sorted(WHEEL_DIR.glob(f"sglang-{version}-*.whl"))
-    if not found:
-        WHEEL_DIR.mkdir(parents=True, exist_ok=True)
-        fetch = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
-                                f"sglang=={version}", "-d", str(WHEEL_DIR)],
-                               capture_output=True, text=True, timeout=600)
-        found = sorted(WHEEL_DIR.glob(f"sglang-{version}-*.whl"))
-        if not found:
-            _unavailable(f"no sglang {version} wheel in {WHEEL_DIR} and pip could not fetch it "
-                         f"(run `make sglang-wheels`): {fetch.stderr.strip()[-500:]}")
-    return found[-1]
+    return _fetch(f"sglang=={version}", f"sglang-{version}-*.whl")[-1]
 
 
 def msgspec_path() -> str:
@@ -50,14 +62,7 @@ def msgspec_path() -> str:
         return ""
     except ImportError:
         pass
-    found = sorted(WHEEL_DIR.glob("msgspec-*.whl"))
-    if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--disable-pip-version-check", "msgspec", "-d", str(WHEEL_DIR)],
-                       capture_output=True, text=True, timeout=600)
-        found = sorted(WHEEL_DIR.glob("msgspec-*.whl"))
-        if not found:
-            _unavailable(f"no msgspec wheel in {WHEEL_DIR} and pip could not fetch it (run `make sglang-wheels`)")
+    found = _fetch("msgspec", "msgspec-*.whl", "--only-binary=:all:")
     unpacked = WHEEL_DIR / found[-1].stem
     if not (unpacked / "msgspec").is_dir():
         staging = WHEEL_DIR / f".{found[-1].stem}.{os.getpid()}"
