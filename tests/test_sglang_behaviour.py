@@ -76,6 +76,18 @@ def test_sampling_seed_is_ignored_without_deterministic_inference(server):
     assert len(outputs) > 1  # the server's own generator drew them: the seed made no difference
 
 
+def test_min_p_is_refused_with_deterministic_inference_where_sglang_would_die(tiny_model_dir, tmp_path):
+    from areal_pipeline.inference.launcher import ServerProcess
+
+    seeded: ServerProcess = start_cpu_server(tiny_model_dir, tmp_path)  # as the launcher starts it
+    try:
+        status, body = generate(seeded.address, sampling_params={"max_new_tokens": 2, "min_p": 0.1})
+        assert status == 400 and "--enable-deterministic-inference" in body["error"]["message"]
+        assert generate(seeded.address, sampling_params={"max_new_tokens": 2, "sampling_seed": 1})[0] == 200
+    finally:
+        seeded.stop()
+
+
 def test_prompt_plus_budget_reaching_the_context_length_is_refused_and_the_client_cuts_the_budget(server):
     room = CONTEXT - len(PROMPT)
     status, body = generate(server, sampling_params={"max_new_tokens": room})

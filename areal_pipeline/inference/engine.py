@@ -160,6 +160,9 @@ class BatchEngine:
         total = len(ids) + request.params.max_new_tokens
         if total >= self.context_length:  # as SGLang's check (0.5.10 refuses a total equal to the context length)
             raise RequestError(self._context_exceeded(total, len(ids), request.params.max_new_tokens))
+        if self.deterministic and request.params.min_p > 0:  # SGLang's seeded sampler asserts on it: its server dies
+            raise RequestError("min_p > 0 cannot be used on a server started with --enable-deterministic-inference "
+                               "(SGLang's seeded sampler does not support it)")
         if not all(type(i) is int and 0 <= i < self.vocab_size for i in ids):
             raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
 
