@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,12 @@ def test_the_projects_server_joins_as_sglang_does_and_refuses_what_sglang_cannot
                             {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
                              "group_name": GROUP})
         assert status == 400 and "Please call `init_weights_update_group` first" in body["message"]
+        # a server that refuses to join ends the trainer's wait at once, with its reason (not the group's timeout)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="NCCL needs the server on a GPU"):
+            broadcast_weights(groups, state, [server.address], 6, "127.0.0.1", find_free_port(), GROUP, "float32",
+                              "nccl", tied_embeddings=True)
+        assert time.monotonic() - started < 30 and GROUP not in groups
         broadcast_weights(groups, state, [server.address], 7, "127.0.0.1", find_free_port(), GROUP, "float32",
                           "gloo", tied_embeddings=True, bucket_bytes=1 << 16)
         assert http(server.address, "/get_model_info")[1]["weight_version"] == "7"

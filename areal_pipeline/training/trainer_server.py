@@ -218,15 +218,19 @@ class Trainer:
         backend = weight_group_backend(gpu_uuid(actor.device), server_devices, server_gpus, self.cfg.trainer.colocate)
         state = actor.full_state_dict()  # a collective: every rank takes part in gathering
         version = actor.version
+        seconds, failure = 0.0, None
         if self.rank == 0:
-            seconds = broadcast_weights(self.weight_groups, state, servers, version, master_address, master_port,
-                                        group_name, dtype, backend,
-                                        bool(getattr(actor.model.config, "tie_word_embeddings", False)),
-                                        tp_sizes=tp_sizes, epoch=epoch,
-                                        bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
-        else:
-            seconds = 0.0
+            try:
+                seconds = broadcast_weights(self.weight_groups, state, servers, version, master_address, master_port,
+                                            group_name, dtype, backend,
+                                            bool(getattr(actor.model.config, "tie_word_embeddings", False)),
+                                            tp_sizes=tp_sizes, epoch=epoch,
+                                            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
+            except Exception as e:  # raised after the barrier: the other ranks wait in it
+                failure = e
         dist.barrier()
+        if failure is not None:
+            raise failure
         return {"version": version, "seconds": seconds}
 
     def status(self) -> dict:
