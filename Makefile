@@ -9,7 +9,12 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 CONFIG ?= configs/tiny_cpu.yaml
 
-.PHONY: setup setup-vllm run test bench clean
+# The SGLang releases whose own code tests/_sglang_reference.py checks the project against (the supported range's
+# ends); their wheels are read, never installed (sglang cannot be installed beside the project).
+SGLANG_VERSIONS := 0.5.10.post1 0.5.23
+SGLANG_WHEELS   := .cache/sglang-wheels
+
+.PHONY: setup setup-vllm run test bench clean sglang-wheels
 
 setup: $(STAMP)
 
@@ -34,8 +39,19 @@ $(VLLM_STAMP):
 run: $(STAMP)
 	$(BIN)/areal-pipeline train --config $(CONFIG) $(ARGS)
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) sglang-wheels
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q $(ARGS)
+
+# Fetched once (the folder's contents are kept), without dependencies; msgspec too (0.5.23's SamplingParams needs
+# it, the project does not).
+sglang-wheels: $(STAMP)
+	@mkdir -p $(SGLANG_WHEELS)
+	@for v in $(SGLANG_VERSIONS); do \
+		ls $(SGLANG_WHEELS)/sglang-$$v-*.whl >/dev/null 2>&1 || \
+		$(BIN)/pip download -q --disable-pip-version-check --no-deps "sglang==$$v" -d $(SGLANG_WHEELS) || exit 1; \
+	done
+	@ls $(SGLANG_WHEELS)/msgspec-*.whl >/dev/null 2>&1 || \
+		$(BIN)/pip download -q --disable-pip-version-check --no-deps --only-binary=:all: msgspec -d $(SGLANG_WHEELS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/rollout_throughput.py

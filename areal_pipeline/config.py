@@ -81,15 +81,25 @@ class DatasetConfig:
 
 @dataclass
 class SGLangConfig:
-    """Flags for `python -m sglang.launch_server`, used when inference.backend == "sglang"."""
+    """Flags for `python -m sglang.launch_server`, used when inference.backend == "sglang". Supported SGLang releases:
+    0.5.10.post1 (AReaL's pin) to 0.5.23 (docs/engines.md)."""
 
+    # The python of SGLang's own environment (a venv with `pip install sglang==0.5.10.post1`, say): sglang pins its
+    # own torch, transformers and openai, so it cannot be installed beside this project. Empty: this interpreter
+    python: str = ""
     tp_size: int = 1  # tensor parallelism: GPUs one server's model is split over (--tp-size)
     dp_size: int = 1  # data-parallel replicas inside one server (--dp-size); a server takes tp_size x dp_size GPUs
     # The server's share of its GPUs' memory (weights + KV cache); the project's own server on CUDA caps its
     # allocator at it too when it shares its GPU with the trainer (trainer.colocate)
     mem_fraction_static: float = 0.8
     context_length: Optional[int] = None  # longest prompt + generation the server takes (None: the model's)
-    dtype: str = "bfloat16"  # the served weights' dtype (--dtype), also the wire dtype of distributed weight sync
+    # the served weights' dtype (--dtype: auto, half, float16, bfloat16, float, float32), also the wire dtype of
+    # distributed weight sync (auto: the model's)
+    dtype: str = "bfloat16"
+    # --enable-deterministic-inference: without it SGLang ignores `sampling_seed`, which the rollout sends so that a
+    # rerun samples the same tokens. It costs throughput (batch-invariant kernels, a slower sampler) and refuses
+    # min_p > 0; false trades reproducible reruns for speed
+    deterministic_inference: bool = True
     disable_radix_cache: bool = False  # no prefix cache (multi-turn episodes then prefill every turn again)
     enable_metrics: bool = False  # SGLang's Prometheus metrics endpoint
     log_level: str = "warning"  # SGLang's log level (its log: <run_dir>/logs/inference-server-<i>.log)
@@ -308,6 +318,9 @@ class TrainerConfig:
     # binds it alone), and its port (0: a free one)
     weight_sync_master_address: str = "127.0.0.1"
     weight_sync_master_port: int = 0  # weight_sync=distributed: the group's port on that address (0: a free one)
+    # weight_sync=distributed: the most MiB announced by one update call; a server allocates what it announces
+    # before receiving it, so one call for a whole model would need twice its memory
+    weight_sync_bucket_mb: int = 1024
     # GPU indices (as this process numbers them) of the ranks on each node, rank r on gpus[r]; empty: automatic (the
     # first ones the inference servers leave)
     gpus: list[int] = field(default_factory=list)
@@ -635,6 +648,9 @@ _ADDRESSES = Rule("a list of distinct host:port addresses",
 _HOST = Rule("a host name or IP address", lambda host: bool(re.fullmatch(r"[\w.:-]+", host)))
 _NORM_LEVEL = one_of("group", "batch", "none")
 _DTYPES = ("float32", "bfloat16", "float16")  # model.DTYPES
+_EXECUTABLE_OR_EMPTY = Rule("empty or an executable file (e.g. /opt/sglang-env/bin/python)",
+                            lambda path: not path or (os.path.isfile(os.path.expanduser(path))
+                                                      and os.access(os.path.expanduser(path), os.X_OK)))
 
 _VLLM_PYTHON = Rule("empty (.venv-vllm/bin/python, else this interpreter) or an existing executable file",
                     lambda path: path == "" or (os.path.isfile(os.path.expanduser(path))
@@ -658,7 +674,8 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                     "max_test_size": _NON_NEGATIVE, "arithmetic_train_size": _COUNT,
                     "arithmetic_test_size": _NON_NEGATIVE, "arithmetic_max_operand": _NON_NEGATIVE},
     SGLangConfig: {"tp_size": _COUNT, "dp_size": _COUNT, "mem_fraction_static": within(0, 1, open_low=True),
-                   "context_length": _COUNT},
+                   "context_length": _COUNT, "python": _EXECUTABLE_OR_EMPTY,
+                   "dtype": one_of("auto", "half", "float16", "bfloat16", "float", "float32")},
     VLLMConfig: {"python": _VLLM_PYTHON, "dtype": one_of("auto", *_DTYPES), "max_model_len": _COUNT,
                  "env": _ENV_VARS},
     InferenceConfig: {"backend": one_of("cpu", "sglang", "vllm"), "num_servers": _COUNT, "base_port": _PORT,
@@ -696,7 +713,8 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                     "num_threads": _NON_NEGATIVE, "mb_max_tokens": _COUNT,
                     "weight_sync": one_of("disk", "distributed"), "setup_timeout": _POSITIVE,
                     "command_timeout": _POSITIVE, "gpus": _GPU_LIST, "memory_fraction": within(0, 1, open_low=True),
-                    "weight_sync_master_address": _HOST, "weight_sync_master_port": _PORT},
+                    "weight_sync_master_address": _HOST, "weight_sync_master_port": _PORT,
+                    "weight_sync_bucket_mb": _COUNT},
 }
 
 Key = Callable[[str], str]  # a field name (or dotted path) within a section -> its dotted key in the config
@@ -838,6 +856,11 @@ def _weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]
         yield (f"{key('trainer.weight_sync')}='distributed': not supported with {key('inference.backend')}=vllm "
                "(vLLM's weight transfer engine needs GPUs on both sides and is not wired to this trainer); use "
                f"{key('trainer.weight_sync')}=disk (each version is loaded with vLLM's reload_weights)")
+    if t.weight_sync == "distributed" and inf.backend == "sglang" and inf.sglang.dp_size > 1:
+        yield (f"{key('inference.sglang.dp_size')}={inf.sglang.dp_size}: must be 1 with "
+               f"{key('trainer.weight_sync')}='distributed' (SGLang updates weights from a process group only "
+               f"without data parallelism inside a server); run more servers ({key('inference.num_servers')}) or "
+               f"use {key('trainer.weight_sync')}=disk")
     remote = [a for a in inf.addresses if not _LOOPBACK.fullmatch(a.rsplit(":", 1)[0])]
     if remote and t.weight_sync == "distributed" and _LOOPBACK.fullmatch(t.weight_sync_master_address):
         yield (f"{key('trainer.weight_sync_master_address')}={t.weight_sync_master_address!r}: servers on other "

@@ -25,6 +25,20 @@ from areal_pipeline.utils import find_free_port, get_logger, run_async
 logger = get_logger(__name__)
 
 
+def distributed_tp_sizes(addresses: list[str], infos: list[dict]) -> list[int]:
+    """Each server's tensor-parallel ranks (its /server_info `tp_size`; the project's server says none: 1), the
+    ranks it joins a weight-update group with. A server with data parallelism inside cannot join one (SGLang asserts
+    dp_size == 1): refused here, naming it, rather than a 500 in the middle of an update."""
+    sizes = []
+    for address, info in zip(addresses, infos):
+        if int(info.get("dp_size") or 1) > 1:
+            raise ValueError(f"inference server {address} runs with dp_size={info['dp_size']}: SGLang takes weights "
+                             "over a process group only with dp_size 1; use trainer.weight_sync=disk, or servers "
+                             "without --dp-size")
+        sizes.append(int(info.get("tp_size") or 1))
+    return sizes
+
+
 class PolicyVersions:
     def ensure_trainer_version(self, version: int) -> TrainerClient:
         """Bring the trainer to `version`: start from the newest state at or below it (where the trainer is, an
@@ -136,6 +150,7 @@ class PolicyVersions:
                     # what each server holds its model on and in (SGLang's and this project's servers say): the
                     # group's backend and the wire dtype follow them
                     infos = [await engine.get_server_info(a) for a in engine.addresses]
+                    tp_sizes = distributed_tp_sizes(engine.addresses, infos)
                     await engine.pause()
                     try:
                         client.call("update_weights_distributed", servers=engine.addresses,
@@ -143,7 +158,9 @@ class PolicyVersions:
                                     master_port=t.weight_sync_master_port or find_free_port(),
                                     dtype=self._wire_dtype(infos[0]),
                                     server_devices=[str(i.get("device") or "cuda") for i in infos],
-                                    server_gpus=[i.get("gpu_uuid") for i in infos])
+                                    server_gpus=[i.get("gpu_uuid") for i in infos], tp_sizes=tp_sizes,
+                                    epoch=self.services.inference_epoch,
+                                    bucket_bytes=t.weight_sync_bucket_mb << 20)
                         engine.set_version(version)
                     finally:
                         await engine.resume()

@@ -8,7 +8,7 @@ from typing import Optional
 
 from areal_pipeline import shutdown
 from areal_pipeline.config import ExperimentConfig
-from areal_pipeline.inference.launcher import ServerProcess, launch_servers
+from areal_pipeline.inference.launcher import LIVENESS_PATH, LIVENESS_TIMEOUT_S, ServerProcess, launch_servers
 from areal_pipeline.training.client import TrainerClient, launch_trainer
 from areal_pipeline.utils import get_logger
 
@@ -46,6 +46,9 @@ class Services:
         self._served: Optional[list[Optional[int]]] = None
         self._served_epoch = 0
         self._served_lock = threading.Lock()
+        # Changes whenever an inference server may have lost its weight-update group (restarted, or a step failed
+        # part-way): the trainer joins the group afresh rather than send an update a server cannot take.
+        self.inference_epoch = 0
         # Ctrl-C or SIGTERM stops them at once, wherever the orchestrator's threads are
         self._on_stop_signal = shutdown.register(f"the services of run {cfg.run_id}", self.stop)
 
@@ -53,6 +56,7 @@ class Services:
         """A step failed: the next steps ask every service whether it is healthy, and what it serves."""
         self._inference_checked = self._trainer_checked = False
         self.forget_served()
+        self.inference_epoch += 1
         if self.trainer_client is not None:
             self.trainer_client.forget_version()
 
@@ -106,7 +110,8 @@ class Services:
 
         probes = [ServerProcess([], address, kind="inference server (inference.addresses)") for address in addresses]
         deadline = time.monotonic() + self.cfg.inference.setup_timeout
-        while pending := [p for p in probes if not p.is_healthy()]:
+        # beyond SGLang's own health-check timeout (20 s): a server paused by another client answers 503, not nothing
+        while pending := [p for p in probes if not p.is_healthy(timeout=LIVENESS_TIMEOUT_S)]:
             if time.monotonic() >= deadline:
                 raise ServerLaunchError(
                     f"inference server(s) {', '.join(p.address for p in pending)} (inference.addresses) did not "
@@ -143,11 +148,14 @@ class Services:
     def ensure_inference_alive(self) -> None:
         """Restart servers that died (they come back at version 0; the next step pushes the weights)."""
         self._refuse_if_stopped()
+        # Not /health: a server this run paused (an update in flight on another thread) would block on it and look
+        # dead to SGLang's probe after ~20 s; liveness is asked where a paused server answers too.
         dead = [s for s in self.inference if s.popen is None or s.popen.poll() is not None
-                or not (self._inference_checked or s.is_healthy())]
+                or not (self._inference_checked or s.is_healthy(LIVENESS_PATH, LIVENESS_TIMEOUT_S))]
         self._inference_checked = True
         if dead:
             self.forget_served()
+            self.inference_epoch += 1  # a restarted server holds no weight-update group: the next push joins afresh
             logger.warning("inference server(s) %s died; restarting", ", ".join(s.address for s in dead))
             for s in dead:
                 s.stop()

@@ -27,10 +27,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=1)
 
 
-def start_cpu_server(model_dir: Path, log_dir: Path, *extra: str) -> ServerProcess:
+def start_cpu_server(model_dir: Path, log_dir: Path, *extra: str, deterministic: bool = True) -> ServerProcess:
+    """`deterministic`: honour sampling_seed, as the project's launcher starts it (SGLang's flag)."""
     port = find_free_port()
     command = [sys.executable, "-m", "areal_pipeline.inference.server", "--model", str(model_dir),
-               "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *extra]
+               "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *extra,
+               *(["--enable-deterministic-inference"] if deterministic else [])]
     server = ServerProcess(command, f"127.0.0.1:{port}", log_dir / f"server-{port}.log").start()
     server.wait_healthy(120)
     return server

@@ -92,7 +92,30 @@ BAD_VALUES = [
     ("rollout.gconfig.max_new_tokens=1024",
      "rollout.gconfig.max_new_tokens=1024: must be < inference.context_length=1024"),
     ("dataset.max_test_size=0", "eval_freq=1: must be 0 when the test split is empty (dataset.max_test_size=0)"),
+    # SGLang: its own environment's python, its --dtype names, no distributed sync with dp_size > 1
+    ("inference.sglang.python=/nonexistent/bin/python",
+     "inference.sglang.python='/nonexistent/bin/python': must be empty or an executable file"),
+    ("inference.sglang.dtype=int8", "inference.sglang.dtype='int8': must be one of auto, half, float16, bfloat16"),
+    ("trainer.weight_sync_bucket_mb=0", "trainer.weight_sync_bucket_mb=0: must be >= 1"),
 ]
+
+
+def test_sglangs_python_must_be_executable(tmp_path):
+    script = tmp_path / "python"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o644)
+    with pytest.raises(ConfigError, match=rf"^inference.sglang.python='{script}': must be empty or an executable file"):
+        load_config(REPO / "configs/tiny_cpu.yaml", [f"inference.sglang.python={script}"])
+    script.chmod(0o755)
+    assert load_config(REPO / "configs/tiny_cpu.yaml", [f"inference.sglang.python={script}"]).inference.sglang.python
+
+
+def test_distributed_sync_refuses_data_parallel_sglang_servers():
+    with pytest.raises(ConfigError, match=r"^inference.sglang.dp_size=2: must be 1 with trainer.weight_sync='distributed'"):
+        load_config(REPO / "configs/tiny_cpu.yaml", ["inference.backend=sglang", "inference.sglang.dp_size=2",
+                                                     "trainer.weight_sync=distributed", "trainer.device=cuda"])
+    load_config(REPO / "configs/tiny_cpu.yaml", ["inference.backend=sglang", "inference.sglang.dp_size=2",
+                                                 f"inference.sglang.python={sys.executable}"])  # disk sync: fine
 
 
 @pytest.mark.parametrize("override, error", BAD_VALUES, ids=[o for o, _ in BAD_VALUES])

@@ -11,7 +11,7 @@ import psutil
 
 from areal_pipeline.config import load_config
 from areal_pipeline.services import Services
-from areal_pipeline.training.weight_sync import NamedAddressTCPStore
+from areal_pipeline.training.weight_group import NamedAddressTCPStore
 from areal_pipeline.utils import find_free_port
 from conftest import http
 from areal_pipeline.forkserver import processes_of

@@ -51,18 +51,19 @@ def test_sglang_command_defaults():
         "--dtype", "bfloat16",
         "--random-seed", "7",
         "--log-level", "warning",
+        "--enable-deterministic-inference",  # else SGLang ignores the rollout's sampling_seed
     ]  # fmt: skip
 
 
 def test_sglang_command_all_options():
     cfg = SGLangConfig(
         tp_size=2, dp_size=4, mem_fraction_static=0.65, context_length=8192, dtype="float16",
-        disable_radix_cache=True, enable_metrics=True, log_level="info",
-        extra_args=["--chunked-prefill-size", "4096"],
+        disable_radix_cache=True, enable_metrics=True, log_level="info", deterministic_inference=False,
+        extra_args=["--chunked-prefill-size", "4096"], python="/opt/sglang-env/bin/python",
     )  # fmt: skip
     cmd = build_sglang_command("Qwen/Qwen2.5-1.5B-Instruct", "0.0.0.0", 31001, cfg, seed=1)
     assert cmd == [
-        PY, "-m", "sglang.launch_server",
+        "/opt/sglang-env/bin/python", "-m", "sglang.launch_server",  # SGLang's own environment
         "--model-path", "Qwen/Qwen2.5-1.5B-Instruct",
         "--host", "0.0.0.0",
         "--port", "31001",
@@ -80,7 +81,7 @@ def test_sglang_command_all_options():
 
 
 def test_sglang_command_context_length_only():
-    cmd = build_sglang_command("m", "h", 1, SGLangConfig(context_length=2048), seed=0)
+    cmd = build_sglang_command("m", "h", 1, SGLangConfig(context_length=2048, deterministic_inference=False), seed=0)
     assert cmd[-2:] == ["--context-length", "2048"]
     assert "--disable-radix-cache" not in cmd and "--enable-metrics" not in cmd
 
@@ -91,7 +92,7 @@ def test_cpu_server_command():
         PY, "-m", "areal_pipeline.inference.server",
         "--model", "/m", "--host", "127.0.0.1", "--port", "4000",
         "--max-batch-size", "64", "--context-length", "512", "--seed", "3", "--max-body-bytes", str(64 << 20),
-        "--device", "cpu", "--dtype", "float32",
+        "--device", "cpu", "--dtype", "float32", "--enable-deterministic-inference",
     ]  # fmt: skip
     cfg.num_threads = 2
     assert build_cpu_server_command("/m", "127.0.0.1", 4000, cfg, seed=3)[-2:] == ["--num-threads", "2"]

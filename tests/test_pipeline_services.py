@@ -23,9 +23,9 @@ def counted(monkeypatch):
     counts: collections.Counter = collections.Counter()
     real_healthy, real_call, real_info = ServerProcess.is_healthy, TrainerClient.call, RemoteSGLangEngine.get_model_info
 
-    def is_healthy(self):
+    def is_healthy(self, *args, **kwargs):
         counts["health"] += 1
-        return real_healthy(self)
+        return real_healthy(self, *args, **kwargs)
 
     def call(self, cmd, *args, **kwargs):
         counts[cmd] += 1
@@ -72,8 +72,11 @@ def test_steps_trust_healthy_services_until_a_failure_or_a_death(tiny_model_dir,
             server = pipeline.services.inference[0]
             server.popen.kill()
             server.popen.wait(10)
+            epoch = pipeline.services.inference_epoch
             pipeline.broadcast_weights(3)
             assert pipeline.services.inference[0].popen.pid != server.popen.pid
+            # the restarted server holds no weight-update group: a distributed push would join afresh
+            assert pipeline.services.inference_epoch > epoch
             assert pipeline.server_versions() == [3]
             counted.clear()
             assert pipeline.sync_servers(3)["pushed"] is False
@@ -95,3 +98,18 @@ def test_a_served_version_read_before_a_push_or_restart_is_not_recorded(tmp_path
     assert services.known_served() == (epoch, [2])
     services.distrust()
     assert services.known_served()[1] is None
+
+
+def test_a_failure_changes_the_weight_group_epoch(tmp_path):
+    services = Services(load_config(None, [f"output_dir={tmp_path}"]), "unused", tmp_path)
+    epoch = services.inference_epoch
+    services.distrust()
+    assert services.inference_epoch == epoch + 1
+
+
+def test_servers_tp_sizes_come_from_their_info_and_data_parallel_ones_are_refused():
+    from areal_pipeline.policy_versions import distributed_tp_sizes
+
+    assert distributed_tp_sizes(["a:1", "b:2"], [{"tp_size": 2, "dp_size": 1}, {}]) == [2, 1]
+    with pytest.raises(ValueError, match="b:2 runs with dp_size=2: SGLang takes weights over a process group only"):
+        distributed_tp_sizes(["a:1", "b:2"], [{"tp_size": 1}, {"tp_size": 1, "dp_size": 2}])

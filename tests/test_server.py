@@ -528,8 +528,10 @@ def test_update_weights_from_disk(own_server, tiny_model_dir, tmp_path, model):
     finally:
         model.load_state_dict(state, strict=False)
 
-    # a version is bumped when none is given; bad paths fail cleanly and leave the server serving
-    assert http(own_server, "/update_weights_from_disk", {"model_path": str(new_dir)})[1]["weight_version"] == "2"
+    # a version stays when none is given (as SGLang's does); bad paths fail cleanly and leave the server serving
+    assert http(own_server, "/update_weights_from_disk", {"model_path": str(new_dir)})[1]["weight_version"] == "1"
+    assert http(own_server, "/update_weights_from_disk", {"model_path": str(new_dir), "weight_version": "2"})[1][
+        "weight_version"] == "2"
     status, reply = http(own_server, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
     assert status == 400 and reply["success"] is False and "no safetensors" in reply["message"]
     bad = tmp_path / "bad"

@@ -97,7 +97,10 @@ class RemoteSGLangEngine:
         request_retries: int = 3,
         retry_delay: float = 1.0,
         setup_timeout: float = 300.0,
+        context_length: Optional[int] = None,
     ):
+        """`context_length`: the servers' (where known): a generation's budget is cut to what fits below it, as
+        SGLang refuses prompt + max_new_tokens reaching it."""
         if not addresses:
             raise ValueError("RemoteSGLangEngine needs at least one server address")
         self.addresses = list(addresses)
@@ -105,6 +108,7 @@ class RemoteSGLangEngine:
         self.request_retries = request_retries
         self.retry_delay = retry_delay
         self.setup_timeout = setup_timeout
+        self.context_length = context_length
         self._version = 0
         self._paused = False
         # Rollouts may run on several event loops (threads); an aiohttp session belongs to one loop.
@@ -115,8 +119,10 @@ class RemoteSGLangEngine:
 
     @classmethod
     def from_config(cls, addresses: list[str], cfg: InferenceConfig) -> "RemoteSGLangEngine":
+        served_by_sglang = cfg.backend == "sglang" or bool(cfg.addresses)
         return cls(addresses, request_timeout=cfg.request_timeout, request_retries=cfg.request_retries,
-                   setup_timeout=cfg.setup_timeout)
+                   setup_timeout=cfg.setup_timeout,
+                   context_length=cfg.sglang.context_length if served_by_sglang else cfg.context_length)
 
     async def __aenter__(self) -> "RemoteSGLangEngine":
         return self
@@ -215,8 +221,13 @@ class RemoteSGLangEngine:
 
     def _generate_payload(self, req: ModelRequest, generated: list[int]) -> dict:
         g = req.gconfig
+        max_new_tokens = g.max_new_tokens - len(generated)
+        if self.context_length:
+            room = self.context_length - 1 - len(req.input_ids) - len(generated)
+            if room >= 1:  # else the server's refusal says the prompt alone is too long
+                max_new_tokens = min(max_new_tokens, room)
         sampling_params = {
-            "max_new_tokens": g.max_new_tokens - len(generated),
+            "max_new_tokens": max_new_tokens,
             "temperature": 0.0 if g.greedy else g.temperature,
             "top_p": g.top_p,
             "top_k": g.top_k,
@@ -224,12 +235,14 @@ class RemoteSGLangEngine:
             "stop_token_ids": list(g.stop_token_ids),
             **req.extra_sampling_params,
         }
+        # No `rid`: the trajectory's id only keeps it on one server (choose_server). SGLang 0.5.10 refuses an id it
+        # still holds (an aborted request's may linger), so an id re-sent after a pause could fail the request;
+        # the server makes one per request, as for AReaL's client, which sends none either.
         return {
             "input_ids": list(req.input_ids) + generated,
             "sampling_params": sampling_params,
             "return_logprob": True,
             "stream": False,
-            "rid": req.rid,
         }
 
     def _segment_version(self, meta: dict) -> int:
@@ -245,7 +258,7 @@ class RemoteSGLangEngine:
         if len(payloads) == 1:
             replies = [await self.request(address, "/generate", payloads[0])]
         else:
-            batch = {key: [p[key] for p in payloads] for key in ("input_ids", "sampling_params", "rid")}
+            batch = {key: [p[key] for p in payloads] for key in ("input_ids", "sampling_params")}
             replies = await self.request(address, "/generate", {**payloads[0], **batch})
         segments = []
         for reply in replies:
@@ -263,7 +276,7 @@ class RemoteSGLangEngine:
 
     async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
         """Generate several samples (e.g. a GRPO group) on one server, as `agenerate` does for each, in one
-        `/generate` call per round: SGLang's batch form (lists of `input_ids`, `sampling_params`, `rid`) costs
+        `/generate` call per round: SGLang's batch form (lists of `input_ids` and `sampling_params`) costs
         one HTTP request instead of one per sample. Samples interrupted by a pause resume together."""
         for req in reqs:
             if req.gconfig.max_new_tokens <= 0:
@@ -370,10 +383,11 @@ class RemoteSGLangEngine:
         return [float(v) for v in values]
 
     async def get_model_info(self, address: Optional[str] = None) -> dict:
-        return await self.request(address or self.addresses[0], "/get_model_info", method="GET")
+        # /model_info and /server_info: SGLang logs a deprecation warning for each /get_... call
+        return await self.request(address or self.addresses[0], "/model_info", method="GET")
 
     async def get_server_info(self, address: Optional[str] = None) -> dict:
-        return await self.request(address or self.addresses[0], "/get_server_info", method="GET")
+        return await self.request(address or self.addresses[0], "/server_info", method="GET")
 
 
 def engine_for(addresses: list[str], cfg: InferenceConfig, **kwargs: Any) -> RemoteSGLangEngine:

@@ -91,10 +91,13 @@ class BatchEngine:
     def __init__(self, model_path: str, *, max_batch_size: int = 128, context_length: int = 0,
                  seed: int = 0, dtype: str = "float32", device: str = "cpu",
                  trust_remote_code: bool = False, weight_version: str = "0",
-                 on_load_failure: Optional[Callable[[], None]] = None):
+                 on_load_failure: Optional[Callable[[], None]] = None, deterministic: bool = False):
+        """`deterministic`: honour requests' `sampling_seed` (SGLang ignores it unless started with
+        --enable-deterministic-inference, and so does this engine)."""
         self.model_path = model_path
         self.max_batch_size = max_batch_size
         self.seed = seed
+        self.deterministic = deterministic
         self.dtype = dtype
         self.device = torch.device(device)
         self.trust_remote_code = trust_remote_code
@@ -142,7 +145,7 @@ class BatchEngine:
     # ----- thread-safe API -------------------------------------------------------------------------
     def submit(self, request: GenRequest) -> None:
         self.validate(request)
-        if request.params.sampling_seed is not None:
+        if self.deterministic and request.params.sampling_seed is not None:
             request.generator = torch.Generator(device=self.device)
             request.generator.manual_seed(int(request.params.sampling_seed))
         with self._cv:
@@ -155,8 +158,11 @@ class BatchEngine:
             raise RequestError("the prompt is empty: input_ids must hold at least one token")
         # the length first: a prompt of millions of ids is refused without looking at each of them
         total = len(ids) + request.params.max_new_tokens
-        if total > self.context_length:
+        if total >= self.context_length:  # as SGLang's check (0.5.10 refuses a total equal to the context length)
             raise RequestError(self._context_exceeded(total, len(ids), request.params.max_new_tokens))
+        if self.deterministic and request.params.min_p > 0:  # SGLang's seeded sampler asserts on it: its server dies
+            raise RequestError("min_p > 0 cannot be used on a server started with --enable-deterministic-inference "
+                               "(SGLang's seeded sampler does not support it)")
         if not all(type(i) is int and 0 <= i < self.vocab_size for i in ids):
             raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
 
@@ -169,7 +175,7 @@ class BatchEngine:
         """The token ids of a text prompt (any thread); RequestError as soon as it is known not to fit the
         context with `max_new_tokens` more. A huge text is tokenised as growing prefixes, so that refusing it
         costs about as much as tokenising a text just over the limit: tokenising a 40 MB prompt took 114 s."""
-        budget = self.context_length - max_new_tokens
+        budget = self.context_length - 1 - max_new_tokens
         chars = max(budget, 1) * PREFIX_CHARS_PER_TOKEN
         while chars < len(text):
             prefix_tokens = len(self.tokenizer.encode(text[:chars]))
@@ -214,12 +220,13 @@ class BatchEngine:
             with torch.no_grad():
                 for name, tensor in state.items():
                     own[name].copy_(tensor.to(own[name].dtype))
-            self.weight_version = weight_version if weight_version is not None else _next_version(self.weight_version)
+            if weight_version is not None:  # as SGLang: without one the version stays (a bucket before the last)
+                self.weight_version = weight_version
             return len(state)
         return self.call(_load)
 
-    def update_weights_from_group(self, group, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                  weight_version: Optional[str]) -> concurrent.futures.Future:
+    def update_weights_from_group(self, group, backend: str, names: list[str], dtypes: list[str],
+                                  shapes: list[list[int]], weight_version: Optional[str]) -> concurrent.futures.Future:
         """Receive the tensors the trainer broadcasts (rank 0 of `group`), in order, between decode steps."""
         from areal_pipeline.training.weight_sync import DTYPES as WIRE_DTYPES
 
@@ -232,13 +239,12 @@ class BatchEngine:
                 if dtype not in WIRE_DTYPES:
                     raise RequestError(f"unsupported dtype {dtype!r} for {name}")
                 # gloo receives into host memory whatever the model's device; NCCL into the GPU's
-                buffer = torch.empty(shape, dtype=WIRE_DTYPES[dtype],
-                                     device="cpu" if isinstance(group, torch.distributed.ProcessGroupGloo)
-                                     else self.device)
+                buffer = torch.empty(shape, dtype=WIRE_DTYPES[dtype], device="cpu" if backend == "gloo" else self.device)
                 group.broadcast(buffer, root=0).wait()
                 with torch.no_grad():
                     params[name].copy_(buffer.to(params[name].dtype))
-            self.weight_version = weight_version if weight_version is not None else _next_version(self.weight_version)
+            if weight_version is not None:
+                self.weight_version = weight_version
             return len(names)
         return self.call(_update)
 
@@ -550,9 +556,3 @@ class BatchEngine:
 class _PrefillFailed(RuntimeError):
     """Admission failed before the new requests joined the batch (the running batch is as it was)."""
 
-
-def _next_version(version: str) -> str:
-    try:
-        return str(int(version) + 1)
-    except ValueError:
-        return version

@@ -31,6 +31,10 @@ from areal_pipeline.utils import PARENT_PID_ENV, find_free_port, get_logger
 logger = get_logger(__name__)
 
 LOG_TAIL_LINES = 40
+# Whether a running server is alive, paused or not: SGLang (both supported releases) and the project's server answer
+# it from the HTTP process without the scheduler (/get_model_info logs a deprecation warning on SGLang per call)
+LIVENESS_PATH = "/model_info"
+LIVENESS_TIMEOUT_S = 30.0
 # Health checks go straight to the server, never through an http_proxy from the environment.
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -42,9 +46,10 @@ class ServerLaunchError(RuntimeError):
 def build_sglang_command(model_path: str, host: str, port: int, cfg: SGLangConfig, seed: int,
                          base_gpu_id: Optional[int] = None) -> list[str]:
     """`base_gpu_id`: the first GPU of the server's, among those it sees (0 where its CUDA_VISIBLE_DEVICES names
-    its own GPUs alone); None leaves it to SGLang."""
+    its own GPUs alone); None leaves it to SGLang. SGLang runs on `cfg.python`, the interpreter of its own
+    environment (it pins torch and transformers versions of its own), or this one."""
     cmd = [
-        sys.executable, "-m", "sglang.launch_server",
+        os.path.expanduser(cfg.python) if cfg.python else sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_path),
         "--host", host,
         "--port", str(port),
@@ -63,6 +68,8 @@ def build_sglang_command(model_path: str, host: str, port: int, cfg: SGLangConfi
         cmd.append("--disable-radix-cache")
     if cfg.enable_metrics:
         cmd.append("--enable-metrics")
+    if cfg.deterministic_inference:  # else SGLang ignores the rollout's sampling_seed
+        cmd.append("--enable-deterministic-inference")
     return cmd + list(cfg.extra_args)
 
 
@@ -151,6 +158,9 @@ def build_cpu_server_command(model_path: str, host: str, port: int, cfg: Inferen
         "--max-body-bytes", str(cfg.max_body_bytes),
         "--device", cfg.device,
         "--dtype", cfg.dtype,
+        # the rollout seeds every generation, so that a rerun samples the same tokens (as SGLang, the project's
+        # server honours seeds only with this flag)
+        "--enable-deterministic-inference",
     ]  # fmt: skip
     if cfg.num_threads > 0:
         cmd += ["--num-threads", str(cfg.num_threads)]
@@ -227,9 +237,11 @@ class ServerProcess:
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return _log_tail(self.log_path, lines) if self.log_path is not None else ""
 
-    def is_healthy(self) -> bool:
+    def is_healthy(self, path: str = "/health", timeout: float = 5.0) -> bool:
+        """Whether `GET path` answers 200 within `timeout`. SGLang's /health generates a token: on a paused server
+        it waits, and answers 503 after ~20 s; a probe of a server that may be paused asks LIVENESS_PATH instead."""
         try:
-            with _opener.open(f"http://{self.address}/health", timeout=5) as resp:
+            with _opener.open(f"http://{self.address}{path}", timeout=timeout) as resp:
                 return resp.status == 200
         except OSError:  # refused, reset, timed out, or an HTTP error status (503 while loading)
             return False

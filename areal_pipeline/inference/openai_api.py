@@ -701,7 +701,8 @@ class OpenAIRoutes:
         from areal_pipeline.inference.engine import GenRequest, SamplingParams
 
         engine = self.server.engine
-        budget = sampling.max_tokens if sampling.max_tokens is not None else engine.context_length - len(prompt_ids)
+        # without max_tokens, the room left: prompt + budget must stay below the context length (as SGLang checks)
+        budget = sampling.max_tokens if sampling.max_tokens is not None else engine.context_length - 1 - len(prompt_ids)
         if budget < 1:
             raise OpenAIError(f"the prompt has {len(prompt_ids)} tokens: no room is left to generate in the model's "
                               f"maximum context length of {engine.context_length} tokens", "messages",

@@ -34,6 +34,7 @@ from areal_pipeline.http_json import (
 from areal_pipeline.inference.engine import BatchEngine, GenRequest, RequestError, SamplingParams
 from areal_pipeline.inference.openai_api import OpenAIRoutes
 from areal_pipeline.inference.server_args import DEFAULT_MAX_BODY_BYTES, build_arg_parser
+from areal_pipeline.inference.weight_routes import WeightRoutes
 from areal_pipeline.placement import gpu_uuid
 from areal_pipeline.utils import exit_when_parent_dies, get_logger
 
@@ -52,9 +53,10 @@ def _given(body: dict, key: str, default: Any) -> Any:
 class InferenceServer:
     def __init__(self, engine: BatchEngine, server_args: dict[str, Any], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine = engine
+        self.health_check_timeout = float(server_args.get("health_check_timeout", 20.0))
         self.server_args = server_args
         self.max_body_bytes = max_body_bytes
-        self.weight_groups: dict[str, Any] = {}  # group_name -> (process group, store)
+        self._in_flight: set[str] = set()  # the request ids clients gave of the requests running
         # Text prompts are tokenised here, one at a time (a tokenizer is not safe to reconfigure from two threads),
         # never on the event loop: a long one would hold up every other client, /health included.
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -67,16 +69,13 @@ class InferenceServer:
         r.add_get("/health_generate", self.health_generate)
         for path in ("/get_model_info", "/model_info"):
             r.add_get(path, self.model_info)
-        r.add_get("/get_server_info", self.server_info)
+        for path in ("/get_server_info", "/server_info"):
+            r.add_get(path, self.server_info)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
-        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
-        r.add_post("/init_weights_update_group", self.init_weights_update_group)
-        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
-        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        WeightRoutes(self).register(r)  # /update_weights_from_disk, the weight-update group's routes (weight_routes.py)
         OpenAIRoutes(self).register(r)  # /v1/chat/completions, /v1/completions, /v1/models (openai_api.py)
         app.on_shutdown.append(self._shutdown)
         return app
@@ -110,6 +109,10 @@ class InferenceServer:
         given, batched, are_texts = self._prompts(body)
         params = self._sampling_params(body.get("sampling_params"), len(given), batched)
         rids = self._rids(body.get("rid"), len(given), batched)
+        named = [r for r in rids if r is not None]
+        repeated = sorted({rid for rid in named if named.count(rid) > 1})
+        if repeated:  # as SGLang checks a request's ids, before anything else of it
+            raise RequestError(f"Duplicate request IDs detected within the request: {repeated}")
         loop = asyncio.get_running_loop()
         prompts = given if not are_texts else await loop.run_in_executor(
             self._tokenizing, lambda: [self.engine.tokenize(text, p.max_new_tokens) for text, p in zip(given, params)])
@@ -124,19 +127,32 @@ class InferenceServer:
             self.engine.validate(gen)
             gens.append(gen)
             futures.append(fut)
-        for gen in gens:
-            self.engine.submit(gen)
+        named = self._register_rids(named)
         try:
-            await asyncio.gather(*futures)
-        except asyncio.CancelledError:  # the client went away: free the batch slots
             for gen in gens:
-                self.engine.abort(rid=gen.rid)
-            raise
+                self.engine.submit(gen)
+            try:
+                await asyncio.gather(*futures)
+            except asyncio.CancelledError:  # the client went away: free the batch slots
+                for gen in gens:
+                    self.engine.abort(rid=gen.rid)
+                raise
+        finally:
+            self._in_flight -= named
         failed = next((g for g in gens if g.error is not None), None)
         if failed is not None:  # the server's fault: 500, which clients retry and then report, never resend as paused
             return error_response(failed.error, 500)
         replies = [self._reply(g, with_text) for g in gens]
         return web.json_response(replies if batched else replies[0])
+
+    def _register_rids(self, rids: list[str]) -> set[str]:
+        """Take the request ids a client gave for the requests about to run; one still running is refused with SGLang
+        0.5.10's 400, so that a client which re-sends an id is caught here too."""
+        conflicts = set(rids) & self._in_flight
+        if conflicts:
+            raise RequestError(f"Duplicate request IDs detected: {sorted(conflicts)}")
+        self._in_flight |= set(rids)
+        return set(rids)
 
     @staticmethod
     def _sampling_params(raw: Any, n_prompts: int, batched: bool) -> list[SamplingParams]:
@@ -207,15 +223,23 @@ class InferenceServer:
 
     # ----- health and info -------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        """As SGLang's: 200 once a generation could run; while paused that waits for /continue_generation, and after
+        its timeout the answer is 503 (a client that restarts servers on it must not probe paused ones)."""
         if (not_ready := self._require_ready()) is not None:
             return not_ready
+        deadline = time.monotonic() + self.health_check_timeout
+        while self.engine.paused:
+            if time.monotonic() >= deadline:
+                return error_response(f"health check timed out after {self.health_check_timeout:g}s: generation "
+                                      "is paused", 503)
+            await asyncio.sleep(0.05)
         return web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         if (not_ready := self._require_ready()) is not None:
             return not_ready
-        if self.engine.paused:  # a generation would wait for /continue_generation
-            return web.Response(status=200)
+        if (paused := await self.health(request)).status != 200:
+            return paused
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         probe = GenRequest(input_ids=[self.engine.eos_ids[0] if self.engine.eos_ids else 0],
@@ -274,116 +298,6 @@ class InferenceServer:
         await asyncio.wrap_future(self.engine.resume())
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        if (not_ready := self._require_ready()) is not None:
-            return not_ready
-        body = await read_json_object(request)
-        if body.get("model_path") is None:
-            raise RequestError("model_path is required")
-        path = check_str("model_path", body["model_path"])
-        if body.get("load_format") not in (None, "safetensors", "auto"):
-            raise RequestError("the CPU server loads safetensors weights only")
-        version = _weight_version(body)
-        abort_all = check_bool("abort_all_requests", _given(body, "abort_all_requests", False))
-        check_bool("flush_cache", _given(body, "flush_cache", True))
-        started = time.perf_counter()
-        try:  # read and checked before any weight is swapped in, off the engine thread: generation goes on meanwhile
-            state = await asyncio.to_thread(self.engine.read_weights, path)
-        except RequestError as e:
-            return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0}, status=400)
-        if abort_all:
-            await asyncio.wrap_future(self.engine.abort(abort_all=True))
-        num_paused = self.engine.num_running()
-        count = await asyncio.wrap_future(self.engine.load_weights(state, version))
-        return web.json_response({
-            "success": True,
-            "message": f"Succeeded to update model weights ({count} tensors in "
-                       f"{time.perf_counter() - started:.3f}s); weight_version={self.engine.weight_version}",
-            "num_paused_requests": num_paused,
-            "weight_version": self.engine.weight_version,
-        })
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        from areal_pipeline.training.weight_sync import create_weight_update_group
-
-        body = await read_json_object(request)
-        try:
-            args = (_given(body, "backend", "gloo"), check_str("master_address", body["master_address"]),
-                    int(body["master_port"]), int(body["rank_offset"]), int(body["world_size"]), _group_name(body))
-        except (KeyError, TypeError, ValueError) as e:
-            raise RequestError(f"init_weights_update_group needs master_address, master_port, rank_offset and "
-                               f"world_size: {e!r}") from e
-        if args[0] not in ("gloo", "nccl"):
-            raise RequestError(f"unknown weight-update backend {args[0]!r}; valid: gloo, nccl")
-        if args[0] == "nccl" and self.engine.device.type != "cuda":
-            raise RequestError(f"this server runs on {self.engine.device}: it joins weight-update groups over "
-                               "gloo, not 'nccl' (NCCL needs the server on a GPU: --device cuda)")
-        try:  # joining blocks until every member is there: keep it off the event loop and the engine
-            group = await asyncio.get_running_loop().run_in_executor(None, lambda: create_weight_update_group(*args))
-        except Exception as e:
-            return web.json_response({"success": False, "message": f"could not join the group: {e}"}, status=400)
-        self.weight_groups[args[-1]] = group
-        return web.json_response({"success": True, "message": f"joined {args[-1]} as rank {args[3]}"})
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = await read_json_object(request)
-        name = _group_name(body)
-        if name not in self.weight_groups:
-            return web.json_response({"success": False, "message": f"no weight-update group {name!r}; "
-                                      "call /init_weights_update_group first"}, status=400)
-        names, dtypes, shapes = _given(body, "names", []), _given(body, "dtypes", []), _given(body, "shapes", [])
-        if not (isinstance(names, list) and all(type(n) is str for n in names)
-                and isinstance(dtypes, list) and all(type(d) is str for d in dtypes)):
-            raise RequestError("names and dtypes must be lists of strings")
-        if not (isinstance(shapes, list)
-                and all(isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in shapes)):
-            raise RequestError("shapes must be a list of lists of non-negative integers")
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise RequestError("names, dtypes and shapes must have the same length")
-        if check_bool("abort_all_requests", _given(body, "abort_all_requests", False)):
-            await asyncio.wrap_future(self.engine.abort(abort_all=True))
-        version = _weight_version(body)
-        try:
-            count = await asyncio.wrap_future(self.engine.update_weights_from_group(
-                self.weight_groups[name][0], names, dtypes, shapes, version))
-        except Exception as e:
-            return web.json_response({"success": False, "message": str(e)}, status=400)
-        return web.json_response({"success": True, "message": f"updated {count} tensors; "
-                                  f"weight_version={self.engine.weight_version}"})
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await read_json_object(request)
-        removed = self.weight_groups.pop(_group_name(body), None)
-        return web.json_response({"success": removed is not None,
-                                  "message": "destroyed" if removed else "no such group"})
-
-    async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = await read_json_object(request) if request.method == "POST" else dict(request.query)
-        name = check_str("name", body.get("name"))
-        truncate = _given(body, "truncate_size", 100)
-        if isinstance(truncate, str) and truncate.isdigit():  # from a query string
-            truncate = int(truncate)
-        truncate = check_int("truncate_size", truncate, minimum=0)
-
-        def read():
-            params = dict(self.engine.model.named_parameters())
-            if name not in params:
-                raise RequestError(f"no parameter named {name!r}")
-            return params[name].detach().float().flatten()[:truncate].tolist()
-
-        return web.json_response(await asyncio.wrap_future(self.engine.call(read)))
-
-
-def _weight_version(body: dict) -> Optional[str]:
-    version = body.get("weight_version")
-    if version is not None and type(version) not in (str, int):
-        raise RequestError(f"'weight_version' must be a string, got {shown(version)}")
-    return None if version is None else str(version)
-
-
-def _group_name(body: dict) -> str:
-    return check_str("group_name", _given(body, "group_name", "weight_update_group"))
-
 
 def _resolve(fut: asyncio.Future, result: GenRequest) -> None:
     if not fut.done():
@@ -422,7 +336,7 @@ def serve(args: argparse.Namespace) -> None:
     # A model that cannot load ends the server (non-zero exit), as SGLang does, so launchers fail fast.
     engine = BatchEngine(args.model, max_batch_size=args.max_batch_size, context_length=args.context_length,
                          seed=args.seed, dtype=args.dtype, device=str(device), trust_remote_code=args.trust_remote_code,
-                         weight_version=args.weight_version,
+                         weight_version=args.weight_version, deterministic=args.enable_deterministic_inference,
                          on_load_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
     # Listen at once (health says 503 while the model loads), as SGLang does.
     engine.start()

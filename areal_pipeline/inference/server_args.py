@@ -28,6 +28,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body taken (413 beyond)")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="honour a request's sampling_seed (as SGLang's flag: without it the seed is ignored)")
+    p.add_argument("--health-check-timeout", type=float, default=20.0,
+                   help="seconds /health waits for a paused server to continue before answering 503 (as SGLang's "
+                        "SGLANG_HEALTH_CHECK_TIMEOUT)")
     return p
 
 

@@ -128,7 +128,7 @@ def single_rank_fork(cfg: ExperimentConfig, command: list[str], log_dir: Path):
 
 
 def _loopback_interface() -> str:
-    from areal_pipeline.training.weight_sync import loopback_interface
+    from areal_pipeline.training.weight_group import loopback_interface
 
     return loopback_interface()
 
@@ -139,7 +139,7 @@ def run_one_node_torchrun(argv: Optional[list[str]] = None) -> None:
     to (`--local-addr 127.0.0.1` then names loopback as the ranks' MASTER_ADDR)."""
     from torch.distributed.run import main as torchrun
 
-    from areal_pipeline.training.weight_sync import bind_stores_to_named_address, loopback_interface
+    from areal_pipeline.training.weight_group import bind_stores_to_named_address, loopback_interface
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     bind_stores_to_named_address()

@@ -13,7 +13,8 @@ collective, and rank 0 answers. Commands:
     {"cmd": "probe_logp", "input_ids"}                      -> {"logprobs" of input_ids[1:] at temperature 1}
     {"cmd": "save", "path", "extra"} / {"cmd": "load", "path"}
     {"cmd": "save_weights", "path"}                         -> an HF directory for /update_weights_from_disk
-    {"cmd": "update_weights_distributed", "servers", "master_address", "master_port", "dtype"}
+    {"cmd": "update_weights_distributed", "servers", "master_address", "master_port", "dtype", "tp_sizes",
+     "epoch", "bucket_bytes"}
     {"cmd": "status"} / {"cmd": "shutdown"}
 
 Every file a command reads is checked against its manifest first (a checkpoint's checksums.json, the shards'
@@ -211,24 +212,40 @@ class Trainer:
     def update_weights_distributed(self, servers: list[str], master_address: str, master_port: int,
                                    dtype: str = "float32", group_name: str = "weight_update_group",
                                    server_devices: Optional[list[str]] = None,
-                                   server_gpus: Optional[list[Optional[str]]] = None) -> dict:
+                                   server_gpus: Optional[list[Optional[str]]] = None,
+                                   tp_sizes: Optional[list[int]] = None, epoch: int = 0,
+                                   bucket_bytes: Optional[int] = None) -> dict:
         """`server_devices`: where each server holds its model (its /get_server_info "device"; None: where this
         trainer is); `server_gpus`: their GPUs' UUIDs where they say (the project's server does, SGLang does not).
         NCCL needs both ends on GPUs, and on different ones (it refuses two members on one GPU: colocated use);
-        otherwise the group is gloo, the trainer sending host copies."""
-        from areal_pipeline.training.weight_sync import broadcast_weights, weight_group_backend
+        otherwise the group is gloo, the trainer sending host copies. `tp_sizes`: each server's tensor-parallel
+        ranks (1 each by default); `epoch`: changes whenever a server may have restarted, so that the group is
+        joined afresh; `bucket_bytes`: the most bytes announced by one update call (weight_sync.py)."""
+        from areal_pipeline.training.weight_sync import (DEFAULT_BUCKET_BYTES, broadcast_weights, weight_group_backend,
+                                                         wire_dtype)
 
         actor = self.require_actor()
+        try:
+            config = actor.model.config
+            dtype = wire_dtype(dtype, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+        except ValueError as e:
+            raise CommandError(str(e), status=400) from e
         backend = weight_group_backend(gpu_uuid(actor.device), server_devices, server_gpus, self.cfg.trainer.colocate)
         state = actor.full_state_dict()  # a collective: every rank takes part in gathering
         version = actor.version
+        seconds, failure = 0.0, None
         if self.rank == 0:
-            seconds = broadcast_weights(self.weight_groups, state, servers, version, master_address, master_port,
-                                        group_name, dtype, backend,
-                                        bool(getattr(actor.model.config, "tie_word_embeddings", False)))
-        else:
-            seconds = 0.0
+            try:
+                seconds = broadcast_weights(self.weight_groups, state, servers, version, master_address, master_port,
+                                            group_name, dtype, backend,
+                                            bool(getattr(actor.model.config, "tie_word_embeddings", False)),
+                                            tp_sizes=tp_sizes, epoch=epoch,
+                                            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
+            except Exception as e:  # raised after the barrier: the other ranks wait in it
+                failure = e
         dist.barrier()
+        if failure is not None:
+            raise failure
         return {"version": version, "seconds": seconds}
 
     def status(self) -> dict:

@@ -1,100 +1,63 @@
 """Weight broadcast from the trainer to inference servers over a process group of their own.
 
 The protocol is SGLang's: each server joins a group through `POST /init_weights_update_group` (the trainer is
-rank 0, server i takes rank `1 + i`), then for every update `POST /update_weights_from_distributed` announces
-the tensors (names, dtypes, shapes) and the trainer broadcasts them in that order while the HTTP calls are
-still open. The group is a standalone gloo (CPU) or NCCL (GPU) group, separate from the trainer's own.
+rank 0; each tensor-parallel rank of server i joins as `rank_offset + tp_rank`, so server i's offset is 1 plus the
+TP ranks of the servers before it), then for every update `POST /update_weights_from_distributed` announces the
+tensors (names, dtypes, shapes) and the trainer broadcasts them in that order while the HTTP calls are still open.
+The group is a standalone gloo (CPU) or NCCL (GPU) group, separate from the trainer's own, built as SGLang builds
+it (weight_group.py).
 
-Its sockets listen on the master's address only (loopback for a local master): a c10d TCPStore server
-otherwise listens on every interface whatever address it is given, and gloo on whatever the host name
-resolves to. `bind_stores_to_named_address` does the same for torchrun's own stores.
+An update is sent in buckets of about `bucket_bytes`: SGLang allocates every announced tensor before it receives
+any, so one call for a whole model would need a second copy of it in GPU memory. The last bucket sets the version
+and flushes the prefix cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
+from areal_pipeline.training.weight_group import (  # noqa: F401  (bind_stores_to_named_address: used by client.py)
+    GROUP_TIMEOUT,
+    NamedAddressTCPStore,
+    bind_stores_to_named_address,
+    destroy_weight_group,
+    host_weight_group,
+    loopback_interface,
+)
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
 
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-GROUP_TIMEOUT = timedelta(minutes=10)
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+# SGLang's --dtype names that are other names of a wire dtype
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+DEFAULT_BUCKET_BYTES = 1 << 30  # AReaL's bucket size
+# a group being replaced: servers that no longer answer must not hold up the new one for long
+_DESTROY_TIMEOUT_S = 30.0
 
 
-def _listening_socket(host: str, port: int) -> tuple[int, int]:
-    """(file descriptor, port) of a socket listening on `host`'s address only; port 0: a free one."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(socket.SOMAXCONN)
-    except BaseException:
-        sock.close()
-        raise
-    bound_port = sock.getsockname()[1]
-    return sock.detach(), bound_port  # the store's server owns the socket from here on
-
-
-class NamedAddressTCPStore(dist.TCPStore):
-    """A TCPStore whose server listens on the address it is named by (127.0.0.1: loopback only) rather than on
-    every interface; clients are ordinary TCPStores."""
-
-    def __init__(self, host_name: str, port: int, world_size: Optional[int] = None, is_master: bool = False,
-                 timeout: timedelta = timedelta(seconds=300), wait_for_workers: bool = True,
-                 multi_tenant: bool = False, master_listen_fd: Optional[int] = None, use_libuv: bool = True):
-        if is_master and master_listen_fd is None:
-            try:
-                master_listen_fd, port = _listening_socket(host_name, port)
-            except OSError as e:  # e.g. a multi-tenant server of this process already has the port
-                logger.warning("TCPStore %s:%s listens on every interface: cannot bind the address alone (%s)",
-                               host_name, port, e)
-        super().__init__(host_name, port, world_size, is_master, timeout, wait_for_workers, multi_tenant,
-                         master_listen_fd, use_libuv)
-
-
-def bind_stores_to_named_address() -> None:
-    """Make every TCPStore server this process starts from now on listen on its named address only, torchrun's
-    rendezvous and worker stores included (torch builds them itself, so its name for the class is replaced)."""
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
-
-    dist.TCPStore = c10d_rendezvous_backend.TCPStore = NamedAddressTCPStore
-
-
-def loopback_interface() -> str:
-    """The name of the network interface holding 127.0.0.1 (for GLOO_SOCKET_IFNAME)."""
-    import psutil
-
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
-            return name
-    return "lo"
-
-
-def _gloo_options_toward(master_address: str, timeout: timedelta):
-    """Gloo options whose device listens on the address this host reaches the master from (loopback for a
-    local master), rather than on whatever the host name resolves to."""
-    family, _, _, _, address = socket.getaddrinfo(master_address, 1, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(address)  # no packet is sent: this only picks the route
-        local_address = probe.getsockname()[0]
-    options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)]
-    options._timeout = timeout
-    return options
+def wire_dtype(name: str, model_dtype: Any = None) -> str:
+    """The dtype tensors travel in for SGLang's `--dtype name` (auto: the model's own, `model_dtype` as a torch dtype
+    or its name; float32 where the model names none: the server casts what it receives to what it serves). A name
+    SGLang does not take is a ValueError naming the valid ones."""
+    name = DTYPE_ALIASES.get(name, name)
+    if isinstance(model_dtype, str):
+        model_dtype = getattr(torch, model_dtype, None)
+    if name == "auto":
+        return DTYPE_NAMES.get(model_dtype, "float32") if model_dtype is not None else "float32"
+    if name not in DTYPES:
+        raise ValueError(f"weight-sync dtype {name!r} is not one of auto, half, float, {', '.join(DTYPES)}")
+    return name
 
 
 def weight_group_backend(trainer_gpu: Optional[str], server_devices: Optional[list[str]],
@@ -112,36 +75,49 @@ def weight_group_backend(trainer_gpu: Optional[str], server_devices: Optional[li
     return "nccl"
 
 
-def create_weight_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-                               group_name: str, timeout: timedelta = GROUP_TIMEOUT):
-    """Join (rank 0: host) a standalone process group; blocks until all `world_size` members have joined."""
-    store = NamedAddressTCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout)
-    prefixed = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, _gloo_options_toward(master_address, timeout))
-    elif backend == "nccl":
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
-    else:
-        raise ValueError(f"unknown weight-update backend '{backend}'; valid: gloo, nccl")
-    return group, store  # the store must outlive the group
+def rank_offsets(tp_sizes: list[int]) -> tuple[list[int], int]:
+    """(each server's rank_offset, the group's world size): rank 0 is the trainer, then every server's TP ranks."""
+    if any(type(n) is not int or n < 1 for n in tp_sizes):
+        raise ValueError(f"tensor-parallel sizes must be positive integers, got {tp_sizes}")
+    offsets, next_rank = [], 1
+    for n in tp_sizes:
+        offsets.append(next_rank)
+        next_rank += n
+    return offsets, next_rank
 
 
-def _post_all(servers: list[str], path: str, bodies: list[dict], results: list) -> list[threading.Thread]:
+@dataclasses.dataclass
+class WeightGroup:
+    """The trainer's side of one group, and whom it was built with: a group serves only the same members."""
+    group: Any
+    store: Any  # must outlive the group
+    members: tuple  # (servers, tp sizes, epoch, backend, master address)
+    servers: list[str]
+
+
+def _post_all(servers: list[str], path: str, bodies: list[dict], results: list,
+              timeout: float = GROUP_TIMEOUT.total_seconds()) -> list[threading.Thread]:
     def post(i: int, server: str) -> None:
         req = urllib.request.Request(f"http://{server}{path}", data=json.dumps(bodies[i]).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
         try:
-            with _opener.open(req, timeout=GROUP_TIMEOUT.total_seconds()) as resp:
+            with _opener.open(req, timeout=timeout) as resp:
                 results[i] = json.loads(resp.read())
         except urllib.error.HTTPError as e:
             results[i] = {"success": False, "message": f"HTTP {e.code}: {e.read().decode(errors='replace')}"}
-        except OSError as e:
+        except (OSError, ValueError) as e:
             results[i] = {"success": False, "message": f"{server} unreachable: {e}"}
 
     threads = [threading.Thread(target=post, args=(i, s), daemon=True) for i, s in enumerate(servers)]
     for t in threads:
         t.start()
     return threads
+
+
+def _join_all(threads: list[threading.Thread], timeout: float = GROUP_TIMEOUT.total_seconds()) -> None:
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _check(results: list, servers: list[str], what: str) -> None:
@@ -151,35 +127,118 @@ def _check(results: list, servers: list[str], what: str) -> None:
         raise RuntimeError(f"{what} failed on {len(failed)} server(s): " + "; ".join(failed))
 
 
-def broadcast_weights(groups: dict[str, Any], state: dict[str, torch.Tensor], servers: list[str], version: int,
-                      master_address: str, master_port: int, group_name: str, dtype: str, backend: str,
-                      tied_embeddings: bool) -> float:
-    """Trainer side (rank 0): join or reuse the group with `servers`, then broadcast `state`. Returns seconds."""
-    started = time.perf_counter()
-    if group_name not in groups:
-        world_size = 1 + len(servers)
-        results: list = [None] * len(servers)
-        bodies = [{"master_address": master_address, "master_port": master_port, "rank_offset": 1 + i,
-                   "world_size": world_size, "group_name": group_name, "backend": backend}
-                  for i in range(len(servers))]
-        threads = _post_all(servers, "/init_weights_update_group", bodies, results)
-        groups[group_name] = create_weight_update_group(backend, master_address, master_port, 0, world_size,
-                                                        group_name)
-        for t in threads:
-            t.join()
+def forget_group(groups: dict[str, WeightGroup], group_name: str) -> None:
+    """Drop the trainer's group `group_name` and ask its servers to drop theirs (a server that is gone, or never had
+    it, is passed over): its name can then be joined again."""
+    old = groups.pop(group_name, None)
+    if old is None:
+        return
+    results: list = [None] * len(old.servers)
+    _join_all(_post_all(old.servers, "/destroy_weights_update_group", [{"group_name": group_name}] * len(old.servers),
+                        results, _DESTROY_TIMEOUT_S), _DESTROY_TIMEOUT_S)
+    destroy_weight_group(old.group)
+
+
+def _join(groups: dict[str, WeightGroup], servers: list[str], tp_sizes: list[int], members: tuple,
+          master_address: str, master_port: int, group_name: str, backend: str) -> WeightGroup:
+    offsets, world_size = rank_offsets(tp_sizes)
+    # A server may still hold a group of this name from a trainer that is gone (SGLang then refuses the name):
+    # it is dropped first, as a group of ours would be.
+    results: list = [None] * len(servers)
+    _join_all(_post_all(servers, "/destroy_weights_update_group", [{"group_name": group_name}] * len(servers),
+                        results, _DESTROY_TIMEOUT_S), _DESTROY_TIMEOUT_S)
+    bodies = [{"master_address": master_address, "master_port": master_port, "rank_offset": offset,
+               "world_size": world_size, "group_name": group_name, "backend": backend} for offset in offsets]
+    results = [None] * len(servers)
+    threads = _post_all(servers, "/init_weights_update_group", bodies, results)
+    hosted: dict[str, Any] = {}
+
+    def host() -> None:
+        try:
+            hosted["group"] = host_weight_group(backend, master_address, master_port, world_size, group_name)
+        except BaseException as e:  # reported by the caller
+            hosted["error"] = e
+
+    # Hosting blocks until every rank has joined; a server that refuses to join answers at once, and then the wait
+    # is cut short (the hosting thread ends at the group's own timeout).
+    hosting = threading.Thread(target=host, daemon=True, name=f"host-{group_name}")
+    hosting.start()
+    deadline = time.monotonic() + GROUP_TIMEOUT.total_seconds()
+    while hosting.is_alive() and time.monotonic() < deadline:
+        if any(r is not None and not r.get("success") for r in results):
+            _check(results, servers, "init_weights_update_group")
+        hosting.join(0.05)
+    if "group" not in hosted:
+        raise RuntimeError(f"could not host weight-update group {group_name} on {master_address}:{master_port}: "
+                           f"{hosted.get('error', 'timed out')}")
+    group, store = hosted["group"]
+    _join_all(threads)
+    joined = WeightGroup(group, store, members, list(servers))
+    try:
         _check(results, servers, "init_weights_update_group")
-    group, _store = groups[group_name]
+    except BaseException:
+        destroy_weight_group(group)
+        raise
+    groups[group_name] = joined
+    return joined
+
+
+def buckets(names: list[str], sizes: list[int], bucket_bytes: int) -> Iterator[list[str]]:
+    """`names` in order, cut where a bucket would pass `bucket_bytes` (a tensor larger than that goes alone)."""
+    bucket: list[str] = []
+    filled = 0
+    for name, size in zip(names, sizes):
+        if bucket and filled + size > bucket_bytes:
+            yield bucket
+            bucket, filled = [], 0
+        bucket.append(name)
+        filled += size
+    if bucket:
+        yield bucket
+
+
+def broadcast_weights(groups: dict[str, WeightGroup], state: dict[str, torch.Tensor], servers: list[str],
+                      version: int, master_address: str, master_port: int, group_name: str, dtype: str, backend: str,
+                      tied_embeddings: bool, tp_sizes: Optional[list[int]] = None, epoch: int = 0,
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
+    """Trainer side (rank 0): join the group with `servers` (each with `tp_sizes[i]` ranks; 1 each by default), or
+    reuse the one joined with the same servers, sizes and `epoch` (which the caller bumps whenever a server may have
+    restarted: a restarted server has no group, and SGLang dies on an update for a group it lacks), then broadcast
+    `state` in buckets. Returns seconds."""
+    started = time.perf_counter()
+    tp_sizes = list(tp_sizes) if tp_sizes is not None else [1] * len(servers)
+    if len(tp_sizes) != len(servers):
+        raise ValueError(f"{len(tp_sizes)} tensor-parallel sizes for {len(servers)} servers")
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    wire = DTYPES[wire_dtype(dtype)]
+    members = (tuple(servers), tuple(tp_sizes), epoch, backend, master_address)
+    if group_name in groups and groups[group_name].members != members:
+        forget_group(groups, group_name)
+    joined = groups.get(group_name) or _join(groups, servers, tp_sizes, members, master_address, master_port,
+                                             group_name, backend)
     # A tied lm_head is the embedding: the server updates both when it receives one.
     names = [n for n in state if not (tied_embeddings and n == "lm_head.weight")]
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    body = {"names": names, "dtypes": [dtype] * len(names), "shapes": [list(state[n].shape) for n in names],
-            "group_name": group_name, "flush_cache": True, "abort_all_requests": False,
-            "weight_version": str(version)}
-    results = [None] * len(servers)
-    threads = _post_all(servers, "/update_weights_from_distributed", [body] * len(servers), results)
-    for name in names:
-        group.broadcast(state[name].to(device=device, dtype=DTYPES[dtype]).contiguous(), root=0).wait()
-    for t in threads:
-        t.join()
-    _check(results, servers, "update_weights_from_distributed")
+    sizes = [state[n].numel() * wire.itemsize for n in names]
+    parts = list(buckets(names, sizes, bucket_bytes))
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            body = {"names": part, "dtypes": [DTYPE_NAMES[wire]] * len(part),
+                    "shapes": [list(state[n].shape) for n in part], "group_name": group_name,
+                    "flush_cache": last, "abort_all_requests": False,
+                    "weight_version": str(version) if last else None}
+            results: list = [None] * len(servers)
+            threads = _post_all(servers, "/update_weights_from_distributed", [body] * len(servers), results)
+            try:
+                for name in part:
+                    joined.group.broadcast(state[name].to(device=device, dtype=wire).contiguous(), root=0).wait()
+            finally:
+                _join_all(threads)
+            _check(results, servers, "update_weights_from_distributed")
+    except BaseException:
+        # the members may be out of step (a server that failed posts fewer receives): the next update joins afresh
+        forget_group(groups, group_name)
+        raise
     return time.perf_counter() - started

@@ -1,0 +1,156 @@
+"""The CPU server's weight routes: `/update_weights_from_disk`, `/get_weights_by_name` and the weight-update group's
+(`/init_weights_update_group`, `/update_weights_from_distributed`, `/destroy_weights_update_group`), as SGLang has
+them. The group is joined as SGLang joins it (areal_pipeline/training/weight_group.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Optional
+
+from aiohttp import web
+
+from areal_pipeline.http_json import check_bool, check_int, check_str, read_json_object, shown
+from areal_pipeline.inference.engine import RequestError
+
+
+def _given(body: dict, key: str, default: Any) -> Any:
+    """`body[key]`, or `default` when it is absent or null (SGLang's optional fields take null)."""
+    value = body.get(key)
+    return default if value is None else value
+
+
+class WeightRoutes:
+    def __init__(self, server):
+        """`server`: the InferenceServer (its `engine` and `_require_ready`)."""
+        self.server = server
+        self.weight_groups: dict[str, Any] = {}  # group_name -> (process group, its backend)
+
+    def register(self, r: web.UrlDispatcher) -> None:
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        if (not_ready := self.server._require_ready()) is not None:
+            return not_ready
+        body = await read_json_object(request)
+        if body.get("model_path") is None:
+            raise RequestError("model_path is required")
+        path = check_str("model_path", body["model_path"])
+        if body.get("load_format") not in (None, "safetensors", "auto"):
+            raise RequestError("the CPU server loads safetensors weights only")
+        version = _weight_version(body)
+        abort_all = check_bool("abort_all_requests", _given(body, "abort_all_requests", False))
+        check_bool("flush_cache", _given(body, "flush_cache", True))
+        started = time.perf_counter()
+        try:  # read and checked before any weight is swapped in, off the engine thread: generation goes on meanwhile
+            state = await asyncio.to_thread(self.server.engine.read_weights, path)
+        except RequestError as e:
+            return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0}, status=400)
+        if abort_all:
+            await asyncio.wrap_future(self.server.engine.abort(abort_all=True))
+        num_paused = self.server.engine.num_running()
+        count = await asyncio.wrap_future(self.server.engine.load_weights(state, version))
+        return web.json_response({
+            "success": True,
+            "message": f"Succeeded to update model weights ({count} tensors in "
+                       f"{time.perf_counter() - started:.3f}s); weight_version={self.server.engine.weight_version}",
+            "num_paused_requests": num_paused,
+            "weight_version": self.server.engine.weight_version,
+        })
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        from areal_pipeline.training.weight_group import join_weight_group
+
+        body = await read_json_object(request)
+        try:
+            args = (_given(body, "backend", "gloo"), check_str("master_address", body["master_address"]),
+                    int(body["master_port"]), int(body["rank_offset"]), int(body["world_size"]), _group_name(body))
+        except (KeyError, TypeError, ValueError) as e:
+            raise RequestError(f"init_weights_update_group needs master_address, master_port, rank_offset and "
+                               f"world_size: {e!r}") from e
+        if args[0] not in ("gloo", "nccl"):
+            raise RequestError(f"unknown weight-update backend {args[0]!r}; valid: gloo, nccl")
+        if args[0] == "nccl" and self.server.engine.device.type != "cuda":
+            raise RequestError(f"this server runs on {self.server.engine.device}: it joins weight-update groups over "
+                               "gloo, not 'nccl' (NCCL needs the server on a GPU: --device cuda)")
+        # As SGLang: this server's one TP rank joins as rank_offset + 0, through torch's tcp:// rendezvous; a name
+        # it already holds is refused by torch, as on SGLang (/destroy_weights_update_group frees it)
+        backend, address, port, rank, world_size, name = args
+        try:  # joining blocks until every member is there: keep it off the event loop and the engine
+            group = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: join_weight_group(backend, address, port, rank, world_size, name))
+        except Exception as e:
+            return web.json_response({"success": False,
+                                      "message": f"Failed to initialize custom process group: {e}."}, status=400)
+        self.weight_groups[name] = (group, backend)
+        return web.json_response({"success": True, "message": f"joined {name} as rank {rank} of {world_size}"})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request)
+        name = _group_name(body)
+        if name not in self.weight_groups:  # SGLang's scheduler asserts here and the server dies; refused clearly
+            return web.json_response({"success": False, "message": f"Group {name} not in "
+                                      f"{sorted(self.weight_groups)}. Please call `init_weights_update_group` "
+                                      "first."}, status=400)
+        names, dtypes, shapes = _given(body, "names", []), _given(body, "dtypes", []), _given(body, "shapes", [])
+        if not (isinstance(names, list) and all(type(n) is str for n in names)
+                and isinstance(dtypes, list) and all(type(d) is str for d in dtypes)):
+            raise RequestError("names and dtypes must be lists of strings")
+        if not (isinstance(shapes, list)
+                and all(isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in shapes)):
+            raise RequestError("shapes must be a list of lists of non-negative integers")
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise RequestError("names, dtypes and shapes must have the same length")
+        if check_bool("abort_all_requests", _given(body, "abort_all_requests", False)):
+            await asyncio.wrap_future(self.server.engine.abort(abort_all=True))
+        version = _weight_version(body)
+        try:
+            group, backend = self.weight_groups[name]
+            count = await asyncio.wrap_future(self.server.engine.update_weights_from_group(
+                group, backend, names, dtypes, shapes, version))
+        except Exception as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        return web.json_response({"success": True, "message": f"updated {count} tensors; "
+                                  f"weight_version={self.server.engine.weight_version}"})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request)
+        from areal_pipeline.training.weight_group import destroy_weight_group
+
+        removed = self.weight_groups.pop(_group_name(body), None)
+        if removed is None:  # SGLang's words and status
+            return web.json_response({"success": False, "message": "The group to be destroyed does not exist."},
+                                     status=400)
+        await asyncio.get_running_loop().run_in_executor(None, destroy_weight_group, removed[0])
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await read_json_object(request) if request.method == "POST" else dict(request.query)
+        name = check_str("name", body.get("name"))
+        truncate = _given(body, "truncate_size", 100)
+        if isinstance(truncate, str) and truncate.isdigit():  # from a query string
+            truncate = int(truncate)
+        truncate = check_int("truncate_size", truncate, minimum=0)
+
+        def read():
+            params = dict(self.server.engine.model.named_parameters())
+            if name not in params:
+                raise RequestError(f"no parameter named {name!r}")
+            return params[name].detach().float().flatten()[:truncate].tolist()
+
+        return web.json_response(await asyncio.wrap_future(self.server.engine.call(read)))
+
+
+def _weight_version(body: dict) -> Optional[str]:
+    version = body.get("weight_version")
+    if version is not None and type(version) not in (str, int):
+        raise RequestError(f"'weight_version' must be a string, got {shown(version)}")
+    return None if version is None else str(version)
+
+
+def _group_name(body: dict) -> str:
+    return check_str("group_name", _given(body, "group_name", "weight_update_group"))
