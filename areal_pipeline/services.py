@@ -8,7 +8,7 @@ from typing import Optional
 
 from areal_pipeline import shutdown
 from areal_pipeline.config import ExperimentConfig
-from areal_pipeline.inference.launcher import LIVENESS_PATH, LIVENESS_TIMEOUT_S, ServerProcess, launch_servers
+from areal_pipeline.inference.launcher import LIVENESS_TIMEOUT_S, ServerProcess, launch_servers
 from areal_pipeline.training.client import TrainerClient, launch_trainer
 from areal_pipeline.utils import get_logger
 
@@ -151,7 +151,7 @@ class Services:
         # Not /health: a server this run paused (an update in flight on another thread) would block on it and look
         # dead to SGLang's probe after ~20 s; liveness is asked where a paused server answers too.
         dead = [s for s in self.inference if s.popen is None or s.popen.poll() is not None
-                or not (self._inference_checked or s.is_healthy(LIVENESS_PATH, LIVENESS_TIMEOUT_S))]
+                or not (self._inference_checked or s.is_healthy(s.liveness_path, LIVENESS_TIMEOUT_S))]
         self._inference_checked = True
         if dead:
             self.forget_served()

@@ -188,10 +188,12 @@ class ServerProcess:
 
     def __init__(self, command: list[str], address: str, log_path: Optional[Path] = None,
                  env: Optional[dict[str, str]] = None, fork: Optional[tuple[str, list[str], dict[str, str]]] = None,
-                 kind: str = "inference server"):
+                 kind: str = "inference server", liveness_path: str = LIVENESS_PATH):
         """`fork`: (module, argv, extra environment) of the same service as a fork of the preloaded forkserver
-        (areal_pipeline/forkserver.py), tried before `command`. `kind` names the service in logs and errors."""
+        (areal_pipeline/forkserver.py), tried before `command`. `kind` names the service in logs and errors.
+        `liveness_path`: what a run asks a server it may have paused (vLLM's /health runs no generation)."""
         self.kind = kind
+        self.liveness_path = liveness_path
         self.command = list(command)
         self.address = address
         self.log_path = Path(log_path) if log_path is not None else None
@@ -369,7 +371,8 @@ def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: 
         ServerProcess(command, f"{cfg.host}:{port}", log_dir / f"inference-server-{i}.log", env=envs[i],
                       # forked only on the CPU: the forkserver's process may have initialised the CUDA driver (a
                       # fork of it cannot use CUDA), and a GPU server's start-up is not the critical path
-                      fork=_forked_cpu_server(command) if cfg.backend == "cpu" and not gpus[i] else None)
+                      fork=_forked_cpu_server(command) if cfg.backend == "cpu" and not gpus[i] else None,
+                      liveness_path="/health" if cfg.backend == "vllm" else LIVENESS_PATH)
         for i, (port, command) in enumerate(zip(ports, commands))
     ]
     return servers
