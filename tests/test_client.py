@@ -161,6 +161,22 @@ def test_bad_request_surfaces_server_message(two_servers):
     assert "maximum context length" in str(info.value) and "/generate" in str(info.value)
 
 
+def test_a_generation_at_the_context_length_ends_by_length_without_a_request(two_servers):
+    """A prompt one token short of the context length leaves no room (SGLang refuses prompt + budget reaching the
+    limit): the client ends it by length, with no tokens, and sends nothing; one more token of room generates."""
+    req = _request(max_new_tokens=4)
+    prompt = len(req.input_ids)
+
+    async def main(addresses, context_length):
+        async with RemoteSGLangEngine(addresses, context_length=context_length, request_retries=0) as engine:
+            return await engine.agenerate(req)
+
+    full = run(main([f"127.0.0.1:{find_free_port()}"], prompt + 1))  # nothing listens there: a request would fail
+    assert (full.output_tokens, full.output_logprobs, full.stop_reason) == ([], [], "length")
+    roomy = run(main(two_servers, prompt + 2))
+    assert len(roomy.output_tokens) == 1 and roomy.stop_reason == "length"
+
+
 async def _fake_server(statuses: list[int]):
     """A server answering /generate with the given statuses in turn (then 200), counting calls."""
     calls = []

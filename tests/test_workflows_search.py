@@ -293,7 +293,9 @@ def test_tutorial_prompt_and_information_against_a_real_server(cpu_server, tiny_
     workflow = build_workflow(cfg, tokenizer, InlinePool(), tool_addresses={"retrieval": retrieval})
 
     async def go():
-        async with RemoteSGLangEngine([cpu_server]) as real:
+        # as the pipeline builds it (from_config): the episode's budget reaches the context length, and SGLang (and
+        # the project's server) refuse a prompt plus budget that does, so the client cuts the last turn's budget
+        async with RemoteSGLangEngine([cpu_server], context_length=cfg.inference.context_length) as real:
             engine = RecordingEngine(_ScriptedFirstTurn(real, model, _enc(tokenizer, f" <search> {CITY} </search>")))
             return engine, await workflow.arun_episode(engine, DATA)
 

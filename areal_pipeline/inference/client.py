@@ -245,6 +245,12 @@ class RemoteSGLangEngine:
             "stream": False,
         }
 
+    def _context_full(self, sample: _Sample) -> bool:
+        """Whether `sample` has reached the servers' context length (where known): its prompt and tokens so far fit,
+        but not one more token below the limit, which SGLang requires."""
+        used = len(sample.req.input_ids) + len(sample.tokens)
+        return bool(self.context_length) and used < self.context_length <= used + 1
+
     def _segment_version(self, meta: dict) -> int:
         try:
             return int(meta.get("weight_version"))
@@ -289,6 +295,10 @@ class RemoteSGLangEngine:
         samples = [_Sample(req) for req in reqs]
         start = time.perf_counter()
         while pending := [s for s in samples if s.unfinished]:
+            for sample in [s for s in pending if self._context_full(s)]:
+                sample.stop_reason = "length"  # SGLang refuses a request that leaves no room to generate in
+            if not (pending := [s for s in pending if s.unfinished]):
+                break
             while self._paused:
                 await asyncio.sleep(_PAUSE_POLL_S)
             empty_abort = False
