@@ -254,6 +254,18 @@ def test_sampling_parameters_reach_vllm(server, models):
     asyncio.run(run())
 
 
+def assert_serves_checkpoint(server: str, models, run_dir: Path, iteration: int) -> None:
+    """The server says it serves version `iteration` and its probe logprobs are that checkpoint's model's."""
+    final = run_dir / "checkpoints" / f"step_{iteration}" / "model"
+    ids = probe(models)
+
+    async def served():
+        async with RemoteVLLMEngine([server]) as engine:
+            assert (await engine.get_model_info())["weight_version"] == str(iteration)
+            return await verify_served(engine, ids, reference_logprobs(final, ids), iteration, TOLERANCE)
+    assert asyncio.run(served())[server] < 1e-4
+
+
 def _verified_versions(caplog) -> list[int]:
     return [int(m.group(1)) for r in caplog.records
             if (m := re.match(r"servers verified at version (\d+)", r.getMessage()))]
@@ -270,14 +282,7 @@ def test_default_config_learns_on_vllm_with_every_update_verified(server, models
     assert _verified_versions(caplog) == list(range(0, iterations + 1))
     first, last = first_and_last(records, window=3)
     assert last > first + 0.1, (first, last)
-    final = tmp_path / cfg.run_id / "checkpoints" / f"step_{iterations}" / "model"
-    ids = probe(models)
-
-    async def served():
-        async with RemoteVLLMEngine([server]) as engine:
-            assert (await engine.get_model_info())["weight_version"] == str(iterations)
-            return await verify_served(engine, ids, reference_logprobs(final, ids), iterations, TOLERANCE)
-    assert asyncio.run(served())[server] < 1e-4
+    assert_serves_checkpoint(server, models, tmp_path / cfg.run_id, iterations)
 
 
 def test_asynchronous_training_on_a_vllm_server_the_run_launches(vllm_python, models, tmp_path, caplog):
@@ -329,11 +334,4 @@ def test_the_train_flow_runs_on_vllm(server, models, tmp_path):
     run_dir = tmp_path / "vllm-flow"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == list(range(1, iterations + 1))
-    final = run_dir / "checkpoints" / f"step_{iterations}" / "model"
-    ids = probe(models)
-
-    async def served():
-        async with RemoteVLLMEngine([server]) as engine:
-            assert (await engine.get_model_info())["weight_version"] == str(iterations)
-            return await verify_served(engine, ids, reference_logprobs(final, ids), iterations, TOLERANCE)
-    assert asyncio.run(served())[server] < 1e-4
+    assert_serves_checkpoint(server, models, run_dir, iterations)
