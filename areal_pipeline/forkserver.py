@@ -4,7 +4,7 @@ A CPU inference server or a trainer started as `python -m ...` spends seconds im
 Qwen2 modules before it loads a model; on a small machine, two of them plus the command's own imports and
 Prefect's API server dominated the start-up of a default run. Python's forkserver start method (stdlib
 `multiprocessing`) does that import once, in a server process; each service is then a fork of it, healthy a
-fraction of a second after it is asked for (README, "Start-up", and `bench/startup.py` give the figures).
+fraction of a second after it is asked for (docs/prefect.md and `bench/startup.py` give the figures).
 `areal-pipeline train` makes a fork of itself that server (`start_here`) once it has imported torch and
 transformers' auto classes, which it needs too (the same in a sweep's run); the fork imports the services'
 remaining modules while the command imports Prefect's, so on a small machine no import is done twice. Elsewhere

@@ -9,7 +9,7 @@ in a session of its own, waits for /api/health and returns the API URL to export
 server, then PostgreSQL (`pg_ctl stop -m fast`). Nothing listens beyond loopback.
 
 Prefect's default SQLite database serialises every write: against a standing server, concurrent runs and the
-task-run recorder then wait on "database is locked" (README, "A standing Prefect server"). PostgreSQL does not.
+task-run recorder then wait on "database is locked" (docs/prefect.md, "A standing Prefect server"). PostgreSQL does not.
 
 PostgreSQL refuses to run as root; run as root, its commands run as the `postgres` user, who owns DIR/postgres.
 The database password is generated at `initdb` and kept in DIR/db-password (mode 0600).

@@ -1,7 +1,7 @@
 """How the iterations of one train run overlap: in their bookkeeping, never in their nodes.
 
 Starting and finishing a flow run are synchronous API calls (create, states, metrics, artifacts) that would
-otherwise sit between two iterations' nodes (README, "Benchmarks", has what they cost). So the flow run of
+otherwise sit between two iterations' nodes (bench/RESULTS.md has what they cost). So the flow run of
 iteration k+1 starts while iteration k's ppo_update runs, and its first node waits until k's last node is done;
 iteration k reports while k+1 works. At most two iterations are in flight. In asynchronous mode (eta > 0)
 iteration k+1's rollout and advantages also run during k's update (`Pipeline.ahead_nodes`), and its own update

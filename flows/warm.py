@@ -1,7 +1,7 @@
 """The warm launcher: a process that has already imported what a run needs, so that a run starts as a fork of it.
 
 Most of a run's start-up on a small machine is imports: torch, transformers' tokenizer and Qwen2 modules, Prefect
-and its API server (README, "Start-up"; `bench/startup.py`). A fresh interpreter pays them on every command.
+and its API server (docs/prefect.md; `bench/startup.py`). A fresh interpreter pays them on every command.
 `areal-pipeline warm start` starts a launcher that imports them once and then waits on a socket; while it runs,
 `areal-pipeline train`, `evaluate` and `sweep` (and each run of a sweep) send it their command line, working
 directory, environment and terminal (the file descriptors themselves), and the launcher forks a process that runs
