@@ -14,7 +14,10 @@ import pytest
 from areal_pipeline.inference.launcher import ServerProcess
 from areal_pipeline.utils import find_free_port
 
+# The full data sets, where the checkout sits beside ../shared; tests/data holds small slices of the same data in
+# the same layouts, so that every test of real rows runs in every checkout (tests/data/README.md).
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+TEST_DATA = Path(__file__).resolve().parent / "data"
 # Commands started by tests never run as forks of a developer's warm launcher (flows/warm.py), which may hold
 # another version of the code; tests/test_warm.py starts launchers of its own.
 os.environ["AREAL_WARM"] = "0"
@@ -60,3 +63,45 @@ def http(address: str, path: str, body=None, method: str | None = None, timeout:
         return status, json.loads(raw) if raw else None
     except json.JSONDecodeError:
         return status, raw.decode()
+
+
+# --- Under CI a skip is a failure, unless it is for a GPU --------------------------------------------------------
+# A skipped test checks nothing, and a summary line "N skipped" hides which capability went untested. Where CI is
+# set (CI=true, as CI services set it), a skip fails the test with its reason, unless the reason says the test
+# needs (or must not have) a GPU: "GPU" or "CUDA" in it. Self-contained so that it merges beside other edits.
+
+
+def _ci_forbids_skips() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+def _skip_allowed_under_ci(reason: str) -> bool:
+    return "GPU" in reason or "CUDA" in reason
+
+
+def _fail_a_skip_under_ci(report) -> None:
+    if not report.skipped or hasattr(report, "wasxfail") or not _ci_forbids_skips():
+        return
+    reason = _skip_reason(report)
+    if not _skip_allowed_under_ci(reason):
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI (CI={os.environ['CI']}), which only a GPU reason may: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_a_skip_under_ci(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_a_skip_under_ci(outcome.get_result())
