@@ -18,6 +18,13 @@ from areal_pipeline.utils import find_free_port
 # the same layouts, so that every test of real rows runs in every checkout (tests/data/README.md).
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 TEST_DATA = Path(__file__).resolve().parent / "data"
+
+
+def data_dirs(name: str) -> list:
+    """pytest params of the folders holding data set `name`: the bundled slice always, the full data set where it
+    is present (a variant for tests whose point is the whole set; the bundled slice covers the capability)."""
+    return [pytest.param(TEST_DATA / name, id="bundled")] + (
+        [pytest.param(SHARED_DATA / name, id="shared")] if (SHARED_DATA / name).is_dir() else [])
 # Commands started by tests never run as forks of a developer's warm launcher (flows/warm.py), which may hold
 # another version of the code; tests/test_warm.py starts launchers of its own.
 os.environ["AREAL_WARM"] = "0"

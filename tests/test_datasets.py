@@ -6,10 +6,7 @@ import pytest
 
 from areal_pipeline.config import DatasetConfig
 from areal_pipeline.data.datasets import DatasetError, load_records
-
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared/data"
-GSM8K_DIR = SHARED_DATA / "gsm8k"
-HOTPOTQA = SHARED_DATA / "hotpotqa/qa.jsonl"
+from conftest import TEST_DATA, data_dirs
 
 
 def _arith(**kw) -> DatasetConfig:
@@ -65,14 +62,18 @@ def test_unknown_dataset_lists_valid_names():
         load_records(DatasetConfig(name="mnist"), "train", seed=1)
 
 
-@pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="shared GSM8K data not present")
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.open() if line.strip()]
+
+
+@pytest.mark.parametrize("gsm8k_dir", data_dirs("gsm8k"))
 @pytest.mark.parametrize("as_dir", [True, False])
-def test_gsm8k_local(as_dir):
-    path = GSM8K_DIR if as_dir else GSM8K_DIR / "test.jsonl"
+def test_gsm8k_local(as_dir, gsm8k_dir):
+    path = gsm8k_dir if as_dir else gsm8k_dir / "test.jsonl"
     cfg = DatasetConfig(name="gsm8k", path=str(path), max_test_size=10)
     records = load_records(cfg, "test", seed=1)
     assert len(records) == 10
-    first = json.loads((GSM8K_DIR / "test.jsonl").open().readline())
+    first = _rows(gsm8k_dir / "test.jsonl")[0]
     r = records[0]
     assert r["prompt_id"] == "gsm8k-test-00000"
     assert r["question"] == first["question"]
@@ -80,14 +81,17 @@ def test_gsm8k_local(as_dir):
     assert r["messages"][-1]["content"].startswith(first["question"])
     assert "The answer is" in r["messages"][-1]["content"]
     if as_dir:
-        assert len(load_records(DatasetConfig(name="gsm8k", path=str(path)), "train", seed=1)) == 7473
+        train = load_records(DatasetConfig(name="gsm8k", path=str(path)), "train", seed=1)
+        assert [r["question"] for r in train] == [r["question"] for r in _rows(gsm8k_dir / "train.jsonl")]
+        assert len(train) == (24 if gsm8k_dir.parent == TEST_DATA else 7473)  # the slice, the full train split
 
 
-@pytest.mark.skipif(not HOTPOTQA.is_file(), reason="shared HotpotQA data not present")
-def test_search_qa_hotpotqa():
-    records = load_records(DatasetConfig(name="search_qa", path=str(HOTPOTQA)), "train", seed=1)
-    first = json.loads(HOTPOTQA.open().readline())
-    assert len(records) == sum(1 for line in HOTPOTQA.open() if line.strip())
+@pytest.mark.parametrize("hotpotqa_dir", data_dirs("hotpotqa"))
+def test_search_qa_hotpotqa(hotpotqa_dir):
+    qa = hotpotqa_dir / "qa.jsonl"
+    records = load_records(DatasetConfig(name="search_qa", path=str(qa)), "train", seed=1)
+    first = _rows(qa)[0]
+    assert len(records) == (30 if hotpotqa_dir.parent == TEST_DATA else 300)
     assert records[0]["prompt_id"] == first["id"]
     assert records[0]["question"] == first["question"]
     assert records[0]["answer"] == first["answer"]

@@ -26,11 +26,10 @@ from areal_pipeline.tools.retrieval_server import (
 )
 from areal_pipeline.utils import find_free_port
 from _http_helpers import serve_on_loopback
-from conftest import http
+from conftest import TEST_DATA, data_dirs, http
 from test_server import post_raw, while_polling_health
 
-HOTPOTQA = Path(__file__).resolve().parents[2] / "shared/data/hotpotqa"
-needs_hotpotqa = pytest.mark.skipif(not (HOTPOTQA / "corpus.jsonl").is_file(), reason="shared HotpotQA data not present")
+HOTPOTQA = TEST_DATA / "hotpotqa"  # the bundled slice: 30 questions, their 300 paragraphs
 
 
 def _service(corpus: str | None, index_dir: Path, **kw) -> RetrievalService:
@@ -43,15 +42,17 @@ def kb_service(tmp_path_factory) -> RetrievalService:
     return _service(None, tmp_path_factory.mktemp("indexes"))
 
 
-@needs_hotpotqa
-def test_bm25_finds_hotpotqa_supporting_paragraphs(tmp_path):
-    service = _service(str(HOTPOTQA / "corpus.jsonl"), tmp_path, max_queries=10_000)
-    qa = [json.loads(line) for line in (HOTPOTQA / "qa.jsonl").open()]
+@pytest.mark.parametrize("hotpotqa_dir", data_dirs("hotpotqa"))
+def test_bm25_finds_hotpotqa_supporting_paragraphs(tmp_path, hotpotqa_dir):
+    service = _service(str(hotpotqa_dir / "corpus.jsonl"), tmp_path, max_queries=10_000)
+    qa = [json.loads(line) for line in (hotpotqa_dir / "qa.jsonl").open()]
     results = service.retrieve({"queries": [q["question"] for q in qa], "topk": 10})["result"]
     titles = [{doc["title"] for doc in found} for found in results]
-    # measured: 99% of questions have a supporting paragraph in the top 10, 73% have both
-    assert sum(bool(set(q["supporting_titles"]) & t) for q, t in zip(qa, titles)) / len(qa) >= 0.95
-    assert sum(set(q["supporting_titles"]) <= t for q, t in zip(qa, titles)) / len(qa) >= 0.6
+    # a question with one / both supporting paragraphs in the top 10; random picks would find one for ~7% of the
+    # slice's questions (10 of 300 paragraphs, 2 of them right) and for ~0.2% in the full corpus
+    one, both = (0.95, 0.8) if hotpotqa_dir.parent == TEST_DATA else (0.95, 0.6)
+    assert sum(bool(set(q["supporting_titles"]) & t) for q, t in zip(qa, titles)) / len(qa) >= one
+    assert sum(set(q["supporting_titles"]) <= t for q, t in zip(qa, titles)) / len(qa) >= both
     first = results[0][0]
     assert set(first) == {"id", "title", "contents"} and first["contents"].startswith(f'"{first["title"]}"\n')
 
@@ -174,8 +175,6 @@ def test_dense_retriever_with_a_local_encoder(tmp_path):
 
 @pytest.fixture(scope="module")
 def hotpotqa_server(tmp_path_factory):
-    if not (HOTPOTQA / "corpus.jsonl").is_file():
-        pytest.skip("shared HotpotQA data not present")
     port = find_free_port()
     logs = tmp_path_factory.mktemp("retrieval-logs")
     command = [sys.executable, "-m", "areal_pipeline.cli", "retrieval-server", "--corpus", str(HOTPOTQA / "corpus.jsonl"),
@@ -188,7 +187,8 @@ def hotpotqa_server(tmp_path_factory):
 
 def test_http_api_on_hotpotqa(hotpotqa_server):
     status, body = http(hotpotqa_server, "/health")
-    assert status == 200 and body == {"status": "ok", "retriever": "bm25", "num_docs": 9819}
+    num_docs = sum(1 for line in (HOTPOTQA / "corpus.jsonl").open() if line.strip())
+    assert status == 200 and body == {"status": "ok", "retriever": "bm25", "num_docs": num_docs} and num_docs == 300
     status, body = http(hotpotqa_server, "/retrieve", {"queries": ["Socialist Revolutionary Party Kerensky", "Poleconomy"],
                                                        "topk": 2})
     assert status == 200 and len(body["result"]) == 2

@@ -10,19 +10,19 @@ from pathlib import Path
 
 import pytest
 from _reward_helpers import fail, hang, hang_or_fail_on_marker
+from conftest import data_dirs
 
 from areal_pipeline.rewards import RewardPool, extract_answer, extract_reference, math_reward
 
-GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared/data/gsm8k/test.jsonl"
 TIMEOUT = 2.0
 
 
-@pytest.fixture(scope="module")
-def gsm8k_rows():
-    if not GSM8K_TEST.exists():
-        pytest.skip(f"{GSM8K_TEST} is absent")
-    with GSM8K_TEST.open() as f:
-        return [json.loads(line) for line in itertools.islice(f, 200)]
+@pytest.fixture(scope="module", params=data_dirs("gsm8k"))
+def gsm8k_rows(request):
+    with (request.param / "test.jsonl").open() as f:
+        rows = [json.loads(line) for line in itertools.islice(f, 200)]
+    assert len(rows) >= 48, request.param
+    return rows
 
 
 def test_gsm8k_reference_solution_scores_itself(gsm8k_rows):
