@@ -137,7 +137,7 @@ def test_a_failed_iteration_cancels_its_episodes_and_a_retry_starts_afresh(tiny_
             pipeline.start()
             real_episodes = pipeline._episodes
             pipeline._episodes = lambda k: [{**real_episodes(k)[0], "answer": None, "messages": None}]
-            with pytest.raises(Exception):
+            with pytest.raises(TypeError, match="'NoneType' object is not iterable"):  # the episode's messages
                 pipeline.rollout(1)
             pipeline._episodes = real_episodes
             stats = pipeline.rollout(1)  # the retry

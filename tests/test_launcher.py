@@ -1,4 +1,5 @@
 import os
+import signal
 import socket
 import sys
 import time
@@ -215,7 +216,7 @@ def test_health_timeout_stops_the_process(tmp_path):
         with pytest.raises(ServerLaunchError, match="not healthy after 1s"):
             server.wait_healthy(timeout=1)
         assert time.monotonic() - start < 15
-        assert server.popen.returncode is not None and not _alive([server.popen.pid])
+        assert server.popen.returncode == -signal.SIGTERM and not _alive([server.popen.pid])
 
 
 def test_stop_kills_the_whole_tree():
@@ -265,16 +266,22 @@ def test_real_cpu_server_launch_and_stop(tiny_model, tmp_path):
 
 
 def _two_adjacent_ports_one_taken() -> tuple[int, socket.socket]:
-    for _ in range(50):
-        port = find_free_port()
+    """A free port whose next port is taken (by the returned listening socket)."""
+    deadline = time.monotonic() + 10
+    while True:
         blocker = socket.socket()
+        blocker.bind(("127.0.0.1", 0))  # the kernel's pick; the port below it must be free
+        port = blocker.getsockname()[1] - 1
+        probe = socket.socket()
         try:
-            blocker.bind(("127.0.0.1", port + 1))
+            probe.bind(("127.0.0.1", port))
             blocker.listen()
             return port, blocker
         except OSError:
             blocker.close()
-    pytest.skip("no two adjacent free ports")
+            assert time.monotonic() < deadline, "no free port below a free port on 127.0.0.1 in 10 s"
+        finally:
+            probe.close()
 
 
 def test_one_failed_server_stops_all(tiny_model, tmp_path):

@@ -9,6 +9,7 @@ import collections
 import pytest
 
 from areal_pipeline.config import load_config
+from areal_pipeline.data.shards import ShardError
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.inference.launcher import ServerProcess
 from areal_pipeline.pipeline import Pipeline
@@ -57,7 +58,7 @@ def test_steps_trust_healthy_services_until_a_failure_or_a_death(tiny_model_dir,
 
             # a step fails: the next ones check the services and ask what they hold, once
             pipeline.paths.rollout(3).mkdir(parents=True)
-            with pytest.raises(Exception):
+            with pytest.raises(ShardError, match=r"rollout: no manifest\.json, so the shards are incomplete"):
                 pipeline.advantages(3)  # iteration 3 has no rollout yet
             counted.clear()
             pipeline.rollout(3)

@@ -36,7 +36,7 @@ def _stop_and_time(run: subprocess.Popen, signum: int, to_group: bool) -> tuple[
         out, _ = run.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(run.pid, signal.SIGKILL)
-        out, _ = run.communicate()
+        out, _ = run.communicate(timeout=30)
         raise AssertionError(f"still running 60 s after {signal.Signals(signum).name}:\n{out[-3000:]}")
     return time.monotonic() - sent, out
 
