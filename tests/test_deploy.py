@@ -62,8 +62,13 @@ def test_prefect_deploy_and_a_process_worker_run_train_and_evaluate(server, tiny
             evaluated = asyncio.run(run("evaluate/evaluate", {"overrides": overrides}))
             assert evaluated.state.is_completed(), (evaluated.state, (tmp_path / "worker.log").read_text()[-3000:])
     finally:
+        running_until_stopped = worker.poll() is None
         stop_group(worker)
-    assert worker.returncode is not None
+    assert running_until_stopped, (tmp_path / "worker.log").read_text()[-3000:]
+    # Ctrl-C ended the worker cleanly (a worker stopped by it exits 0): neither a crash nor stop_group's SIGKILL
+    worker_log = (tmp_path / "worker.log").read_text()
+    assert worker.returncode == 0 and "Worker 'ProcessWorker" in worker_log and "stopped!" in worker_log, (
+        worker.returncode, worker_log[-3000:])
     records = [json.loads(line) for line in (tmp_path / "pooled" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
     assert (tmp_path / "pooled" / "checkpoints" / "step_2" / "model" / "config.json").is_file()
