@@ -163,7 +163,10 @@ class WeightRoutes:
 
 def _announced_tensors(body: dict) -> tuple[list[str], list[str], list[list[int]]]:
     """The names, dtypes and shapes of an update, checked for form (one entry each per tensor)."""
-    names, dtypes, shapes = _given(body, "names", []), _given(body, "dtypes", []), _given(body, "shapes", [])
+    for field in ("names", "dtypes", "shapes"):
+        if body.get(field) is None:  # required, as in SGLang's request
+            raise RequestError(f"'{field}' is required: the update announces each tensor's name, dtype and shape")
+    names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
     for field, value in (("names", names), ("dtypes", dtypes)):
         if not (isinstance(value, list) and all(type(v) is str for v in value)):
             raise RequestError(f"'{field}' must be a list of strings, got {shown(value)}")

@@ -85,15 +85,18 @@ def _matches(value: Any, hint: Any) -> bool:
     return True  # a type this module does not know: the handler checks it
 
 
-def _described(hint: Any) -> str:
+_NAMES = {int: ("an integer", "integers"), float: ("a finite number", "finite numbers"), str: ("a string", "strings"),
+          bool: ("true or false", "booleans"), dict: ("an object", "objects"), type(None): ("null", "nulls")}
+
+
+def _described(hint: Any, plural: bool = False) -> str:
     origin, params = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType):
-        return " or ".join(_described(p) for p in params)
+        return " or ".join(_described(p, plural) for p in params)
     if origin is list:
-        return f"a list of ({_described(params[0])})"
-    names = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false", dict: "an object",
-             type(None): "null"}
-    return names.get(origin or hint, str(hint))
+        return ("lists" if plural else "a list") + " of " + _described(params[0], plural=True)
+    names = _NAMES.get(origin or hint)
+    return str(hint) if names is None else names[plural]
 
 
 def _shown(value: Any, limit: int = 80) -> str:

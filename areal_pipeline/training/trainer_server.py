@@ -233,8 +233,8 @@ class Trainer:
         if tp_sizes is not None and (len(tp_sizes) != len(servers) or min(tp_sizes) < 1):
             raise CommandError(f"'tp_sizes' must hold one size >= 1 per server, got {tp_sizes} for {len(servers)} "
                                "server(s)", status=400)
-        if bucket_bytes is not None and bucket_bytes < 1:
-            raise CommandError(f"'bucket_bytes' must be positive, got {bucket_bytes}", status=400)
+        if bucket_bytes is not None and bucket_bytes < 0:
+            raise CommandError(f"'bucket_bytes' must be >= 0 (0: the default), got {bucket_bytes}", status=400)
         try:
             config = actor.model.config
             dtype = wire_dtype(dtype, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
