@@ -268,7 +268,7 @@ class Trainer:
                     "save": self.save, "load": self.load, "save_weights": self.save_weights,
                     "update_weights_distributed": self.update_weights_distributed, "status": self.status}
         name = command.get("cmd")
-        if name not in handlers:
+        if type(name) is not str or name not in handlers:
             raise CommandError(f"unknown command '{name}'; valid: {', '.join(sorted(handlers))}, shutdown",
                                status=400)
         args = {k: v for k, v in command.items() if k != "cmd"}
