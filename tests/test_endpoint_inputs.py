@@ -17,6 +17,7 @@ import torch
 from areal_pipeline.config import load_config
 from areal_pipeline.errors import is_transient
 from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEngine
+from areal_pipeline.inference.server_args import DEFAULT_MAX_BODY_BYTES
 from areal_pipeline.training.client import TrainerError, launch_trainer
 from areal_pipeline.training.command_input import MAX_COMMAND_BYTES
 from areal_pipeline.training.weight_group import destroy_weight_group, host_weight_group
@@ -231,19 +232,43 @@ def test_v1_takes_the_unused_fields_when_well_typed(server):
     assert status == 200 and reply["usage"]["completion_tokens"] <= 4, reply
 
 
-def test_bodies_over_the_limit_are_413_everywhere(tiny_model_dir, tmp_path):
-    """Every route that reads a body honours the server's cap, /v1 included (OpenAI's shape there)."""
-    small = start_cpu_server(tiny_model_dir, tmp_path, "--max-body-bytes", "2000")
+def post_declaring(address: str, path: str, declared: int) -> tuple[int, dict]:
+    """(status, JSON reply) of a POST that declares `declared` body bytes and sends two: a body over a limit is
+    refused on its declared size, unread."""
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
-        padding = "x" * 3000
-        for path, body in [("/generate", {"text": padding}), ("/v1/completions", {**COMPLETION, "prompt": padding}),
-                           ("/update_weights_from_distributed", {**good_push(), "group_name": padding}),
-                           ("/abort_request", {"rid": padding})]:
-            status, reply = call(small.address, path, body)
-            assert status == 413 and "the limit is 2000" in message(reply), (path, reply)
-        assert call(small.address, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})[0] == 200
+        connection.putrequest("POST", path)
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", str(declared))
+        connection.endheaders(b"{}")
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
     finally:
-        small.stop()
+        connection.close()
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions",
+                                  "/update_weights_from_distributed", "/init_weights_update_group", "/abort_request"])
+def test_bodies_over_the_limit_are_413_on_every_route_that_reads_one(server, before, path):
+    limit = DEFAULT_MAX_BODY_BYTES
+    status, reply = post_declaring(server, path, limit + 1)
+    assert status == 413 and f"the limit is {limit}" in message(reply), reply
+    assert served(server) == before
+
+
+def test_wrong_methods_and_routes_are_405_and_404(server):
+    for method, path, status in [("GET", "/generate", 405), ("GET", "/update_weights_from_distributed", 405),
+                                 ("GET", "/v1/chat/completions", 405), ("POST", "/health", 405),
+                                 ("POST", "/v1/nowhere", 404)]:
+        host, port = server.rsplit(":", 1)
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            connection.request(method, path, body=b"{}" if method == "POST" else None,
+                               headers={"Content-Type": "application/json"})
+            assert connection.getresponse().status == status, (method, path)
+        finally:
+            connection.close()
 
 
 # ----- the client side: a 4xx is not retried, nor classed as transient --------------------------------------------
