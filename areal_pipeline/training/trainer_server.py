@@ -17,6 +17,8 @@ collective, and rank 0 answers. Commands:
      "epoch", "bucket_bytes"}
     {"cmd": "status"} / {"cmd": "shutdown"}
 
+A body that is no command, or arguments that do not fit the handler's signature (command_input.py), are refused
+with a 4xx naming what is wrong, before any rank starts: the pipeline retries a 5xx, never a 4xx.
 Every file a command reads is checked against its manifest first (a checkpoint's checksums.json, the shards'
 manifest.json): one that fails is refused with code "corrupt_file" (409; details: the file and what failed),
 before the trainer's state changes.
