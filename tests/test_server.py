@@ -251,7 +251,7 @@ def test_invalid_requests_get_400_and_server_keeps_serving(cpu_server, body, fra
     ("/update_weights_from_disk", {"model_path": "/x", "abort_all_requests": "no"}, "'abort_all_requests' must be"),
     ("/destroy_weights_update_group", {"group_name": ["g"]}, "'group_name' must be a string"),
     ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "x", "rank_offset": 1,
-                                    "world_size": 2}, "init_weights_update_group needs"),
+                                    "world_size": 2}, "'master_port' must be an integer in [1, 65535]"),
 ])
 def test_control_endpoints_reject_wrong_types_with_400(cpu_server, path, body, fragment):
     status, reply = http(cpu_server, path, body)

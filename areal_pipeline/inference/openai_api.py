@@ -34,7 +34,8 @@ OpenAI), `n` (samples of one prompt, prefilled once), `logprobs` (each generated
 with HTTP 400 naming the field: `stream=true`, `top_logprobs` > 0 (completions `logprobs` > 0), non-zero penalties,
 `logit_bias`, `response_format` other than text, `tool_choice` "required" or a named function, `echo`, `suffix`.
 Fields that do not change generation (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`,
-`stream_options`) are taken; any other field is refused, naming the valid ones.
+`stream_options`) are taken when of OpenAI's type (request_validation.py); any other field is refused, naming the
+valid ones.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from typing import Any, Optional, Union
 from aiohttp import web
 
 from areal_pipeline.http_json import RequestRejected, check_bool, check_int, check_number, read_json_object, shown
+from areal_pipeline.inference.request_validation import check_unused_fields, given_max_tokens
 
 # What the server takes: more samples of one prompt than a batch of the CPU server holds would only queue.
 MAX_N = 128
@@ -218,13 +220,8 @@ def _sampling(body: dict, default_max_tokens: Optional[int]) -> tuple[Sampling, 
                               "recomputes would not match", name, "unsupported_parameter")
     if _given(body, "logit_bias", {}) != {}:
         raise OpenAIError("logit_bias is not supported", "logit_bias", "unsupported_parameter")
-    max_tokens = body.get("max_tokens")
-    max_completion_tokens = body.get("max_completion_tokens")
-    if max_tokens is not None and max_completion_tokens is not None and max_tokens != max_completion_tokens:
-        raise OpenAIError(f"max_tokens={shown(max_tokens)} and max_completion_tokens={shown(max_completion_tokens)} "
-                          "disagree: give one", "max_completion_tokens")
-    given_max = max_completion_tokens if max_completion_tokens is not None else max_tokens
-    name = "max_completion_tokens" if max_completion_tokens is not None else "max_tokens"
+    check_unused_fields(body)
+    _, given_max = given_max_tokens(body)
     temperature = _number("temperature", _given(body, "temperature", 1.0))
     if not 0 <= temperature <= 2:
         raise OpenAIError(f"'temperature' must be in [0, 2], got {shown(temperature)}", "temperature")
@@ -248,7 +245,7 @@ def _sampling(body: dict, default_max_tokens: Optional[int]) -> tuple[Sampling, 
                           "stop_token_ids")
     seed = body.get("seed")
     sampling = Sampling(
-        max_tokens=default_max_tokens if given_max is None else _int(name, given_max, 1),
+        max_tokens=default_max_tokens if given_max is None else given_max,
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, stop=stop, stop_token_ids=stop_token_ids,
         seed=None if seed is None else _int("seed", seed, -(1 << 63), (1 << 63) - 1),
         ignore_eos=_bool("ignore_eos", _given(body, "ignore_eos", False)),

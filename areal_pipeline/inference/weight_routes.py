@@ -66,12 +66,17 @@ class WeightRoutes:
         from areal_pipeline.training.weight_group import join_weight_group
 
         body = await read_json_object(request)
-        try:
-            args = (_given(body, "backend", "gloo"), check_str("master_address", body["master_address"]),
-                    int(body["master_port"]), int(body["rank_offset"]), int(body["world_size"]), _group_name(body))
-        except (KeyError, TypeError, ValueError) as e:
-            raise RequestError(f"init_weights_update_group needs master_address, master_port, rank_offset and "
-                               f"world_size: {e!r}") from e
+        for key in ("master_address", "master_port", "rank_offset", "world_size"):
+            if body.get(key) is None:
+                raise RequestError(f"init_weights_update_group needs master_address, master_port, rank_offset and "
+                                   f"world_size: '{key}' is missing")
+        backend = check_str("backend", _given(body, "backend", "gloo"))
+        address = check_str("master_address", body["master_address"])
+        port = check_int("master_port", _integer(body["master_port"]), minimum=1, maximum=65535)
+        # rank 0 is the trainer's; a world too small for this rank would wait out the whole group timeout
+        rank = check_int("rank_offset", _integer(body["rank_offset"]), minimum=1)
+        world_size = check_int("world_size", _integer(body["world_size"]), minimum=rank + 1)
+        args = (backend, address, port, rank, world_size, _group_name(body))
         if args[0] not in ("gloo", "nccl"):
             raise RequestError(f"unknown weight-update backend {args[0]!r}; valid: gloo, nccl")
         if args[0] == "nccl" and self.server.engine.device.type != "cuda":
@@ -92,22 +97,20 @@ class WeightRoutes:
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
         name = _group_name(body)
+        names, dtypes, shapes = _announced_tensors(body)
+        check_bool("flush_cache", _given(body, "flush_cache", True))
+        version = _weight_version(body)
+        abort_all = check_bool("abort_all_requests", _given(body, "abort_all_requests", False))
         if name not in self.weight_groups:  # SGLang's scheduler asserts here and the server dies; refused clearly
             return web.json_response({"success": False, "message": f"Group {name} not in "
                                       f"{sorted(self.weight_groups)}. Please call `init_weights_update_group` "
                                       "first."}, status=400)
-        names, dtypes, shapes = _given(body, "names", []), _given(body, "dtypes", []), _given(body, "shapes", [])
-        if not (isinstance(names, list) and all(type(n) is str for n in names)
-                and isinstance(dtypes, list) and all(type(d) is str for d in dtypes)):
-            raise RequestError("names and dtypes must be lists of strings")
-        if not (isinstance(shapes, list)
-                and all(isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in shapes)):
-            raise RequestError("shapes must be a list of lists of non-negative integers")
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise RequestError("names, dtypes and shapes must have the same length")
-        if check_bool("abort_all_requests", _given(body, "abort_all_requests", False)):
+        # Every announced tensor is checked against the model before any is received: one that cannot be taken
+        # refuses the whole update with the model untouched (the trainer's broadcast then fails, rather than the
+        # model holding half an update).
+        await asyncio.wrap_future(self.server.engine.call(lambda: self._check_against_model(names, dtypes, shapes)))
+        if abort_all:
             await asyncio.wrap_future(self.server.engine.abort(abort_all=True))
-        version = _weight_version(body)
         try:
             group, backend = self.weight_groups[name]
             count = await asyncio.wrap_future(self.server.engine.update_weights_from_group(
@@ -116,6 +119,19 @@ class WeightRoutes:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         return web.json_response({"success": True, "message": f"updated {count} tensors; "
                                   f"weight_version={self.server.engine.weight_version}"})
+
+    def _check_against_model(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        from areal_pipeline.training.weight_sync import DTYPES as WIRE_DTYPES
+
+        params = self.server.engine.model.state_dict()
+        for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
+            if name not in params:
+                raise RequestError(f"names[{i}]: this model has no tensor {name!r}")
+            if dtype not in WIRE_DTYPES:
+                raise RequestError(f"dtypes[{i}]: unknown dtype {dtype!r} for {name}; valid: "
+                                   f"{', '.join(sorted(WIRE_DTYPES))}")
+            if list(params[name].shape) != shape:
+                raise RequestError(f"shapes[{i}]: {name} has shape {list(params[name].shape)}, not {shape}")
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await read_json_object(request)
@@ -143,6 +159,29 @@ class WeightRoutes:
             return params[name].detach().float().flatten()[:truncate].tolist()
 
         return web.json_response(await asyncio.wrap_future(self.server.engine.call(read)))
+
+
+def _announced_tensors(body: dict) -> tuple[list[str], list[str], list[list[int]]]:
+    """The names, dtypes and shapes of an update, checked for form (one entry each per tensor)."""
+    for field in ("names", "dtypes", "shapes"):
+        if body.get(field) is None:  # required, as in SGLang's request
+            raise RequestError(f"'{field}' is required: the update announces each tensor's name, dtype and shape")
+    names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+    for field, value in (("names", names), ("dtypes", dtypes)):
+        if not (isinstance(value, list) and all(type(v) is str for v in value)):
+            raise RequestError(f"'{field}' must be a list of strings, got {shown(value)}")
+    if not (isinstance(shapes, list)
+            and all(isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in shapes)):
+        raise RequestError(f"'shapes' must be a list of lists of non-negative integers, got {shown(shapes)}")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise RequestError(f"names, dtypes and shapes must have one entry per tensor; got {len(names)} names, "
+                           f"{len(dtypes)} dtypes and {len(shapes)} shapes")
+    return names, dtypes, shapes
+
+
+def _integer(value: Any) -> Any:
+    """A number given as a string of digits as an int (SGLang's pydantic fields take those); anything else as is."""
+    return int(value) if isinstance(value, str) and value.isdigit() else value
 
 
 def _weight_version(body: dict) -> Optional[str]:

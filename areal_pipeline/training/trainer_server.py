@@ -17,6 +17,8 @@ collective, and rank 0 answers. Commands:
      "epoch", "bucket_bytes"}
     {"cmd": "status"} / {"cmd": "shutdown"}
 
+A body that is no command, or arguments that do not fit the handler's signature (command_input.py), are refused
+with a 4xx naming what is wrong, before any rank starts: the pipeline retries a 5xx, never a 4xx.
 Every file a command reads is checked against its manifest first (a checkpoint's checksums.json, the shards'
 manifest.json): one that fails is refused with code "corrupt_file" (409; details: the file and what failed),
 before the trainer's state changes.
@@ -47,6 +49,7 @@ from areal_pipeline.config import ExperimentConfig, load_config
 from areal_pipeline.data.shards import read_table
 from areal_pipeline.placement import gpu_uuid
 from areal_pipeline.training.client import TRAINER_INIT_METHOD_ENV
+from areal_pipeline.training.command_input import BODY_READ_TIMEOUT_S, check_arguments, read_command
 from areal_pipeline.training.engine import TrainEngine, resolve_device
 from areal_pipeline.training.loss_registry import make_loss
 from areal_pipeline.training.ppo import read_batch
@@ -225,6 +228,15 @@ class Trainer:
                                                          wire_dtype)
 
         actor = self.require_actor()
+        # refused here, on every rank, rather than on rank 0 alone once the broadcast has begun (a 500 there)
+        if not servers or not 1 <= master_port <= 65535:
+            raise CommandError(f"update_weights_distributed needs servers and a master_port in [1, 65535]; got "
+                               f"{len(servers)} server(s) and port {master_port}", status=400)
+        if tp_sizes is not None and (len(tp_sizes) != len(servers) or min(tp_sizes) < 1):
+            raise CommandError(f"'tp_sizes' must hold one size >= 1 per server, got {tp_sizes} for {len(servers)} "
+                               "server(s)", status=400)
+        if bucket_bytes is not None and bucket_bytes < 0:
+            raise CommandError(f"'bucket_bytes' must be >= 0 (0: the default), got {bucket_bytes}", status=400)
         try:
             config = actor.model.config
             dtype = wire_dtype(dtype, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
@@ -258,18 +270,18 @@ class Trainer:
                     "save": self.save, "load": self.load, "save_weights": self.save_weights,
                     "update_weights_distributed": self.update_weights_distributed, "status": self.status}
         name = command.get("cmd")
-        if name not in handlers:
+        if type(name) is not str or name not in handlers:
             raise CommandError(f"unknown command '{name}'; valid: {', '.join(sorted(handlers))}, shutdown",
                                status=400)
         args = {k: v for k, v in command.items() if k != "cmd"}
         try:
+            check_arguments(name, handlers[name], args)
+        except ValueError as e:  # on every rank alike: the command is refused everywhere before it starts
+            raise CommandError(f"bad arguments for '{name}': {e}", "bad_arguments", 400) from e
+        try:
             return handlers[name](**args)
         except IntegrityError as e:
             raise CommandError(str(e), "corrupt_file", 409, file=str(e.path), problem=e.problem) from e
-        except TypeError as e:
-            if "argument" in str(e):
-                raise CommandError(f"bad arguments for '{name}': {e}", status=400) from e
-            raise
 
 
 def _broadcast_json(obj: Optional[dict], group) -> dict:
@@ -296,6 +308,8 @@ class _Endpoint:
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = BODY_READ_TIMEOUT_S  # the socket's: a client that stops sending mid-body is let go
+
             def log_message(self, fmt, *args):  # keep the trainer log for the trainer
                 pass
 
@@ -309,18 +323,18 @@ class _Endpoint:
 
             def do_GET(self):
                 if self.path != "/health":
-                    return self._reply(404, {"error": {"message": f"no route {self.path}"}})
+                    status = 405 if self.path == "/command" else 404
+                    return self._reply(status, {"error": {"message": f"no route GET {self.path}"}})
                 self._reply(200, {"status": "ok", "busy_with": endpoint.busy_with, **endpoint.trainer.status()})
 
             def do_POST(self):
                 if self.path != "/command":
-                    return self._reply(404, {"error": {"message": f"no route {self.path}"}})
-                try:
-                    command = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                    if not isinstance(command, dict):
-                        raise ValueError("a command is a JSON object")
-                except ValueError as e:
-                    return self._reply(400, {"error": {"message": f"bad command: {e}", "code": "bad_request"}})
+                    status = 405 if self.path == "/health" else 404
+                    return self._reply(status, {"error": {"message": f"no route POST {self.path}"}})
+                command, refused = read_command(self.headers, self.rfile)
+                if refused is not None:
+                    self.close_connection = True  # a body left unread must not be taken for the next request
+                    return self._reply(refused[0], {"error": {"message": refused[1], "code": "bad_request"}})
                 done = threading.Event()
                 slot: dict = {}
                 endpoint.inbox.put((command, slot, done))
