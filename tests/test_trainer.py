@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -16,16 +17,26 @@ from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.model import load_model
 from areal_pipeline.training.client import TrainerError, launch_trainer
 from areal_pipeline.training.engine import TrainEngine, lr_lambda
-from areal_pipeline.training.losses import gather_logprobs, ppo_actor_loss
+from areal_pipeline.training.losses import gather_logprobs
 from areal_pipeline.training.loss_registry import make_loss
+from areal_pipeline.training.packing import unpack
 from areal_pipeline.training.ppo import read_batch, write_batch
 from areal_pipeline.utils import find_free_port
 from conftest import http, start_cpu_server
 
 
+# Behaviour logprob = the model's + STALENESS[j % 4] on completion token j: PPO ratios exp(-offset) of 0.61 and
+# 1.65 lie outside [0.8, 1.2] (a known share clipped on each side), 0.90 and 1.11 inside; all far enough from the
+# bounds that no rounding moves a token across one. A batch of the model's own logprobs has ratio 1 everywhere,
+# where the normalised advantages make every PPO loss about 0 whatever the engine computes.
+STALENESS = (0.5, -0.5, 0.1, -0.1)
+
+
 def make_batch(model_dir: Path, out: Path, seed: int, cfg, n_prompts: int = 6, group: int = 4,
-               prompt_lengths=(3, 12), completion_lengths=(1, 20), completion_vocab: int = 256) -> Path:
-    """A rollout of random completions with their behaviour logprobs, turned into a batch by the advantages step."""
+               prompt_lengths=(3, 12), completion_lengths=(1, 20), completion_vocab: int = 256,
+               staleness: tuple[float, ...] = STALENESS) -> Path:
+    """A rollout of random completions with stale behaviour logprobs (`staleness`; () for the model's own),
+    turned into a batch by the advantages step."""
     rng = random.Random(seed)
     model = load_model(model_dir)
     trajectories = []
@@ -40,7 +51,8 @@ def make_batch(model_dir: Path, out: Path, seed: int, cfg, n_prompts: int = 6, g
             n = len(prompt)
             trajectories.append(Trajectory(
                 prompt_id=f"p{p}", group_id=f"p{p}", sample_idx=k, input_ids=ids,
-                loss_mask=[0] * n + [1] * len(completion), logprobs=[0.0] * n + lp[n - 1:],
+                loss_mask=[0] * n + [1] * len(completion),
+                logprobs=[0.0] * n + [v + stale_offset(j, staleness) for j, v in enumerate(lp[n - 1:])],
                 versions=[-1] * n + [0] * len(completion), reward=float(rng.random() < 0.5),
                 stop_reason="stop"))
     write_shards(trajectories, out / "rollout", run_id="t", iteration=0)
@@ -48,9 +60,41 @@ def make_batch(model_dir: Path, out: Path, seed: int, cfg, n_prompts: int = 6, g
     return out / "batch"
 
 
+def stale_offset(j: int, staleness: tuple[float, ...] = STALENESS) -> float:
+    """What make_batch adds to the model's logprob of completion token j."""
+    return staleness[j % len(staleness)] if staleness else 0.0
+
+
 def trainer_config(tmp_path: Path, *overrides: str):
     return load_config(None, [f"output_dir={tmp_path}", "trainer.optimizer.lr=1e-3", "total_iterations=4",
                               "trainer.mb_max_tokens=96", *overrides])
+
+
+def hand_ppo_loss(logprobs, old_logprobs, advantages, loss_mask, eps_clip: float) -> tuple[float, float]:
+    """PPO's clipped objective written out token by token over per-sequence lists: (token-mean loss over the
+    mask, share of the masked tokens where the clipped term wins)."""
+    total, clipped, count = 0.0, 0, 0
+    for lp_row, old_row, adv_row, mask_row in zip(logprobs, old_logprobs, advantages, loss_mask):
+        for lp, old, adv, m in zip(lp_row, old_row, adv_row, mask_row):
+            if not m:
+                continue
+            ratio = math.exp(lp - old)
+            unclipped, bounded = -adv * ratio, -adv * min(max(ratio, 1 - eps_clip), 1 + eps_clip)
+            total += max(unclipped, bounded)
+            clipped += bounded > unclipped
+            count += 1
+    return total / count, clipped / count
+
+
+def plain_logprobs(model_dir: Path, sequences: list[list[int]]) -> list[list[float]]:
+    """Each sequence's per-token logprobs (0 at its first token) from one ordinary forward of the unsharded model."""
+    model = load_model(model_dir)
+    out = []
+    with torch.no_grad():
+        for ids in sequences:
+            logits = model(torch.tensor([ids])).logits[0]
+            out.append([0.0] + gather_logprobs(logits[:-1], torch.tensor(ids[1:])).tolist())
+    return out
 
 
 def weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -123,8 +167,52 @@ def test_packed_and_padded_batches_give_same_loss_and_gradients(single_process_g
     logits = model(ids, attention_mask=mask.long()).logits
     logp = torch.zeros(len(rows), width)
     logp[:, 1:] = gather_logprobs(logits[:, :-1], ids[:, 1:])
-    reference, _ = ppo_actor_loss(logp, t["logprobs"], t["advantages"], t["loss_mask"], eps_clip=cfg.ppo.eps_clip)
-    assert torch.allclose(loss_packed, reference, atol=1e-6)
+    reference, _ = hand_ppo_loss(logp.tolist(), t["logprobs"].tolist(), t["advantages"].tolist(),
+                                 t["loss_mask"].tolist(), cfg.ppo.eps_clip)
+    assert float(loss_packed) == pytest.approx(reference, abs=1e-6)
+
+
+def test_engine_logprobs_and_loss_at_stale_ratios_match_a_plain_forward(single_process_group, tiny_model_dir,
+                                                                         tmp_path):
+    """The engine's per-token logprobs (training forward and compute_logp) are a plain forward's, and its PPO loss
+    and clip fraction are the clipped objective written out by hand, at behaviour logprobs stale enough that a
+    known share of the tokens lies beyond each clip bound."""
+    cfg, batch, columns, loss_fn = whole_batch_setup(tmp_path, tiny_model_dir, seed=0)
+    engine = TrainEngine(str(tiny_model_dir), cfg.trainer, total_steps=4)
+    engine.initialize()
+    (mb,) = engine._micro_batches(list(range(len(batch["input_ids"]))), batch, columns)
+    logp, _ = engine._forward(mb)
+    loss, stats = loss_fn(logp, None, mb)
+    forward = dict(zip(mb.indices, unpack(logp, mb)))
+    engine_logp = [forward[i] for i in range(len(batch["input_ids"]))]
+
+    plain = plain_logprobs(tiny_model_dir, batch["input_ids"])
+    for computed in (engine_logp, engine.compute_logp(batch)):
+        assert [len(row) for row in computed] == [len(row) for row in plain]
+        assert max(abs(a - b) for x, y in zip(computed, plain) for a, b in zip(x, y)) < 1e-5
+
+    # the ratios against the plain forward: each side's share is that of STALENESS' offsets of +-0.5
+    eps = cfg.ppo.eps_clip
+    above = below = tokens = expected_above = expected_below = 0
+    for lp_row, old_row, mask_row in zip(plain, batch["logprobs"], batch["loss_mask"]):
+        first = mask_row.index(1)
+        for t in range(first, len(mask_row)):
+            ratio = math.exp(lp_row[t] - old_row[t])
+            above += ratio > 1 + eps
+            below += ratio < 1 - eps
+            expected_above += stale_offset(t - first) < math.log(1 / (1 + eps))
+            expected_below += stale_offset(t - first) > -math.log(1 - eps)
+            tokens += 1
+    assert (above, below) == (expected_above, expected_below)
+    assert 0.2 < above / tokens < 0.3 and 0.2 < below / tokens < 0.3
+
+    expected_loss, expected_clipped = hand_ppo_loss(plain, batch["logprobs"], batch["advantages"],
+                                                    batch["loss_mask"], eps)
+    assert abs(expected_loss) > 0.02  # not the ~0 of ratio 1 with normalised advantages
+    assert float(loss.detach()) == pytest.approx(expected_loss, abs=1e-6)
+    assert float(stats["clip_fraction"]) == pytest.approx(expected_clipped, abs=0.1 / tokens)  # the same count
+    assert 0.15 < expected_clipped < 0.45  # about half of the tokens beyond a bound: those whose advantage's sign
+    # makes the clipped term the larger one
 
 
 def test_compiled_decoder_layers_give_the_same_loss_and_gradients(single_process_group, tiny_model_dir, tmp_path):
@@ -374,10 +462,11 @@ def test_reinforce_update_through_the_same_engine(tiny_model_dir, tmp_path):
     cfg = trainer_config(tmp_path, "ppo.loss=reinforce", "ppo.adv_norm.mean_level=none",
                          "ppo.adv_norm.std_level=none")
     batch_dir = make_batch(tiny_model_dir, tmp_path, seed=5, cfg=cfg)
-    batch = read_batch(batch_dir, ("input_ids", "loss_mask", "logprobs", "advantages"))
+    batch = read_batch(batch_dir, ("input_ids", "loss_mask", "advantages"))
     mask = torch.tensor([m for row in batch["loss_mask"] for m in row], dtype=torch.float32)
     adv = torch.tensor([a for row in batch["advantages"] for a in row])
-    logp = torch.tensor([lp for row in batch["logprobs"] for lp in row])  # = the policy's, before the update
+    # the policy's before the update (the batch's behaviour logprobs are stale, and REINFORCE does not read them)
+    logp = torch.tensor([lp for row in plain_logprobs(tiny_model_dir, batch["input_ids"]) for lp in row])
     expected = -(adv * logp * mask).sum() / mask.sum()
     process, client = launch_trainer(cfg, str(tiny_model_dir), tmp_path / "logs")
     try:
