@@ -32,11 +32,17 @@ from conftest import http, start_cpu_server
 STALENESS = (0.5, -0.5, 0.1, -0.1)
 
 
-def make_batch(model_dir: Path, out: Path, seed: int, cfg, n_prompts: int = 6, group: int = 4,
-               prompt_lengths=(3, 12), completion_lengths=(1, 20), completion_vocab: int = 256,
-               staleness: tuple[float, ...] = STALENESS) -> Path:
-    """A rollout of random completions with stale behaviour logprobs (`staleness`; () for the model's own),
-    turned into a batch by the advantages step."""
+def make_batch(model_dir: Path, out: Path, seed: int, cfg, **rollout) -> Path:
+    """`make_rollout`'s rollout turned into a batch by the advantages step."""
+    write_batch(make_rollout(model_dir, out, seed, **rollout), out / "batch", cfg.ppo, run_id="t", iteration=0)
+    return out / "batch"
+
+
+def make_rollout(model_dir: Path, out: Path, seed: int, n_prompts: int = 6, group: int = 4,
+                 prompt_lengths=(3, 12), completion_lengths=(1, 20), completion_vocab: int = 256,
+                 staleness: tuple[float, ...] = STALENESS) -> Path:
+    """Rollout shards of random completions with stale behaviour logprobs (`staleness`; () for the model's
+    own)."""
     rng = random.Random(seed)
     model = load_model(model_dir)
     trajectories = []
@@ -56,8 +62,7 @@ def make_batch(model_dir: Path, out: Path, seed: int, cfg, n_prompts: int = 6, g
                 versions=[-1] * n + [0] * len(completion), reward=float(rng.random() < 0.5),
                 stop_reason="stop"))
     write_shards(trajectories, out / "rollout", run_id="t", iteration=0)
-    write_batch(out / "rollout", out / "batch", cfg.ppo, run_id="t", iteration=0)
-    return out / "batch"
+    return out / "rollout"
 
 
 def stale_offset(j: int, staleness: tuple[float, ...] = STALENESS) -> float:
