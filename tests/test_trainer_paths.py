@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from areal_pipeline.training.client import launch_trainer
 from areal_pipeline.training.engine import TrainEngine
+from areal_pipeline.training.loss_registry import make_loss
 from areal_pipeline.training.ppo import read_batch, write_batch
 from areal_pipeline.training.trainer_server import Trainer
 from test_trainer import (hand_ppo_loss, make_batch, make_rollout, plain_logprobs, single_process_group,  # noqa: F401
@@ -126,3 +127,110 @@ def test_two_ranks_kl_to_a_frozen_reference_and_proximal_logprobs(single_process
     one_weights, two_weights = one_rank.actor.full_state_dict(), weights(tmp_path / "v1")
     for name, value in two_weights.items():  # Adam's lr-sized steps on near-zero gradients: see test_trainer
         assert torch.allclose(value, one_weights[name], atol=1e-4), name
+
+
+def test_bfloat16_parameters_keep_fp32_master_weights(single_process_group, tiny_model_dir, tmp_path):
+    """trainer.param_dtype=bfloat16: the forward runs in bfloat16 (its logprobs off a plain fp32 forward by bf16
+    rounding, not more), while the parameters, Adam's moments and the checkpoint stay fp32 as the config says; the
+    update is the fp32 run's within bf16 tolerance."""
+    batch_dir = make_batch(tiny_model_dir, tmp_path, seed=2, cfg=trainer_config(tmp_path))
+    sequences = read_batch(batch_dir, ("input_ids",))
+    plain = plain_logprobs(tiny_model_dir, sequences["input_ids"])
+
+    def update(param_dtype: str):
+        trainer = Trainer(trainer_config(tmp_path / param_dtype, f"trainer.param_dtype={param_dtype}"),
+                          str(tiny_model_dir))
+        trainer.initialize()
+        logp = trainer.actor.compute_logp(sequences)
+        stats = trainer.train(str(batch_dir), 1)["stats"]
+        return trainer, logp, stats
+
+    half, half_logp, half_stats = update("bfloat16")
+    full, full_logp, full_stats = update("float32")
+    assert max_difference(full_logp, plain) < 1e-5
+    # bf16 keeps 8 bits of mantissa: far coarser than fp32's rounding, far finer than a different model
+    assert 1e-3 < max_difference(half_logp, plain) < 0.05
+
+    assert {p.dtype for p in half.actor.model.parameters()} == {torch.float32}
+    moments = [s[k] for s in half.actor.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert moments and {m.dtype for m in moments} == {torch.float32}
+
+    half.save(str(tmp_path / "ckpt"))
+    model_files = load_file(str(tmp_path / "ckpt" / "model" / "model.safetensors"))
+    optimizer_files = load_file(str(tmp_path / "ckpt" / "optimizer.safetensors"))
+    assert {t.dtype for t in model_files.values()} == {torch.float32}
+    assert {t.dtype for name, t in optimizer_files.items() if not name.endswith("::step")} == {torch.float32}
+    config = json.loads((tmp_path / "ckpt" / "model" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float32"
+
+    initial = weights(tiny_model_dir)
+    after_half, after_full = half.actor.full_state_dict(), full.actor.full_state_dict()
+    assert all(torch.equal(model_files[name], after_half[name]) for name in model_files)
+    step_half = torch.cat([(after_half[n] - initial[n]).flatten() for n in initial])
+    step_full = torch.cat([(after_full[n] - initial[n]).flatten() for n in initial])
+    # Adam's first step is about lr * sign(gradient): the bf16 gradients point the same way, element by element
+    # except where a gradient is near 0
+    assert float(torch.nn.functional.cosine_similarity(step_half, step_full, dim=0)) > 0.97
+    assert float(step_half.norm()) == pytest.approx(float(step_full.norm()), rel=0.01)
+    for key in ("loss", "grad_norm", "entropy"):
+        assert half_stats[key] == pytest.approx(full_stats[key], rel=0.01), key
+    assert half_stats["clip_fraction"] == pytest.approx(full_stats["clip_fraction"], abs=0.02)
+    for name in initial:  # the master weights hold fp32 values that bf16 cannot
+        assert not torch.equal(after_half[name], after_half[name].bfloat16().float()), name
+
+
+def test_recompute_logprob_without_the_decoupled_loss(single_process_group, tiny_model_dir, tmp_path):
+    """ppo.recompute_logprob with the plain PPO loss: the "old" logprobs are the current model's, recomputed, not
+    the batch's stale behaviour ones. With one minibatch (taken from the training forward) every ratio is 1, so the
+    loss is -mean(A) and nothing is clipped; with two (a compute_logp pass first) the update is the one whose old
+    logprobs come from a plain forward of the model, and not the one with the behaviour logprobs."""
+    def config(*overrides: str):
+        # advantages left uncentred, so that -mean(A) is not 0 by construction
+        return trainer_config(tmp_path, "ppo.recompute_logprob=true", "ppo.adv_norm.mean_level=none", *overrides)
+
+    cfg = config()
+    assert not cfg.ppo.use_decoupled_loss
+    batch_dir = make_batch(tiny_model_dir, tmp_path, seed=4, cfg=cfg)
+    batch = read_batch(batch_dir, ("input_ids", "loss_mask", "logprobs", "advantages"))
+    plain = plain_logprobs(tiny_model_dir, batch["input_ids"])
+    mask, adv = batch["loss_mask"], batch["advantages"]
+    # against the behaviour logprobs PPO would clip many tokens: the recomputed ones must be what the loss reads
+    assert hand_ppo_loss(plain, batch["logprobs"], adv, mask, cfg.ppo.eps_clip)[1] > 0.1
+
+    def trainer_update(cfg) -> tuple[dict, dict[str, torch.Tensor]]:
+        trainer = Trainer(cfg, str(tiny_model_dir))
+        trainer.initialize()
+        assert trainer.loss.policy_columns == ("prox_logprobs",)
+        stats = trainer.train(str(batch_dir), 1)["stats"]
+        return stats, trainer.actor.full_state_dict()
+
+    def update_with_old_logprobs(cfg, old: list[list[float]]) -> dict[str, torch.Tensor]:
+        """The same update with the "old" logprobs given as data, not computed by the trainer."""
+        loss = make_loss(cfg.ppo)
+        engine = TrainEngine(str(tiny_model_dir), cfg.trainer, total_steps=4)
+        engine.initialize()
+        engine.train_batch({**batch, "prox_logprobs": old}, loss.fn, loss.weight, loss.columns,
+                           cfg.ppo.ppo_n_minibatches)
+        return engine.full_state_dict()
+
+    def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+    one, one_weights = trainer_update(cfg)
+    tokens = sum(map(sum, mask))
+    minus_mean_advantage = -sum(a * m for row, mrow in zip(adv, mask) for a, m in zip(row, mrow)) / tokens
+    assert abs(minus_mean_advantage) > 0.05
+    assert one["loss"] == pytest.approx(minus_mean_advantage, abs=1e-5)
+    assert one["importance_weight"] == pytest.approx(1.0, abs=1e-6)
+    assert one["clip_fraction"] == 0.0 and one["approx_kl"] == pytest.approx(0.0, abs=1e-7)
+    # A plain forward's logprobs differ from the engine's by fp32 rounding, which Adam turns into lr-sized steps on
+    # elements whose gradient is near 0 (see test_trainer); the behaviour logprobs flip whole steps (2 * lr).
+    lr = cfg.trainer.optimizer.lr
+    assert largest_difference(one_weights, update_with_old_logprobs(cfg, plain)) < 0.25 * lr
+    assert largest_difference(one_weights, update_with_old_logprobs(cfg, batch["logprobs"])) > lr
+
+    cfg = config("ppo.ppo_n_minibatches=2")
+    two, two_weights = trainer_update(cfg)
+    assert largest_difference(two_weights, update_with_old_logprobs(cfg, plain)) < 0.25 * lr
+    assert largest_difference(two_weights, update_with_old_logprobs(cfg, batch["logprobs"])) > lr
+    assert two["clip_fraction"] < 0.1  # the second minibatch's ratios are one step's change, not the staleness
