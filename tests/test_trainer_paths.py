@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -20,8 +19,8 @@ from areal_pipeline.training.engine import TrainEngine
 from areal_pipeline.training.loss_registry import make_loss
 from areal_pipeline.training.ppo import read_batch, write_batch
 from areal_pipeline.training.trainer_server import Trainer
-from test_trainer import (hand_ppo_loss, make_batch, make_rollout, plain_logprobs, single_process_group,  # noqa: F401
-                          trainer_config, weights)
+from _trainer_helpers import (hand_ppo_loss, make_batch, make_rollout, plain_logprobs,  # noqa: F401
+                              single_process_group, trainer_config, weights)
 
 
 def max_difference(a: list[list[float]], b: list[list[float]]) -> float:
