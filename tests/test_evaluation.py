@@ -50,7 +50,7 @@ def reward_pool():
     pool.close()
 
 
-def greedy_tokens(model_dir: Path, records: list[dict]) -> list[list[int]]:
+def greedy_tokens(model_dir: Path, records: list[dict], max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
     """The tokens the model answers each record with greedily (its end of turn included), decoded in this
     process by transformers, not by the server."""
     tokenizer, model = load_tokenizer(model_dir), load_model(model_dir)
@@ -58,14 +58,15 @@ def greedy_tokens(model_dir: Path, records: list[dict]) -> list[list[int]]:
     for record in records:
         ids = torch.tensor([chat_prompt_ids(tokenizer, record["messages"])])
         with torch.no_grad():
-            out = model.generate(ids, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
+            out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
         answers.append(out[0, ids.shape[1]:].tolist())
     return answers
 
 
-def greedy_completions(model_dir: Path, records: list[dict]) -> list[str]:
+def greedy_completions(model_dir: Path, records: list[dict], max_new_tokens: int = MAX_NEW_TOKENS) -> list[str]:
     tokenizer = load_tokenizer(model_dir)
-    return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in greedy_tokens(model_dir, records)]
+    return [tokenizer.decode(tokens, skip_special_tokens=True)
+            for tokens in greedy_tokens(model_dir, records, max_new_tokens)]
 
 
 def with_answers(records: list[dict], completions: list[str], right: list[bool]) -> list[dict]:

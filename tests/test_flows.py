@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from areal_pipeline.forkserver import processes_of
+from test_evaluation import greedy_completions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -218,14 +219,23 @@ def test_iterations_share_flow_runs_and_keep_a_task_run_per_node(prefect_api, ti
 
 
 def test_evaluate_flow_scores_the_newest_checkpoint(prefect_api, tiny_model_dir, tmp_path):
+    from areal_pipeline.config import load_config
+    from areal_pipeline.data.datasets import load_records
+    from areal_pipeline.rewards.math import math_reward
     from flows.evaluate import evaluate
     from flows.train import train
 
     overrides = fast_overrides(tmp_path, tiny_model_dir, run_id="ev", iterations=1)
     train(config_path=str(REPO / "configs/tiny_cpu.yaml"), overrides=overrides)
     result = evaluate(config_path=str(REPO / "configs/tiny_cpu.yaml"), overrides=overrides)
-    assert result["model"] == str(tmp_path / "ev" / "checkpoints" / "step_1" / "model")
-    assert result["num_prompts"] == 8 and 0.0 <= result["pass_at_1"] <= 1.0
+    model_dir = tmp_path / "ev" / "checkpoints" / "step_1" / "model"
+    assert result["model"] == str(model_dir)
+    # what the checkpoint answers the first 8 test questions greedily, decoded here by transformers, and scored
+    records = load_records(load_config(REPO / "configs/tiny_cpu.yaml", overrides).dataset, "test", seed=1)[:8]
+    completions = greedy_completions(model_dir, records, max_new_tokens=8)
+    expected = sum(math_reward(c, r["answer"]) for c, r in zip(completions, records)) / 8
+    assert (result["num_prompts"], result["pass_at_1"]) == (8, expected)
+    assert [s["completion"] for s in result["samples"]] == completions[:4]
     assert asyncio.run(_artifacts("ev-evaluation"))
 
 
@@ -441,16 +451,54 @@ def test_a_sweep_started_from_its_served_deployment_runs_every_combination(prefe
     assert sorted(row["run_id"] for row in json.loads(table.data)) == children
 
 
-@pytest.mark.parametrize("config", ["gsm8k_reflection", "gsm8k_multi_turn", "remax", "search_agent"])
+# The agent facts (agent/<key>) each workflow records, and nothing else records: with the random tiny model every
+# answer is wrong (it writes blank lines greedily and random bytes when sampling), so the episodes' facts are
+# known. Reflection retries once (max_turns 2); multi_turn asks again until its 3 turns are spent, each turn's reward
+# -1 ((0 - 0.5) x 2), so the first turn's return is -1 - 0.9 - 0.81; ReMax keeps both rewards and their difference;
+# the search agent counts its searches.
+AGENT_FACTS = {
+    "gsm8k_reflection": {"agent/first_turn_correct": 0.0, "agent/success": 0.0, "agent/num_turns": 2.0},
+    "gsm8k_multi_turn": {"agent/first_turn_correct": 0.0, "agent/success": 0.0, "agent/num_turns": 3.0,
+                         "agent/return": -1 - 0.9 - 0.81},
+    "remax": {"agent/reward_sampled": 0.0, "agent/reward_greedy": 0.0, "agent/advantage": 0.0},
+    "search_agent": {"agent/searched": None, "agent/num_searches": None},  # how often it searches: checked below
+}
+# what differs between two runs of the same iterations: how long things took
+TIMINGS = ("rollout_tokens_per_s", "train_tokens_per_s")
+
+
+@pytest.mark.parametrize("config", list(AGENT_FACTS))
 def test_every_agent_config_trains_through_the_train_flow(prefect_api, tiny_model_dir, tmp_path, config):
-    """Each tutorial agent trains with its own config through the same `train` flow (shrunk to stay fast)."""
+    """Each tutorial agent trains with its own config through the same `train` flow (shrunk to stay fast): its
+    workflow's own facts in the metrics, and the final weights bit for bit those of the plain loop's run."""
+    from areal_pipeline.config import load_config
+    from areal_pipeline.pipeline import run_plain
     from flows.train import train
 
-    result = train(config_path=str(REPO / "configs" / f"{config}.yaml"), overrides=[
-        f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", "total_iterations=2", "eval_freq=0",
-        "rollout.batch_size=2", "rollout.gconfig.n_samples=2", "rollout.gconfig.max_new_tokens=8"])
+    overrides = [f"model.path={tiny_model_dir}", "total_iterations=2", "eval_freq=0", "rollout.batch_size=2",
+                 "rollout.gconfig.n_samples=2", "rollout.gconfig.max_new_tokens=8"]
+    result = train(config_path=str(REPO / "configs" / f"{config}.yaml"),
+                   overrides=[f"output_dir={tmp_path / 'flow'}", *overrides])
     run_dir = Path(result["run_dir"])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in records)
     assert (run_dir / "checkpoints" / "step_2" / "model" / "config.json").is_file()
+
+    expected = AGENT_FACTS[config]
+    for r in records:
+        assert {key for key in r if key.startswith("agent/")} == set(expected), r
+        assert {key: r[key] for key in expected if expected[key] is not None} == pytest.approx(
+            {key: value for key, value in expected.items() if value is not None}), r
+    if config == "search_agent":  # searched: the share of episodes with a search, each of up to 3 turns
+        for r in records:
+            assert 0 <= r["agent/searched"] <= r["agent/num_searches"] <= 3 * r["agent/searched"], r
+
+    plain_cfg = load_config(REPO / "configs" / f"{config}.yaml", [f"output_dir={tmp_path / 'plain'}", *overrides])
+    plain = run_plain(plain_cfg)
+    ignored = lambda r: {k: v for k, v in r.items() if not k.startswith("time_") and k not in TIMINGS}  # noqa: E731
+    assert [ignored(r) for r in plain] == [ignored(r) for r in records]
+    flow_weights = load_file(str(run_dir / "checkpoints" / "step_2" / "model" / "model.safetensors"))
+    plain_weights = load_file(str(plain_cfg.run_dir / "checkpoints" / "step_2" / "model" / "model.safetensors"))
+    assert flow_weights.keys() == plain_weights.keys()
+    assert [name for name in flow_weights if not torch.equal(flow_weights[name], plain_weights[name])] == []
