@@ -475,8 +475,11 @@ def test_every_agent_config_trains_through_the_train_flow(prefect_api, tiny_mode
     from areal_pipeline.pipeline import run_plain
     from flows.train import train
 
+    # Every answer is wrong, so normalised rewards and advantages would all be 0 and no update would change a
+    # weight: with raw rewards shifted by +0.5 the sampled tokens are reinforced (multi_turn's turn returns are -1).
+    raw = [f"ppo.{norm}.{level}=none" for norm in ("reward_norm", "adv_norm") for level in ("mean_level", "std_level")]
     overrides = [f"model.path={tiny_model_dir}", "total_iterations=2", "eval_freq=0", "rollout.batch_size=2",
-                 "rollout.gconfig.n_samples=2", "rollout.gconfig.max_new_tokens=8"]
+                 "rollout.gconfig.n_samples=2", "rollout.gconfig.max_new_tokens=8", "ppo.reward_bias=0.5", *raw]
     result = train(config_path=str(REPO / "configs" / f"{config}.yaml"),
                    overrides=[f"output_dir={tmp_path / 'flow'}", *overrides])
     run_dir = Path(result["run_dir"])
@@ -494,11 +497,18 @@ def test_every_agent_config_trains_through_the_train_flow(prefect_api, tiny_mode
         for r in records:
             assert 0 <= r["agent/searched"] <= r["agent/num_searches"] <= 3 * r["agent/searched"], r
 
+    flow_weights = load_file(str(run_dir / "checkpoints" / "step_2" / "model" / "model.safetensors"))
+    base_weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    moved = [name for name in flow_weights if not torch.equal(flow_weights[name], base_weights[name])]
+    if config == "remax":
+        # ReMax's advantage is the sampled reward minus the greedy one's, both 0 here: its updates change nothing
+        assert moved == [] and [r["grad_norm"] for r in records] == [0.0, 0.0]
+        return
+    assert moved and all(r["grad_norm"] > 0 for r in records)
     plain_cfg = load_config(REPO / "configs" / f"{config}.yaml", [f"output_dir={tmp_path / 'plain'}", *overrides])
     plain = run_plain(plain_cfg)
     ignored = lambda r: {k: v for k, v in r.items() if not k.startswith("time_") and k not in TIMINGS}  # noqa: E731
     assert [ignored(r) for r in plain] == [ignored(r) for r in records]
-    flow_weights = load_file(str(run_dir / "checkpoints" / "step_2" / "model" / "model.safetensors"))
     plain_weights = load_file(str(plain_cfg.run_dir / "checkpoints" / "step_2" / "model" / "model.safetensors"))
     assert flow_weights.keys() == plain_weights.keys()
     assert [name for name in flow_weights if not torch.equal(flow_weights[name], plain_weights[name])] == []
