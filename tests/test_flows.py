@@ -234,8 +234,7 @@ def test_evaluate_flow_scores_the_newest_checkpoint(prefect_api, tiny_model_dir,
     records = load_records(load_config(REPO / "configs/tiny_cpu.yaml", overrides).dataset, "test", seed=1)[:8]
     completions = greedy_completions(model_dir, records, max_new_tokens=8)
     expected = sum(math_reward(c, r["answer"]) for c, r in zip(completions, records)) / 8
-    assert (result["num_prompts"], result["pass_at_1"]) == (8, expected)
-    assert [s["completion"] for s in result["samples"]] == completions[:4]
+    assert (result["num_prompts"], result["pass_at_1"], result["reward_mean"]) == (8, expected, expected)
     assert asyncio.run(_artifacts("ev-evaluation"))
 
 
