@@ -157,7 +157,7 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     assert [r["iteration"] for r in records] == [1, 2, 3]
     assert records[-1]["eval_pass_at_1"] is not None and records[0]["eval_pass_at_1"] is None
     for r in records:
-        assert r["staleness"] == 0 and r["time_rollout"] > 0 and r["grad_norm"] >= 0 and r["lr"] > 0
+        assert r["staleness"] == 0 and r["time_rollout"] > 0 and math.isfinite(r["grad_norm"]) and r["lr"] > 0
     assert (run_dir / "reward_curve.png").stat().st_size > 1000 and result["curve"].endswith("reward_curve.png")
     assert (run_dir / "checkpoints" / "step_3" / "trainer_state.json").is_file()
     # the config checkpoints every 10 iterations and after the last
@@ -460,10 +460,14 @@ AGENT_FACTS = {
     "gsm8k_multi_turn": {"agent/first_turn_correct": 0.0, "agent/success": 0.0, "agent/num_turns": 3.0,
                          "agent/return": -1 - 0.9 - 0.81},
     "remax": {"agent/reward_sampled": 0.0, "agent/reward_greedy": 0.0, "agent/advantage": 0.0},
-    "search_agent": {"agent/searched": None, "agent/num_searches": None},  # how often it searches: checked below
+    "search_agent": {"agent/searched": 0.0, "agent/num_searches": 0.0},  # 8 random tokens never make a search tag
 }
-# what differs between two runs of the same iterations: how long things took
-TIMINGS = ("rollout_tokens_per_s", "train_tokens_per_s")
+
+
+def without_timings(record: dict) -> dict:
+    """An iteration's metrics less how long things took: what two runs of the same iterations share."""
+    return {k: v for k, v in record.items()
+            if not k.startswith("time_") and k not in ("rollout_tokens_per_s", "train_tokens_per_s")}
 
 
 @pytest.mark.parametrize("config", list(AGENT_FACTS))
@@ -490,11 +494,7 @@ def test_every_agent_config_trains_through_the_train_flow(prefect_api, tiny_mode
     expected = AGENT_FACTS[config]
     for r in records:
         assert {key for key in r if key.startswith("agent/")} == set(expected), r
-        assert {key: r[key] for key in expected if expected[key] is not None} == pytest.approx(
-            {key: value for key, value in expected.items() if value is not None}), r
-    if config == "search_agent":  # searched: the share of episodes with a search, each of up to 3 turns
-        for r in records:
-            assert 0 <= r["agent/searched"] <= r["agent/num_searches"] <= 3 * r["agent/searched"], r
+        assert {key: r[key] for key in expected} == pytest.approx(expected), r
 
     flow_weights = load_file(str(run_dir / "checkpoints" / "step_2" / "model" / "model.safetensors"))
     base_weights = load_file(str(tiny_model_dir / "model.safetensors"))
@@ -506,8 +506,7 @@ def test_every_agent_config_trains_through_the_train_flow(prefect_api, tiny_mode
     assert moved and all(r["grad_norm"] > 0 for r in records)
     plain_cfg = load_config(REPO / "configs" / f"{config}.yaml", [f"output_dir={tmp_path / 'plain'}", *overrides])
     plain = run_plain(plain_cfg)
-    ignored = lambda r: {k: v for k, v in r.items() if not k.startswith("time_") and k not in TIMINGS}  # noqa: E731
-    assert [ignored(r) for r in plain] == [ignored(r) for r in records]
+    assert [without_timings(r) for r in plain] == [without_timings(r) for r in records]
     plain_weights = load_file(str(plain_cfg.run_dir / "checkpoints" / "step_2" / "model" / "model.safetensors"))
     assert flow_weights.keys() == plain_weights.keys()
     assert [name for name in flow_weights if not torch.equal(flow_weights[name], plain_weights[name])] == []
