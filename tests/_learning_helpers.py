@@ -11,6 +11,9 @@ from areal_pipeline.model import resolve_model_path
 from areal_pipeline.pipeline import run_plain
 
 REPO = Path(__file__).resolve().parents[1]
+# The pipeline evaluates at every multiple of eval_freq and at the last iteration: 1 is the only setting that
+# scores the first iteration (whose update is still small: the configs warm the learning rate up).
+EVALUATE_EVERY_ITERATION = "eval_freq=1"
 
 
 def base_model(config: str, out_dir: Path, *overrides: str) -> str:
@@ -21,8 +24,8 @@ def base_model(config: str, out_dir: Path, *overrides: str) -> str:
 
 
 def short_run(config: str, tmp_path: Path, *overrides: str) -> tuple[Any, list[dict[str, Any]]]:
-    """Run `configs/<config>` from scratch (warm start included) under `tmp_path`, without evaluation: (config,
-    the iterations' metrics)."""
+    """Run `configs/<config>` from scratch (warm start included) under `tmp_path`, without evaluation unless the
+    overrides set eval_freq (EVALUATE_EVERY_ITERATION): (config, the iterations' metrics)."""
     cfg = load_config(REPO / "configs" / config, [f"output_dir={tmp_path}", "eval_freq=0", *overrides])
     return cfg, run_plain(cfg)
 
@@ -31,3 +34,10 @@ def first_and_last(records: list[dict[str, Any]], key: str = "reward_mean", wind
     """The mean of `key` over the first and over the last `window` iterations."""
     first, last = [r[key] for r in records[:window]], [r[key] for r in records[-window:]]
     return sum(first) / len(first), sum(last) / len(last)
+
+
+def first_and_last_pass_at_1(records: list[dict[str, Any]]) -> tuple[float, float]:
+    """Greedy test pass@1 at the first and at the last iteration (a run with EVALUATE_EVERY_ITERATION)."""
+    if records[0]["eval_pass_at_1"] is None or records[-1]["eval_pass_at_1"] is None:
+        raise ValueError("the run did not evaluate at its first and last iterations: set eval_freq=1")
+    return records[0]["eval_pass_at_1"], records[-1]["eval_pass_at_1"]

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from areal_pipeline.forkserver import processes_of
+from test_evaluation import greedy_completions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -156,7 +157,7 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     assert [r["iteration"] for r in records] == [1, 2, 3]
     assert records[-1]["eval_pass_at_1"] is not None and records[0]["eval_pass_at_1"] is None
     for r in records:
-        assert r["staleness"] == 0 and r["time_rollout"] > 0 and r["grad_norm"] >= 0 and r["lr"] > 0
+        assert r["staleness"] == 0 and r["time_rollout"] > 0 and math.isfinite(r["grad_norm"]) and r["lr"] > 0
     assert (run_dir / "reward_curve.png").stat().st_size > 1000 and result["curve"].endswith("reward_curve.png")
     assert (run_dir / "checkpoints" / "step_3" / "trainer_state.json").is_file()
     # the config checkpoints every 10 iterations and after the last
@@ -218,14 +219,22 @@ def test_iterations_share_flow_runs_and_keep_a_task_run_per_node(prefect_api, ti
 
 
 def test_evaluate_flow_scores_the_newest_checkpoint(prefect_api, tiny_model_dir, tmp_path):
+    from areal_pipeline.config import load_config
+    from areal_pipeline.data.datasets import load_records
+    from areal_pipeline.rewards.math import math_reward
     from flows.evaluate import evaluate
     from flows.train import train
 
     overrides = fast_overrides(tmp_path, tiny_model_dir, run_id="ev", iterations=1)
     train(config_path=str(REPO / "configs/tiny_cpu.yaml"), overrides=overrides)
     result = evaluate(config_path=str(REPO / "configs/tiny_cpu.yaml"), overrides=overrides)
-    assert result["model"] == str(tmp_path / "ev" / "checkpoints" / "step_1" / "model")
-    assert result["num_prompts"] == 8 and 0.0 <= result["pass_at_1"] <= 1.0
+    model_dir = tmp_path / "ev" / "checkpoints" / "step_1" / "model"
+    assert result["model"] == str(model_dir)
+    # what the checkpoint answers the first 8 test questions greedily, decoded here by transformers, and scored
+    records = load_records(load_config(REPO / "configs/tiny_cpu.yaml", overrides).dataset, "test", seed=1)[:8]
+    completions = greedy_completions(model_dir, records, max_new_tokens=8)
+    expected = sum(math_reward(c, r["answer"]) for c, r in zip(completions, records)) / 8
+    assert (result["num_prompts"], result["pass_at_1"], result["reward_mean"]) == (8, expected, expected)
     assert asyncio.run(_artifacts("ev-evaluation"))
 
 
@@ -441,16 +450,63 @@ def test_a_sweep_started_from_its_served_deployment_runs_every_combination(prefe
     assert sorted(row["run_id"] for row in json.loads(table.data)) == children
 
 
-@pytest.mark.parametrize("config", ["gsm8k_reflection", "gsm8k_multi_turn", "remax", "search_agent"])
+# The agent facts (agent/<key>) each workflow records, and nothing else records: with the random tiny model every
+# answer is wrong (it writes blank lines greedily and random bytes when sampling), so the episodes' facts are
+# known. Reflection retries once (max_turns 2); multi_turn asks again until its 3 turns are spent, each turn's reward
+# -1 ((0 - 0.5) x 2), so the first turn's return is -1 - 0.9 - 0.81; ReMax keeps both rewards and their difference;
+# the search agent counts its searches.
+AGENT_FACTS = {
+    "gsm8k_reflection": {"agent/first_turn_correct": 0.0, "agent/success": 0.0, "agent/num_turns": 2.0},
+    "gsm8k_multi_turn": {"agent/first_turn_correct": 0.0, "agent/success": 0.0, "agent/num_turns": 3.0,
+                         "agent/return": -1 - 0.9 - 0.81},
+    "remax": {"agent/reward_sampled": 0.0, "agent/reward_greedy": 0.0, "agent/advantage": 0.0},
+    "search_agent": {"agent/searched": 0.0, "agent/num_searches": 0.0},  # 8 random tokens never make a search tag
+}
+
+
+def without_timings(record: dict) -> dict:
+    """An iteration's metrics less how long things took: what two runs of the same iterations share."""
+    return {k: v for k, v in record.items()
+            if not k.startswith("time_") and k not in ("rollout_tokens_per_s", "train_tokens_per_s")}
+
+
+@pytest.mark.parametrize("config", list(AGENT_FACTS))
 def test_every_agent_config_trains_through_the_train_flow(prefect_api, tiny_model_dir, tmp_path, config):
-    """Each tutorial agent trains with its own config through the same `train` flow (shrunk to stay fast)."""
+    """Each tutorial agent trains with its own config through the same `train` flow (shrunk to stay fast): its
+    workflow's own facts in the metrics, and the final weights bit for bit those of the plain loop's run."""
+    from areal_pipeline.config import load_config
+    from areal_pipeline.pipeline import run_plain
     from flows.train import train
 
-    result = train(config_path=str(REPO / "configs" / f"{config}.yaml"), overrides=[
-        f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", "total_iterations=2", "eval_freq=0",
-        "rollout.batch_size=2", "rollout.gconfig.n_samples=2", "rollout.gconfig.max_new_tokens=8"])
+    # Every answer is wrong, so normalised rewards and advantages would all be 0 and no update would change a
+    # weight: with raw rewards shifted by +0.5 the sampled tokens are reinforced (multi_turn's turn returns are -1).
+    raw = [f"ppo.{norm}.{level}=none" for norm in ("reward_norm", "adv_norm") for level in ("mean_level", "std_level")]
+    overrides = [f"model.path={tiny_model_dir}", "total_iterations=2", "eval_freq=0", "rollout.batch_size=2",
+                 "rollout.gconfig.n_samples=2", "rollout.gconfig.max_new_tokens=8", "ppo.reward_bias=0.5", *raw]
+    result = train(config_path=str(REPO / "configs" / f"{config}.yaml"),
+                   overrides=[f"output_dir={tmp_path / 'flow'}", *overrides])
     run_dir = Path(result["run_dir"])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in records)
     assert (run_dir / "checkpoints" / "step_2" / "model" / "config.json").is_file()
+
+    expected = AGENT_FACTS[config]
+    for r in records:
+        assert {key for key in r if key.startswith("agent/")} == set(expected), r
+        assert {key: r[key] for key in expected} == pytest.approx(expected), r
+
+    flow_weights = load_file(str(run_dir / "checkpoints" / "step_2" / "model" / "model.safetensors"))
+    base_weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    moved = [name for name in flow_weights if not torch.equal(flow_weights[name], base_weights[name])]
+    if config == "remax":
+        # ReMax's advantage is the sampled reward minus the greedy one's, both 0 here: its updates change nothing
+        assert moved == [] and [r["grad_norm"] for r in records] == [0.0, 0.0]
+        return
+    assert moved and all(r["grad_norm"] > 0 for r in records)
+    plain_cfg = load_config(REPO / "configs" / f"{config}.yaml", [f"output_dir={tmp_path / 'plain'}", *overrides])
+    plain = run_plain(plain_cfg)
+    assert [without_timings(r) for r in plain] == [without_timings(r) for r in records]
+    plain_weights = load_file(str(plain_cfg.run_dir / "checkpoints" / "step_2" / "model" / "model.safetensors"))
+    assert flow_weights.keys() == plain_weights.keys()
+    assert [name for name in flow_weights if not torch.equal(flow_weights[name], plain_weights[name])] == []
