@@ -40,7 +40,7 @@ run: $(STAMP)
 	$(BIN)/areal-pipeline train --config $(CONFIG) $(ARGS)
 
 test: $(STAMP) $(VLLM_STAMP) sglang-wheels
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q -rsx $(ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q -rsx $(ARGS)
 
 # Fetched once (the folder's contents are kept), without dependencies; msgspec too (0.5.23's SamplingParams needs
 # it, the project does not).

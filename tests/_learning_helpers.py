@@ -3,11 +3,12 @@ last iterations: what the "does it learn?" tests share."""
 
 from __future__ import annotations
 
+import fcntl
 from pathlib import Path
 from typing import Any
 
 from areal_pipeline.config import load_config
-from areal_pipeline.model import resolve_model_path
+from areal_pipeline.model import embedded_model_dir, resolve_model_path
 from areal_pipeline.pipeline import run_plain
 
 REPO = Path(__file__).resolve().parents[1]
@@ -16,11 +17,16 @@ REPO = Path(__file__).resolve().parents[1]
 EVALUATE_EVERY_ITERATION = "eval_freq=1"
 
 
-def base_model(config: str, out_dir: Path, *overrides: str) -> str:
-    """The embedded model `configs/<config>` (+ overrides) warm-starts, built in `out_dir`: a fixture builds it
-    once, so that the runs it is shared by are what their tests take."""
-    cfg = load_config(REPO / "configs" / config, [f"output_dir={out_dir}", *overrides])
-    return resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
+def base_model(config: str, cache_dir: Path, *overrides: str) -> str:
+    """The embedded model `configs/<config>` (+ overrides) warm-starts, built once in `cache_dir` (the `model_cache`
+    fixture, shared by the session's workers): a worker that finds another building it waits for that build (a
+    lock per model, so that builds of different models run side by side)."""
+    cfg = load_config(REPO / "configs" / config, [f"output_dir={cache_dir}", *overrides])
+    target = embedded_model_dir(cfg.output_dir, cfg.model.tiny, cfg.seed)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
 
 
 def short_run(config: str, tmp_path: Path, *overrides: str) -> tuple[Any, list[dict[str, Any]]]:

@@ -75,7 +75,7 @@ def stop_group(process: subprocess.Popen, timeout: float = 30) -> None:
         process.wait(timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        process.wait(timeout)  # a SIGKILLed process is gone at once: a longer wait is a kernel problem, raised
     except ProcessLookupError:
         pass
 

@@ -25,6 +25,8 @@ def data_dirs(name: str) -> list:
     is present (a variant for tests whose point is the whole set; the bundled slice covers the capability)."""
     return [pytest.param(TEST_DATA / name, id="bundled")] + (
         [pytest.param(SHARED_DATA / name, id="shared")] if (SHARED_DATA / name).is_dir() else [])
+
+
 # Commands started by tests never run as forks of a developer's warm launcher (flows/warm.py), which may hold
 # another version of the code; tests/test_warm.py starts launchers of its own.
 os.environ["AREAL_WARM"] = "0"
@@ -35,6 +37,30 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from areal_pipeline.model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=1)
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    """A folder shared by every xdist worker of this test session, for embedded models that several test files
+    warm-start from the same config (tests/_learning_helpers.py `base_model`, which locks while it builds)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    (root / "model-cache").mkdir(exist_ok=True)
+    return root / "model-cache"
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """A temporary Prefect API (SQLite) for every test of this worker that asks for one; CLI subprocesses use it
+    through PREFECT_API_URL. Tests tell their runs apart by run id, never by counting a table's rows."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    os.environ["PREFECT_HOME"] = str(home)
+    import flows  # noqa: F401  (sets the project's Prefect defaults before Prefect is configured)
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()
 
 
 def start_cpu_server(model_dir: Path, log_dir: Path, *extra: str, deterministic: bool = True) -> ServerProcess:
@@ -70,6 +96,21 @@ def http(address: str, path: str, body=None, method: str | None = None, timeout:
         return status, json.loads(raw) if raw else None
     except json.JSONDecodeError:
         return status, raw.decode()
+
+
+# --- Longest files first -------------------------------------------------------------------------------------
+# `make test` hands whole files to the xdist workers (--dist loadfile) in collection order (--no-loadscope-reorder):
+# ordered by their recorded seconds (tests/durations.json, refreshed by tests/_durations.py), the long files start
+# at once and the short ones fill the gaps, instead of one long file running alone at the end.
+UNRECORDED_FILE_SECONDS = 30
+
+
+def pytest_collection_modifyitems(session, config, items):
+    recorded = Path(__file__).parent / "durations.json"
+    if not recorded.is_file():  # a conftest copied elsewhere (tests/test_ci_skips.py) keeps pytest's order
+        return
+    seconds = json.loads(recorded.read_text())
+    items.sort(key=lambda item: -seconds.get(item.path.name, UNRECORDED_FILE_SECONDS))  # stable: a file stays whole
 
 
 # --- Under CI a skip is a failure, unless it is for a GPU --------------------------------------------------------

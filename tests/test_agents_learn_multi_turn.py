@@ -25,13 +25,13 @@ WINDOW = 4
 
 
 @pytest.fixture(scope="module")
-def reflection_model(tmp_path_factory) -> str:
-    return base_model("gsm8k_reflection.yaml", tmp_path_factory.mktemp("reflection-model"), WARM_START)
+def reflection_model(model_cache) -> str:
+    return base_model("gsm8k_reflection.yaml", model_cache, WARM_START)
 
 
 @pytest.fixture(scope="module")
-def multi_turn_run(tmp_path_factory):
-    model = base_model("gsm8k_multi_turn.yaml", tmp_path_factory.mktemp("multi-turn-model"), WARM_START)
+def multi_turn_run(model_cache, tmp_path_factory):
+    model = base_model("gsm8k_multi_turn.yaml", model_cache, WARM_START)
     return short_run("gsm8k_multi_turn.yaml", tmp_path_factory.mktemp("multi-turn"), f"model.path={model}",
                      ITERATIONS)
 

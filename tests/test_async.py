@@ -13,7 +13,7 @@ from areal_pipeline.data.shards import read_trajectories
 from areal_pipeline.model import load_model
 from areal_pipeline.pipeline import run_plain
 from areal_pipeline.training.losses import gather_logprobs
-from _learning_helpers import first_and_last, short_run
+from _learning_helpers import base_model, first_and_last, short_run
 
 
 def async_config(tmp_path, model_dir, eta: int, iterations: int = 4):
@@ -74,9 +74,10 @@ def test_staleness_bound_and_trajectories_spanning_updates(tiny_model_dir, tmp_p
 
 
 @pytest.mark.parametrize("eta", [0, 1])
-def test_the_default_task_learns_synchronously_and_asynchronously(tmp_path, eta):
+def test_the_default_task_learns_synchronously_and_asynchronously(model_cache, tmp_path, eta):
     """configs/tiny_cpu.yaml, shortened: the batch reward of the last iterations is clearly above the first."""
-    cfg, records = short_run("tiny_cpu.yaml", tmp_path, f"rollout.max_head_offpolicyness={eta}", "total_iterations=30")
+    cfg, records = short_run("tiny_cpu.yaml", tmp_path, f"model.path={base_model('tiny_cpu.yaml', model_cache)}",
+                             f"rollout.max_head_offpolicyness={eta}", "total_iterations=30")
     first, last = first_and_last(records)
     assert last > first + 0.15, [r["reward_mean"] for r in records]
     assert max(r["staleness"] for r in map(json.loads, (cfg.run_dir / "metrics.jsonl").read_text().splitlines())) <= eta

@@ -15,14 +15,14 @@ import torch
 from _learning_helpers import base_model
 from areal_pipeline.branching import BranchError, plan_branch
 from areal_pipeline.config import ConfigError
-from test_flows import REPO, cli, fast_overrides, final_weights, prefect_api  # noqa: F401
+from test_flows import REPO, cli, fast_overrides, final_weights
 
 PARENT_LR = 1e-3  # fast_overrides' learning rate
 
 
 @pytest.fixture(scope="module")
-def warm_model(tmp_path_factory) -> str:
-    return base_model("tiny_cpu.yaml", tmp_path_factory.mktemp("base-model"))
+def warm_model(model_cache) -> str:
+    return base_model("tiny_cpu.yaml", model_cache)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import os
 import re
 
 from areal_pipeline.console import ProgressLine, quiet_console
-from test_flows import cli, fast_overrides, prefect_api, wait_until  # noqa: F401
+from test_flows import cli, fast_overrides, wait_until
 
 
 def test_the_progress_line_on_a_terminal_and_on_a_pipe():

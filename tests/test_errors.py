@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 from prefect import flow, task
-from test_flows import prefect_api  # noqa: F401  (the module's temporary Prefect API)
 
 from areal_pipeline.config import ConfigError
 from areal_pipeline.data.datasets import DatasetError
@@ -109,13 +108,13 @@ def _run_with_live_pipeline(run_id: str, failure: str, services_stopped: bool = 
 
 @pytest.mark.parametrize("failure, expected_attempts", [("bad config", 1), ("bad row", 1),
                                                         ("connection refused", 3), ("server 503", 3)])
-def test_a_node_retries_transient_faults_only(prefect_api, failure, expected_attempts):  # noqa: F811
+def test_a_node_retries_transient_faults_only(prefect_api, failure, expected_attempts):
     run_id = f"errors-{failure.replace(' ', '-')}"
     error = _run_with_live_pipeline(run_id, failure)
     assert attempts[run_id] == expected_attempts
     assert str(error) == str(FAILURES[failure])  # the node's own error reaches the caller, unwrapped
 
 
-def test_nothing_is_retried_once_the_services_stopped(prefect_api):  # noqa: F811
+def test_nothing_is_retried_once_the_services_stopped(prefect_api):
     _run_with_live_pipeline("errors-stopped", "connection refused", services_stopped=True)
     assert attempts["errors-stopped"] == 1

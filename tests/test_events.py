@@ -55,9 +55,9 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def warm_model(tmp_path_factory) -> str:
+def warm_model(model_cache) -> str:
     """The default config's warm-started base model (right ~30% of the time), built once for the module."""
-    return base_model("tiny_cpu.yaml", tmp_path_factory.mktemp("base-model"))
+    return base_model("tiny_cpu.yaml", model_cache)
 
 
 class Webhook:

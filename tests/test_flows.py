@@ -24,19 +24,6 @@ from test_evaluation import greedy_completions
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
-    """A temporary Prefect API (SQLite) for this module; CLI subprocesses use it through PREFECT_API_URL."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    os.environ["PREFECT_HOME"] = str(home)
-    import flows  # noqa: F401  (sets the project's Prefect defaults before Prefect is configured)
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield PREFECT_API_URL.value()
-
-
 def fast_overrides(tmp_path: Path, model_dir: Path, run_id: str = "t", iterations: int = 3,
                    per_flow_run: int = 1) -> list[str]:
     return [f"output_dir={tmp_path}", f"run_id={run_id}", f"model.path={model_dir}", f"total_iterations={iterations}",

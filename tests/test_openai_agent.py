@@ -32,7 +32,6 @@ from areal_pipeline.model import load_model, load_tokenizer
 from areal_pipeline.utils import find_free_port
 from areal_pipeline.workflows.openai_agent import AgentError, OpenAIAgentWorkflow, discounted_rewards, load_agent
 from conftest import start_cpu_server
-from test_flows import prefect_api  # noqa: F401  (the module's temporary Prefect API)
 from test_openai_api import perturbed_copy
 from test_workflows_common import RecordingEngine, assert_logprobs_match_model
 
@@ -348,7 +347,7 @@ def test_the_example_agent_is_plain_openai_and_its_curriculum_writes_the_workflo
         assert int(tokenizer.decode(ids[answer_start:answer_end - 1])) in (int(result), int(result) + 1)
 
 
-def test_the_example_agent_trains_through_the_train_flow(prefect_api, tiny_model_dir, tmp_path):  # noqa: F811
+def test_the_example_agent_trains_through_the_train_flow(prefect_api, tiny_model_dir, tmp_path):
     """configs/calculator_agent.yaml, shrunk, through the same `train` flow as every other agent: the agent runs as
     it is and its recorded episodes are trained on."""
     from flows.train import train

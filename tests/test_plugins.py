@@ -13,7 +13,7 @@ import pytest
 
 from areal_pipeline.config import ConfigError, load_config
 from areal_pipeline.data.shards import read_trajectories
-from test_flows import cli, fast_overrides, prefect_api  # noqa: F401  (the module's Prefect API fixture)
+from test_flows import cli, fast_overrides
 
 USER_LOSS = '''
 import os

@@ -9,9 +9,9 @@ from _learning_helpers import EVALUATE_EVERY_ITERATION, base_model, first_and_la
 
 
 @pytest.fixture(scope="module")
-def remax_base_model(tmp_path_factory) -> str:
+def remax_base_model(model_cache) -> str:
     """The config's base model (the warm start, ~25-60 s on 2 busy cores), built once and shared by the runs."""
-    return base_model("remax.yaml", tmp_path_factory.mktemp("remax-model"))
+    return base_model("remax.yaml", model_cache)
 
 
 # ~20-30 s a run on 2 busy cores (29 s at load 9.5): 20 iterations of 64 prompts x (2 sampled + 1 greedy).

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
-from test_flows import (REPO, cli, fast_overrides, final_weights, prefect_api,  # noqa: F401
-                        stop_serve, wait_for_deployment, wait_until)
+from test_flows import REPO, cli, fast_overrides, final_weights, stop_serve, wait_for_deployment, wait_until
 
 ITERATIONS = 3
 
@@ -72,15 +72,18 @@ def assert_resumed(run_id: str, tmp_path: Path, reference: dict[str, torch.Tenso
     assert len(lines) == ITERATIONS  # the retry trained to the end first asked for, no further
 
 
-def reference_weights(tmp_path: Path, model_dir: Path) -> dict[str, torch.Tensor]:
+@pytest.fixture(scope="module")
+def reference(prefect_api, tiny_model_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The final weights of the same run never failing (run once: both tests resume to it)."""
     from flows.train import train
 
+    out = tmp_path_factory.mktemp("reference")
     train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
-          overrides=fast_overrides(tmp_path, model_dir, run_id="ref", iterations=ITERATIONS))
-    return final_weights(tmp_path / "ref", ITERATIONS)
+          overrides=fast_overrides(out, tiny_model_dir, run_id="ref", iterations=ITERATIONS))
+    return final_weights(out / "ref", ITERATIONS)
 
 
-def test_the_ui_retry_button_resumes_a_failed_deployment_run(prefect_api, tiny_model_dir, tmp_path):
+def test_the_ui_retry_button_resumes_a_failed_deployment_run(prefect_api, tiny_model_dir, reference, tmp_path):
     """A deployment run (started as from the UI's Run button, `iterations=3`) fails in iteration 2; once the fault
     is gone, the UI's Retry button (the very request it sends) has the served deployment run it again, and it
     finishes iterations 2 and 3 only."""
@@ -107,11 +110,12 @@ def test_the_ui_retry_button_resumes_a_failed_deployment_run(prefect_api, tiny_m
         assert retried.state.is_completed() and retried.run_count == 2, retried.state
     finally:
         stop_serve(serve)
-    assert_resumed("ui", tmp_path, reference_weights(tmp_path, tiny_model_dir), [
+    assert_resumed("ui", tmp_path, reference, [
         ("ui/iter-1", "COMPLETED"), ("ui/iter-2", "COMPLETED"), ("ui/iter-2", "FAILED"), ("ui/iter-3", "COMPLETED")])
 
 
-def test_prefect_flow_run_retry_resumes_a_failed_command_line_run(prefect_api, tiny_model_dir, tmp_path):
+def test_prefect_flow_run_retry_resumes_a_failed_command_line_run(prefect_api, tiny_model_dir, reference,
+                                                                   tmp_path):
     """`areal-pipeline train` against a standing Prefect server fails in iteration 2; `prefect flow-run retry ID
     --entrypoint flows/train.py:train` (the README's command) finishes it. Two iterations share a flow run: the
     retry runs that flow run's iteration 2 again, not its finished iteration 1."""
@@ -131,7 +135,7 @@ def test_prefect_flow_run_retry_resumes_a_failed_command_line_run(prefect_api, t
     assert retry.returncode == 0, (retry.stdout + retry.stderr)[-3000:]
     retried = asyncio.run(_read_flow_run(failed.id))
     assert retried.state.is_completed() and retried.run_count == 2, retried.state
-    assert_resumed("cli", tmp_path, reference_weights(tmp_path, tiny_model_dir), [
+    assert_resumed("cli", tmp_path, reference, [
         ("cli/iter-1..2", "COMPLETED"), ("cli/iter-1..2", "FAILED"), ("cli/iter-3", "COMPLETED")])
     assert [json.loads(line)["iteration"] for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()
             ] == [1, 2, 3]  # iteration 1 recorded once

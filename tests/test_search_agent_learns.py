@@ -17,8 +17,8 @@ CONFIG = REPO / "configs/search_agent.yaml"
 
 
 @pytest.fixture(scope="module")
-def search_model_dir(tmp_path_factory) -> str:
-    return base_model("search_agent.yaml", tmp_path_factory.mktemp("search-model"))
+def search_model_dir(model_cache) -> str:
+    return base_model("search_agent.yaml", model_cache)
 
 
 # The warm start in the fixture counts against the test's time: ~2-5 min on 2 busy cores, 9 with 4 runs at once.

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from areal_pipeline.forkserver import processes_of
-from test_flows import cli, fast_overrides, prefect_api, wait_until  # noqa: F401
+from test_flows import cli, fast_overrides, wait_until
 
 # docs/prefect.md says ~2 s; 3 times that leaves room for a loaded machine and stays below shutdown.py's forced
 # exit at 8 s, so a pass is an unwinding that finished, not the fallback

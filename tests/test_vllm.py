@@ -51,11 +51,11 @@ def vllm_python() -> str:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[int, Path]:
+def models(model_cache, tmp_path_factory) -> dict[int, Path]:
     """Version 0: the default config's warm-started base model (head size 32); version 1: every parameter of it
     moved by noise, the output head with the embedding it is tied to."""
     out = tmp_path_factory.mktemp("vllm-models")
-    v0 = Path(base_model("tiny_cpu.yaml", out, HEADS))
+    v0 = Path(base_model("tiny_cpu.yaml", model_cache, HEADS))
     model = load_model(v0)
     torch.manual_seed(0)
     with torch.no_grad():

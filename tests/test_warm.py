@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from test_flows import REPO, cli, fast_overrides, prefect_api, stop_serve, wait_for_deployment, wait_until  # noqa: F401
+from test_flows import REPO, cli, fast_overrides, stop_serve, wait_for_deployment, wait_until
 
 STOPPED_WITHIN_S = 10
 
