@@ -155,6 +155,13 @@ def test_a_collapsing_run_is_cancelled_by_its_guard_and_notified(server, warm_mo
         for key in ("reward_mean", "eval_pass_at_1", "kl", "entropy", "staleness", "clip_fraction", "time_rollout",
                     "time_ppo_update", "reward_drop"):
             assert key in payload, key
+        # each event carries its iteration's own metrics record, figure for figure
+        records = {r["iteration"]: r for r in map(json.loads, (tmp_path / "collapse" / "metrics.jsonl").read_text()
+                                                  .splitlines())}
+        for event in iterations:
+            record = records[int(event["resource"]["areal.iteration"])]
+            for key in ("reward_mean", "eval_pass_at_1", "kl", "entropy", "clip_fraction", "grad_norm"):
+                assert event["payload"][key] == record[key], (key, event["payload"][key], record[key])
         assert payload["reward_drop"] >= 0.2 and iterations[0]["payload"]["reward_drop"] == 0
         assert iterations[-1]["related"][0]["prefect.resource.role"] == "flow-run"
         assert found[-1]["payload"]["cancelled"] is True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import math
 import os
@@ -47,11 +48,14 @@ def final_weights(run_dir: Path, k: int) -> dict[str, torch.Tensor]:
 
 
 async def _flow_runs(name_prefix: str):
+    """The flow runs whose name starts with `name_prefix` (Prefect's `like_` matches anywhere in the name: "g/iter-"
+    would also find "long/iter-1", a run of another test in the worker's API)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
     async with get_client() as client:
-        return await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=name_prefix)))
+        runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=name_prefix)))
+    return [r for r in runs if r.name.startswith(name_prefix)]
 
 
 async def _artifacts(key: str):
@@ -62,13 +66,14 @@ async def _artifacts(key: str):
         return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
 
 
-async def _library_logs():
-    """Records of the project's own loggers (not Prefect's) that reached the Prefect API."""
+async def _library_logs(since):
+    """Records of the project's own loggers (not Prefect's) that reached the Prefect API at or after `since` (a
+    datetime: the worker's API holds the logs of earlier tests too)."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter
+    from prefect.client.schemas.filters import LogFilter, LogFilterTimestamp
 
     async with get_client() as client:
-        logs = await client.read_logs(log_filter=LogFilter(), limit=200)
+        logs = await client.read_logs(log_filter=LogFilter(timestamp=LogFilterTimestamp(after_=since)), limit=200)
     return [log for log in logs if log.name.startswith("areal_pipeline")]
 
 
@@ -137,6 +142,7 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     from flows.train import train
 
     before = {p.pid for p in processes_of(os.getpid(), forkserver=False)}  # e.g. session fixtures' servers
+    logs_since = datetime.datetime.now(datetime.timezone.utc)
     result = train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
                    overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="e2e"))
     run_dir = tmp_path / "e2e"
@@ -158,7 +164,7 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
         assert artifacts, what
     curve = asyncio.run(_artifacts("e2e-reward-curve"))[0]
     assert "data:image/png;base64," in curve.data
-    library_logs = wait_until(lambda: asyncio.run(_library_logs()), 30, "library logs in the Prefect API")
+    library_logs = wait_until(lambda: asyncio.run(_library_logs(logs_since)), 30, "library logs in the Prefect API")
     assert any("inference servers ready" in log.message for log in library_logs)
     left = [p for p in processes_of(os.getpid(), forkserver=False) if p.pid not in before]
     assert not left, [(p.pid, p.cmdline(), p.status()) for p in left]  # teardown left nothing behind
@@ -341,15 +347,18 @@ def test_same_run_id_twice_is_refused(prefect_api, tiny_model_dir, tmp_path):
 
 
 async def wait_for_deployment(client, name: str, run_id: Optional[str] = None):
-    """The deployment `name` once registered (with `run_id`: once served for that run id, as an earlier test's
-    `serve` in the same API may have registered it for another)."""
+    """The deployment `name` once registered (with `run_id`: once served for that run id, as `run_id` or an override,
+    since an earlier test's `serve` in the worker's Prefect API may have registered it for another)."""
+    from prefect.exceptions import ObjectNotFound
+
     for _ in range(600):
         try:
             deployment = await client.read_deployment_by_name(name)
-            if run_id is None or deployment.parameters.get("run_id") == run_id:
-                return deployment
-        except Exception:
-            pass
+        except ObjectNotFound:
+            deployment = None
+        if deployment is not None and (run_id is None or deployment.parameters.get("run_id") == run_id
+                                       or f"run_id={run_id}" in (deployment.parameters.get("overrides") or [])):
+            return deployment
         await asyncio.sleep(0.2)
     raise AssertionError(f"deployment {name} never registered" + (f" for run {run_id}" if run_id else ""))
 
@@ -373,8 +382,8 @@ def test_scheduled_deployment_registers_and_a_triggered_run_completes(prefect_ap
 
     async def scenario():
         async with get_client() as client:
-            train_dep = await wait_for_deployment(client, "train/train")
-            await wait_for_deployment(client, "evaluate/evaluate")
+            train_dep = await wait_for_deployment(client, "train/train", run_id="served")
+            await wait_for_deployment(client, "evaluate/evaluate", run_id="served")
             assert train_dep.schedules and train_dep.parameters["iterations"] == 1
             finished = []
             for _ in range(2):  # a second run continues the same run id for one more iteration

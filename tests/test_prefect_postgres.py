@@ -168,7 +168,7 @@ def test_a_train_run_and_a_deployment_run_complete(pg_server, tiny_model_dir, tm
     try:
         async def run_deployment():
             async with get_client() as client:
-                deployment = await wait_for_deployment(client, "train/train")
+                deployment = await wait_for_deployment(client, "train/train", run_id="pg-deployed")
                 flow_run = await client.create_flow_run_from_deployment(deployment.id)
                 for _ in range(1500):
                     flow_run = await client.read_flow_run(flow_run.id)

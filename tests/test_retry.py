@@ -96,7 +96,7 @@ def test_the_ui_retry_button_resumes_a_failed_deployment_run(prefect_api, tiny_m
     try:
         async def start_run():
             async with get_client() as client:
-                deployment = await wait_for_deployment(client, "train/train")
+                deployment = await wait_for_deployment(client, "train/train", run_id="ui")
                 return (await client.create_flow_run_from_deployment(deployment.id)).id
 
         flow_run_id = asyncio.run(start_run())
