@@ -402,9 +402,9 @@ def test_stopping_serve_stops_its_deployment_run_and_what_the_run_started(prefec
 
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     log = tmp_path / "serve.log"
+    overrides = fast_overrides(tmp_path, tiny_model_dir, run_id="served-stop", iterations=50)
     serve = subprocess.Popen([sys.executable, "-m", "areal_pipeline.cli", "serve", "--config", "configs/tiny_cpu.yaml",
-                              "--iterations", "50", *fast_overrides(tmp_path, tiny_model_dir, run_id="served-stop",
-                                                                    iterations=50)],
+                              "--run-id", "served-stop", "--iterations", "50", *overrides],
                              cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                              start_new_session=True)
 
@@ -427,7 +427,9 @@ def test_stopping_serve_stops_its_deployment_run_and_what_the_run_started(prefec
             commands)
     finally:
         stop_serve(serve)
-    assert serve.returncode != -signal.SIGKILL, log.read_text()[-3000:]  # it ended by Ctrl-C, not stop_serve's kill
+    # it ended by Ctrl-C, not by stop_serve's SIGKILL
+    assert serve.returncode not in (None, -signal.SIGKILL) and "no longer serving" in log.read_text(), (
+        log.read_text()[-3000:])
 
     def gone(process: psutil.Process) -> bool:
         try:
@@ -443,6 +445,7 @@ def _command_line(process: psutil.Process) -> str:
         return " ".join(process.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return ""  # ended meanwhile
+
 
 def test_a_sweep_started_from_its_served_deployment_runs_every_combination(prefect_api, tiny_model_dir, tmp_path):
     """The UI's Run on the `sweep` deployment of `areal-pipeline serve`, with an axis added to the served overrides:
