@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -224,25 +223,6 @@ def cmd_prefect_server(args) -> None:
         sys.exit(f"prefect-server error: {e}")
 
 
-def cmd_warm(args) -> None:
-    from flows import warm
-
-    if args.action == "start":
-        status = warm.start(args.idle_minutes, tuple(args.preload))
-        print(f"warm launcher {'already running' if status.get('already_running') else 'ready'}: pid {status['pid']}, "
-              f"{status['files']} files imported, socket {status['socket']}; `areal-pipeline train`, `evaluate` and "
-              f"`sweep` now start as forks of it (AREAL_WARM=0: not)")
-    elif args.action == "stop":
-        status = warm.stop()
-        print("no warm launcher runs" if status is None else
-              f"warm launcher {status['pid']} stopped after {status['runs_started']} runs")
-    else:
-        status = warm.status()
-        if status is None:
-            sys.exit(f"no warm launcher answers on {warm.socket_path()}")
-        print(json.dumps(status, indent=2))
-
-
 def cmd_sweep(args) -> None:
     from flows.sweep import main as sweep_main
 
@@ -390,21 +370,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pg-port", type=int, default=5433, help="PostgreSQL's port (127.0.0.1)")
     p.set_defaults(func=cmd_prefect_server)
 
-    p = sub.add_parser("warm", help="a launcher that keeps a run's imports (torch, transformers, Prefect) loaded: "
-                                    "train, evaluate and sweep start as forks of it in about a second: start, stop, "
-                                    "status")
-    p.add_argument("action", choices=["start", "stop", "status"])
-    p.add_argument("--idle-minutes", type=float, default=240.0, help="it ends after this long without a run")
-    p.add_argument("--preload", action="append", default=[], metavar="MODULE",
-                   help="a module of yours to keep imported too (a workflow's, a reward's); repeatable")
-    p.set_defaults(func=cmd_warm)
-
-    p = sub.add_parser("engine", help="a flow run a Prefect worker starts, as a fork of the warm launcher where one "
-                                      "runs: a process work pool's command in place of `python -m prefect.engine` "
-                                      "(prefect.yaml)")
-    p.add_argument("flow_run_id", nargs="?", help="default: PREFECT__FLOW_RUN_ID, which the worker sets")
-    p.set_defaults(func=lambda args: sys.exit(_prefect_engine([args.flow_run_id] if args.flow_run_id else [])))
-
     p = sub.add_parser("rollout", help="roll out one iteration's batch into Parquet shards, or show N decoded "
                                        "episodes (--show N)")
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
@@ -432,28 +397,9 @@ def _interrupted_message(args) -> str:
 
 
 FLOW_COMMANDS = ("train", "evaluate", "branch", "sweep")
-WARM_COMMANDS = ("train", "evaluate", "sweep")  # run as forks of the warm launcher where one runs
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    if argv is None and any(flag == "-c" and program.startswith("from multiprocessing.")
-                            for flag, program in zip(sys.argv[1:], sys.argv[2:])):
-        # multiprocessing's executable in `serve` (a deployment run, spawned): flows.warm.use_for_spawned_processes
-        from flows.warm import run_as_interpreter
-
-        run_as_interpreter(sys.argv)
-    if argv is None and sys.argv[1:2] == ["engine"]:
-        sys.exit(_prefect_engine(sys.argv[2:]))
-    cold_env = None  # the environment a launcher started after this cold command gets
-    if argv is None and len(sys.argv) > 1 and sys.argv[1] in WARM_COMMANDS:
-        # as a fork of the warm launcher, where one runs (flows/warm.py; importing `flows` sets the project's
-        # Prefect defaults in the environment: only for the commands that run flows)
-        from flows.warm import run_warm
-
-        code = run_warm(sys.argv[1:])
-        if code is not None:
-            sys.exit(code)
-        cold_env = dict(os.environ)  # before the command sets anything (the forkserver's OpenMP policy, ...)
     from areal_pipeline import shutdown
 
     args = build_parser().parse_args(argv)
@@ -463,9 +409,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.command != "inference-server":
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
-        warm = sys.modules.get("flows.warm")
-        if warm is not None:  # a fork of the warm launcher: Prefect's logging set-up after this one, as at its import
-            warm.redo_prefect_logging()
     from areal_pipeline.config import ConfigError
     from areal_pipeline.data.datasets import DatasetError
 
@@ -489,37 +432,6 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         print(_interrupted_message(args), file=sys.stderr)
         sys.exit(shutdown.exit_status(shutdown.requested_by() or signal.SIGINT))
-    if cold_env is not None:
-        _start_launcher_for_next_commands(cold_env)
-
-
-def _prefect_engine(args: list[str]) -> int:
-    """`areal-pipeline engine`: a process work pool's command in place of `python -m prefect.engine` (prefect.yaml):
-    each flow run a worker starts is a fork of the warm launcher where one runs, else runs here as Prefect's
-    engine would (and, where it succeeded, leaves a launcher for the next ones, as a cold `train` does)."""
-    from flows import warm
-
-    code = warm.run_warm(args, entry="prefect-engine")
-    if code is not None:
-        return code
-    # not this run's own variables (its id, its worker's control port and token): the launcher serves the next runs
-    cold_env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT__")}
-    code = warm.run_prefect_engine(args)
-    if code == 0:
-        _start_launcher_for_next_commands(cold_env)
-    return code
-
-
-def _start_launcher_for_next_commands(cold_env: dict) -> None:
-    from flows import warm
-
-    pid = warm.start_for_next_commands(cold_env)
-    if pid is not None:
-        print(f"\nareal-pipeline: started a warm launcher in the background (pid {pid}): once it has imported "
-              f"torch, transformers and Prefect (~10 s), `train`, `evaluate` and `sweep` start in about a second as "
-              f"forks of it. It ends after "
-              f"{warm.AUTO_IDLE_MINUTES:.0f} idle minutes or on `areal-pipeline warm stop`; AREAL_WARM=1 starts "
-              f"none by itself, AREAL_WARM=0 uses none.", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -179,8 +179,7 @@ def iteration_2_outputs(run_dir: Path) -> str:
 class Sweep:
     def __init__(self, work: Path):
         self.work = work
-        # AREAL_WARM=0: new interpreters (a warm launcher's runs are not the command's own processes)
-        self.env = {**os.environ, "PREFECT_HOME": str(work / "prefect-home"), "AREAL_WARM": "0"}
+        self.env = {**os.environ, "PREFECT_HOME": str(work / "prefect-home")}
         self.env.pop("PREFECT_API_URL", None)
         self.logs = work / "logs"
         self.logs.mkdir(parents=True)

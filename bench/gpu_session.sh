@@ -28,7 +28,7 @@
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 AREAL_WARM=0 TOKENIZERS_PARALLELISM=false DO_NOT_TRACK=1 \
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false DO_NOT_TRACK=1 \
     PREFECT_HOME=/tmp/gpu-prefect-home PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -55,7 +55,6 @@ EVENTS_OFF = {"PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false", "PREFECT_SERV
 
 def _base_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in PROJECT_SERVER_SETTINGS and k != "PREFECT_API_URL"}
-    env["AREAL_WARM"] = "0"  # new interpreters, whatever launcher the user may run
     return {**env, **QUIET, "PREFECT_HOME": str(home)}
 
 

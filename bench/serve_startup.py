@@ -1,19 +1,17 @@
 """Start-up of a run started from the Prefect UI: `areal-pipeline serve` against a Prefect API, a deployment run
 created as the UI's Run button creates it, timed on the API's clock from its creation to its first iteration.
 
-    python bench/serve_startup.py [--config configs/tiny_cpu.yaml] [--runs 3] [--no-warm] [--worker] [key=value ...]
+    python bench/serve_startup.py [--config configs/tiny_cpu.yaml] [--runs 3] [--worker] [key=value ...]
 
 `--worker`: the deployment on a process work pool (prefect.yaml's, `prefect deploy`) and a `prefect worker start`
-instead of `serve`: "cold" is Prefect's own command for each run (`python -m prefect.engine`), "warm" the pool's
-command `areal-pipeline engine` (a job variable), each run then a fork of the launcher.
+instead of `serve`, each run Prefect's own command (`python -m prefect.engine`).
 
-Two settings, each its own `serve` process (ABBA order across the rounds of `--runs`): "cold", each run a new
-interpreter spawned by Prefect's runner (`AREAL_WARM=0`), and "warm", each run a fork of a warm launcher that the
-bench starts first (`AREAL_WARM=1`, a private socket). Every run is a 1-iteration `train` of its own run id, on an
-embedded model built before any clock starts, against a temporary Prefect API server the bench starts (SQLite, a
-private PREFECT_HOME). Phases from the API: `picked_up` (the runner set the run Pending: its poll), `began` (the run's
-process set it Running: after its imports), `first_iteration` (the first iteration's flow run began); each relative to
-the run's creation. The last line is one JSON object of the figures (medians).
+Each run is a new `serve` process (or worker) and a 1-iteration `train` of its own run id, on an embedded model built
+before any clock starts, against a temporary Prefect API server the bench starts (SQLite, a private PREFECT_HOME);
+`serve`'s runner spawns each run as a new interpreter. Phases from the API: `picked_up` (the runner set the run
+Pending: its poll), `began` (the run's process set it Running: after its imports), `first_iteration` (the first
+iteration's flow run began); each relative to the run's creation. The last line is one JSON object of the figures
+(medians).
 """
 
 from __future__ import annotations
@@ -71,14 +69,13 @@ def _serve(cli: str, args, env: dict, work: Path, log: Path) -> subprocess.Popen
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _worker(cli: str, env: dict, work: Path, log: Path, warm: bool) -> subprocess.Popen:
-    """The train deployment (re)deployed to a process pool of this setting's command, and a worker of that pool."""
+def _worker(cli: str, env: dict, work: Path, log: Path) -> subprocess.Popen:
+    """The train deployment (re)deployed to a process pool, and a worker of that pool."""
     prefect = str(Path(cli).with_name("prefect"))
-    pool = "bench-warm" if warm else "bench-cold"
+    pool = "bench-worker"
     subprocess.run([prefect, "work-pool", "create", pool, "--type", "process", "--overwrite"], cwd=REPO, env=env,
                    check=True, capture_output=True)
-    command = ["--job-variable", f"command={cli} engine"] if warm else []
-    subprocess.run([prefect, "--no-prompt", "deploy", "--name", "train", "--pool", pool, *command], cwd=REPO,
+    subprocess.run([prefect, "--no-prompt", "deploy", "--name", "train", "--pool", pool], cwd=REPO,
                    env=env, check=True, capture_output=True)
     return subprocess.Popen([prefect, "worker", "start", "--pool", pool], cwd=work,
                             env={**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}, stdout=log.open("w"),
@@ -88,8 +85,7 @@ def _worker(cli: str, env: dict, work: Path, log: Path, warm: bool) -> subproces
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
-    p.add_argument("--runs", type=int, default=3, help="runs of each setting")
-    p.add_argument("--no-warm", action="store_true", help="the cold setting only")
+    p.add_argument("--runs", type=int, default=3)
     p.add_argument("--worker", action="store_true", help="a process work pool's worker instead of serve")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
@@ -106,49 +102,36 @@ def main() -> None:
     api = TemporaryAPIServer()  # the Prefect API that `serve` and this process (creating the runs) talk to
     os.environ["PREFECT_API_URL"] = api.url
     env = dict(os.environ)
-    settings = {"cold": {**env, "AREAL_WARM": "0"}}
-    if not args.no_warm:
-        settings["warm"] = {**env, "AREAL_WARM": "1", "AREAL_WARM_SOCKET": str(work / "warm.sock")}
-    figures: dict[str, list[dict]] = {name: [] for name in settings}
+    figures: list[dict] = []
     try:
         api.wait_ready()
-        if "warm" in settings:
-            subprocess.run([cli, "warm", "start"], env=settings["warm"], check=True, capture_output=True)
         for r in range(args.runs):
-            for name in (list(settings) if r % 2 == 0 else list(settings)[::-1]):
-                log = work / f"serve-{name}-{r}.log"
-                if args.worker:  # the worker polls every second: serve's --poll-seconds default is 2
-                    serve = _worker(cli, settings[name], work, log, warm=name == "warm")
-                else:
-                    serve = _serve(cli, args, settings[name], work, log)  # the model built is under work/_models
-                try:
-                    # serve: its deployments registered, its runner polling next; a worker: polling from here on
-                    while (" started!" if args.worker else "Serving ") not in log.read_text():
-                        if serve.poll() is not None:
-                            raise SystemExit(f"serve exited: {log.read_text()[-3000:]}")
-                        time.sleep(0.2)
-                    time.sleep(1.0)
-                    parameters = {"iterations": 1, "config_path": args.config,
-                                  "overrides": [f"output_dir={work}", "total_iterations=1", "eval_freq=0",
-                                                *args.overrides]} if args.worker else {}
-                    one = asyncio.run(_one_run("train/train", f"{name}-{r}", parameters))
-                finally:
-                    os.killpg(serve.pid, signal.SIGINT)
-                    serve.wait(60)
-                figures[name].append(one)
-                print(f"run {r} {name:4s} " + "  ".join(f"{k} {v:.2f}" for k, v in one.items()), flush=True)
+            log = work / f"serve-{r}.log"
+            if args.worker:  # the worker polls every second: serve's --poll-seconds default is 2
+                serve = _worker(cli, env, work, log)
+            else:
+                serve = _serve(cli, args, env, work, log)  # the model built is under work/_models
+            try:
+                # serve: its deployments registered, its runner polling next; a worker: polling from here on
+                while (" started!" if args.worker else "Serving ") not in log.read_text():
+                    if serve.poll() is not None:
+                        raise SystemExit(f"serve exited: {log.read_text()[-3000:]}")
+                    time.sleep(0.2)
+                time.sleep(1.0)
+                parameters = {"iterations": 1, "config_path": args.config,
+                              "overrides": [f"output_dir={work}", "total_iterations=1", "eval_freq=0",
+                                            *args.overrides]} if args.worker else {}
+                one = asyncio.run(_one_run("train/train", f"run-{r}", parameters))
+            finally:
+                os.killpg(serve.pid, signal.SIGINT)
+                serve.wait(60)
+            figures.append(one)
+            print(f"run {r} " + "  ".join(f"{k} {v:.2f}" for k, v in one.items()), flush=True)
     finally:
-        if "warm" in settings:
-            subprocess.run([cli, "warm", "stop"], env=settings["warm"], check=False, capture_output=True)
         api.stop()
     result = {"runs": args.runs, "runner": "worker" if args.worker else "serve"}
-    for name, runs in figures.items():
-        for key in runs[0]:
-            result[f"{name}_{key}"] = round(statistics.median(r[key] for r in runs), 2)
-    if "warm" in figures:
-        cold_start = result["cold_first_iteration"] - result["cold_picked_up"]
-        warm_start = result["warm_first_iteration"] - result["warm_picked_up"]
-        result["cold_vs_warm_picked_up_to_first_iteration"] = round(cold_start / warm_start, 2)
+    for key in figures[0]:
+        result[key] = round(statistics.median(r[key] for r in figures), 2)
     print(json.dumps(result))
 
 

@@ -1,10 +1,9 @@
 """Start-up of a training run as a user starts it: `areal-pipeline train`, from the command's start to its first
 iteration, with the services forked from a preloaded forkserver (areal_pipeline/forkserver.py: "forked"), without
 it (`AREAL_FORKSERVER=0`: each service imports torch and transformers itself, the trainer under torchrun:
-"launched"), and as a fork of a warm launcher (flows/warm.py, started by the bench before the rounds: "warm";
-`--no-warm` leaves it out).
+"launched").
 
-    python bench/startup.py [--config configs/tiny_cpu.yaml] [--rounds 2] [--api-url URL] [--no-warm] [key=value ...]
+    python bench/startup.py [--config configs/tiny_cpu.yaml] [--rounds 2] [--api-url URL] [key=value ...]
 
 Each round runs both settings (ABBA order across rounds, as this machine's speed drifts), a 1-iteration run each,
 on an embedded model built before any clock starts. The phases come from the run's log, relative to the command's
@@ -58,7 +57,6 @@ def main() -> None:
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--api-url", default="", help="a standing Prefect server's API (default: a temporary one a run)")
-    p.add_argument("--no-warm", action="store_true", help="no runs forked from a warm launcher")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
 
@@ -70,19 +68,12 @@ def main() -> None:
     cfg = load_config(args.config, overrides)
     resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
     cli = str(Path(sys.executable).with_name("areal-pipeline"))
-    env = {**os.environ, "AREAL_WARM": "0"}  # new interpreters, whatever launcher the user may run
+    env = dict(os.environ)
     env.pop("PREFECT_API_URL", None)
     if args.api_url:
         env["PREFECT_API_URL"] = args.api_url
     settings = {"forked": {**env, "AREAL_FORKSERVER": "1"}, "launched": {**env, "AREAL_FORKSERVER": "0"}}
-    if not args.no_warm:
-        settings["warm"] = {**env, "AREAL_WARM": "1", "AREAL_WARM_SOCKET": str(work / "warm.sock")}
-        subprocess.run([cli, "warm", "start"], env=settings["warm"], check=True, capture_output=True)
-    try:
-        runs = _rounds(cli, args, overrides, settings)
-    finally:
-        if not args.no_warm:
-            subprocess.run([cli, "warm", "stop"], env=settings["warm"], check=False, capture_output=True)
+    runs = _rounds(cli, args, overrides, settings)
     result = {"rounds": args.rounds, "api": "standing" if args.api_url else "temporary"}
     for name, figures in runs.items():
         for key in [*PHASES, "command_seconds"]:
@@ -92,8 +83,6 @@ def main() -> None:
     if result.get("launched_first_iteration") and result.get("forked_first_iteration"):
         result["startup_launched_vs_forked"] = round(
             result["launched_first_iteration"] / result["forked_first_iteration"], 2)
-    if result.get("warm_first_iteration") and result.get("forked_first_iteration"):
-        result["startup_forked_vs_warm"] = round(result["forked_first_iteration"] / result["warm_first_iteration"], 2)
     print(json.dumps(result))
 
 

@@ -10,11 +10,7 @@ learning rate, temperature and completion length, with no KL term. Each clock st
 (the interpreter, imports and set-up count, as a user waits for them):
 - TRL: a Python process running GRPOTrainer (generating with `model.generate` in its own process);
 - ours through the flow: `areal-pipeline train` (Prefect flow, temporary API server unless PREFECT_API_URL is
-  set); an iteration's reward is known when its `iter_<k>/metrics.json` is written (its mtime); once as a new
-  interpreter (cold) and once more with a warm launcher running (`areal-pipeline warm start`, flows/warm.py:
-  started by the bench before that run, its own start-up not on the run's clock but reported; `--no-warm` skips it),
-  compared with TRL's times less its imports too (`trl_imported_seconds_to_reward_*`: TRL in a process that has
-  imported it already, a notebook's kernel, say);
+  set), a new interpreter; an iteration's reward is known when its `iter_<k>/metrics.json` is written (its mtime);
 - ours, plain loop (`run_plain` in this process, start-up of servers and trainer included, no Prefect).
 Needs `pip install --no-deps trl accelerate`. The last line is one JSON object of the figures.
 """
@@ -49,7 +45,7 @@ def trl_worker(config: str, overrides: list[str], out_dir: Path) -> None:
     from areal_pipeline.data.datasets import load_records
     from areal_pipeline.model import load_model, load_tokenizer, resolve_model_path
 
-    print(f"imported {time.time()}", flush=True)  # where a warm process (a notebook's) would start its clock
+    print(f"imported {time.time()}", flush=True)  # the end of its imports: `trl_imports_seconds`
     cfg = load_config(config, overrides)
     model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
     records = load_records(cfg.dataset, cfg.dataset.train_split, cfg.seed)
@@ -91,23 +87,19 @@ def measure_trl(config: str, overrides: list[str], thresholds, threads: int) -> 
     for i, (s, r) in enumerate(log, start=1):
         print(f"trl step {i:3d}  {s:7.1f}s  reward {r:.3f}")
     figures = summary("trl", [r for _, r in log], [s for s, _ in log], thresholds, ready)
-    # TRL in a process that has its imports done already (a notebook's kernel), the fair match for a run
-    # forked from the warm launcher
     figures["trl_imports_seconds"] = round(imported, 2)
-    for t in thresholds:
-        seconds = figures[f"trl_seconds_to_reward_{t}"]
-        figures[f"trl_imported_seconds_to_reward_{t}"] = None if seconds is None else round(seconds - imported, 2)
     return figures
 
 
 CLI = str(Path(sys.executable).with_name("areal-pipeline"))
 
 
-def measure_flow(config: str, overrides: list[str], thresholds, env: dict, label: str = "flow") -> dict:
+def measure_flow(config: str, overrides: list[str], thresholds, env: dict) -> dict:
     """`areal-pipeline train` from its start: an iteration ends when its metrics.json is written."""
     from areal_pipeline.config import load_config
     from areal_pipeline.metrics import read_metrics
 
+    label = "flow"
     run_id = f"run_id=yardstick-{label}"
     cfg = load_config(config, [*overrides, run_id])
     started = time.time()
@@ -127,19 +119,6 @@ def measure_flow(config: str, overrides: list[str], thresholds, env: dict, label
             f"{label}_command_seconds": round(wall, 2)}
 
 
-def measure_flow_warm(config: str, overrides: list[str], thresholds, env: dict, work: Path) -> dict:
-    """The flow once more, as a fork of a warm launcher the bench starts (and stops) around it."""
-    warm_env = {**env, "AREAL_WARM": "1", "AREAL_WARM_SOCKET": str(work / "warm.sock")}
-    started = time.time()
-    subprocess.run([CLI, "warm", "start"], env=warm_env, check=True, capture_output=True)
-    launcher_start = time.time() - started
-    try:
-        return {**measure_flow(config, overrides, thresholds, warm_env, "flow_warm"),
-                "warm_launcher_start_seconds": round(launcher_start, 2)}
-    finally:
-        subprocess.run([CLI, "warm", "stop"], env=warm_env, check=False, capture_output=True)
-
-
 def main() -> None:
     import tempfile
 
@@ -152,7 +131,6 @@ def main() -> None:
     p.add_argument("--skip-ours", action="store_true", help="only the TRL run")
     p.add_argument("--trl-threads", type=int, default=0,
                    help="torch threads of the TRL process (0: torch's default); on a busy machine 1 is faster")
-    p.add_argument("--no-warm", action="store_true", help="no run of the flow with a warm launcher")
     p.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = p.parse_args()
@@ -168,21 +146,13 @@ def main() -> None:
     figures = {"model_build_seconds": round(time.perf_counter() - started, 2)}
     figures.update(measure_trl(args.config, overrides, args.thresholds, args.trl_threads))
     if not args.skip_ours:
-        cold = {**os.environ, "AREAL_WARM": "0"}  # a new interpreter, whatever launcher the user may run
-        figures.update(measure_flow(args.config, overrides, args.thresholds, cold))
-        if not args.no_warm:
-            figures.update(measure_flow_warm(args.config, overrides, args.thresholds, cold, work))
+        figures.update(measure_flow(args.config, overrides, args.thresholds, dict(os.environ)))
         figures.update(measure_pipeline(args.config, [*overrides, "run_id=yardstick-plain"], args.thresholds))
         for t in args.thresholds:
             trl = figures[f"trl_seconds_to_reward_{t}"]
-            for ours, name in (("flow", "speedup_flow"), ("flow_warm", "speedup_flow_warm"), ("ours", "speedup_plain")):
-                if f"{ours}_seconds_to_reward_{t}" in figures:  # flow_warm: not with --no-warm
-                    mine = figures[f"{ours}_seconds_to_reward_{t}"]
-                    figures[f"{name}_to_reward_{t}"] = round(trl / mine, 2) if mine and trl else None
-            warm = figures.get(f"flow_warm_seconds_to_reward_{t}")
-            imported = figures[f"trl_imported_seconds_to_reward_{t}"]
-            if warm and imported:  # both without their imports on the clock
-                figures[f"speedup_flow_warm_vs_trl_imported_to_reward_{t}"] = round(imported / warm, 2)
+            for ours, name in (("flow", "speedup_flow"), ("ours", "speedup_plain")):
+                mine = figures[f"{ours}_seconds_to_reward_{t}"]
+                figures[f"{name}_to_reward_{t}"] = round(trl / mine, 2) if mine and trl else None
     print(json.dumps(figures))
 
 

@@ -17,11 +17,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -49,9 +47,6 @@ class TemporaryAPIServer:
                "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
         env.pop("PREFECT_API_URL", None)
         fd, self.log_path = tempfile.mkstemp(prefix=f"prefect-api-{self.port}-", suffix=".log")
-        if _server_imported():
-            self.popen = _fork_server(self.port, env, fd)
-            return
         with os.fdopen(fd, "w") as log:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "flows.api_server", "--port", str(self.port)], env=env,
@@ -95,93 +90,6 @@ class TemporaryAPIServer:
             popen.wait()
         with contextlib.suppress(OSError):
             os.unlink(self.log_path)
-
-
-def _server_imported() -> bool:
-    """Whether this process has imported Prefect's API server already (a run forked from the warm launcher,
-    flows/warm.py) and may fork: then a fork of it serves in a fraction of a second instead of a new interpreter
-    spending seconds on the same imports."""
-    return ("prefect.server.api.server" in sys.modules and "uvicorn" in sys.modules
-            and threading.active_count() == 1 and hasattr(os, "fork"))
-
-
-class _ForkedServer:
-    """A forked server behind the part of `subprocess.Popen`'s interface that `TemporaryAPIServer` uses."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.returncode: Optional[int] = None
-
-    def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped elsewhere
-                self.returncode = -1
-            else:
-                if pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def terminate(self) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signal.SIGTERM)
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"flows.api_server (pid {self.pid})", timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-
-def _fork_server(port: int, env: dict[str, str], log_fd: int) -> _ForkedServer:
-    """`python -m flows.api_server --port PORT` with `env`, output to `log_fd`, in a session of its own: as a fork."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            from areal_pipeline.forkserver import close_descriptors, new_process_stop_handlers
-
-            os.setsid()
-            new_process_stop_handlers()
-            devnull = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(devnull, 0)
-            os.dup2(log_fd, 1)
-            os.dup2(log_fd, 2)
-            close_descriptors()  # the command's terminal, pipes and files are not the server's to hold
-            os.environ.clear()
-            os.environ.update(env)
-            from prefect.context import refresh_global_settings_context
-            from setproctitle import setproctitle
-
-            refresh_global_settings_context()
-            setproctitle(f"{sys.executable} -m flows.api_server --port {port}")
-            main(["--port", str(port)])
-            code = 0
-        except SystemExit as ended:
-            code = exit_code(ended)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    os.close(log_fd)
-    return _ForkedServer(pid)
-
-
-def exit_code(ended: SystemExit) -> int:
-    """The status a new interpreter ends with on `ended` (a message is printed to stderr, with status 1)."""
-    if ended.code is None or isinstance(ended.code, int):
-        return ended.code or 0
-    print(ended.code, file=sys.stderr)
-    return 1
 
 
 def _may_name_an_api() -> bool:

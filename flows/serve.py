@@ -2,8 +2,7 @@
 from the UI (with typed parameters) and scheduled.
 
 The runner is given the flows themselves (`Runner.add_flow`, as `flow.serve()` does), so it starts each run with
-multiprocessing's spawn method rather than `python -m prefect.engine` loading the flow from its file; with the
-warm launcher (flows/warm.py) that spawned process is a fork of the launcher, which has everything imported."""
+multiprocessing's spawn method rather than `python -m prefect.engine` loading the flow from its file."""
 
 from __future__ import annotations
 
@@ -77,12 +76,6 @@ def serve_deployments(*args, poll_seconds: Optional[float] = None, **kwargs) -> 
     from prefect.exceptions import TerminationSignal
     from prefect.runner import Runner
     from prefect.settings import get_current_settings
-
-    from flows import warm
-
-    # each run a fork of the warm launcher (flows/warm.py): one is started now where AREAL_WARM=auto, and kept
-    if warm.use_for_spawned_processes():
-        warm.keep_warm_while_serving(dict(os.environ))
     if poll_seconds is None and not os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY"):
         poll_seconds = DEFAULT_POLL_SECONDS
     runner = Runner(pause_on_shutdown=True, query_seconds=poll_seconds)

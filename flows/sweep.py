@@ -299,9 +299,6 @@ def _child() -> None:
     exit_when_parent_dies()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from flows.warm import redo_prefect_logging
-
-    redo_prefect_logging()  # a fork of the warm launcher: Prefect's logging set-up after this one, as at its import
     from prefect.flow_engine import load_flow_run, run_flow
 
     from areal_pipeline.config import resolve_run_config
@@ -365,11 +362,6 @@ def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] == [CHILD_FLAG]:
-        from flows.warm import run_warm
-
-        code = run_warm(sys.argv[1:], entry="sweep-run")  # as a fork of the warm launcher, where one runs
-        if code is not None:
-            sys.exit(code)
         _child()
     else:
         sys.exit(f"usage: areal-pipeline sweep ... (python -m flows.sweep {CHILD_FLAG} is what the sweep starts)")

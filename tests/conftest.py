@@ -27,11 +27,6 @@ def data_dirs(name: str) -> list:
         [pytest.param(SHARED_DATA / name, id="shared")] if (SHARED_DATA / name).is_dir() else [])
 
 
-# Commands started by tests never run as forks of a developer's warm launcher (flows/warm.py), which may hold
-# another version of the code; tests/test_warm.py starts launchers of its own.
-os.environ["AREAL_WARM"] = "0"
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from areal_pipeline.model import build_tiny_model

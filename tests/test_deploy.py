@@ -42,7 +42,7 @@ def test_prefect_deploy_and_a_process_worker_run_train_and_evaluate(server, tiny
                               stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT,
                               start_new_session=True)
     overrides = fast_overrides(tmp_path, tiny_model_dir, run_id="pooled", iterations=2)
-    seen: set[int] = set()  # pids of the flow runs' processes while they ran
+    seen: dict[int, str] = {}  # pid -> command line of the flow runs' processes while they ran
 
     async def run(deployment_name: str, parameters: dict):
         async with get_client() as client:
@@ -53,7 +53,7 @@ def test_prefect_deploy_and_a_process_worker_run_train_and_evaluate(server, tiny
                 {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
             flow_run = await client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
             return await _until_final(client, flow_run, lambda run: seen.update(
-                p.pid for p in _processes_of({str(run.id)})))
+                (p.pid, _command_line(p)) for p in _processes_of({str(run.id)})))
 
     try:
         with temporary_settings(updates={PREFECT_API_URL: server}):
@@ -76,6 +76,8 @@ def test_prefect_deploy_and_a_process_worker_run_train_and_evaluate(server, tiny
     # carry the flow run's id in PREFECT__FLOW_RUN_ID
     ids = {str(trained.id), str(evaluated.id)}
     assert len(seen) >= 3  # the flow run's process, the inference server, the trainer, ...
+    # each flow run is Prefect's own command: the deployments need nothing of this project's command line
+    assert any(command.endswith("-m prefect.engine") for command in seen.values()), seen
     wait_until(lambda: not _processes_of(ids), 30, "the flow runs' processes to exit")
 
 
@@ -91,6 +93,13 @@ async def _until_final(client, flow_run, while_running=None):
     raise AssertionError(f"{flow_run.name} did not finish: {flow_run.state}")
 
 
+def _command_line(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return ""
+
+
 def _processes_of(flow_run_ids: set[str]) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["pid"]):
@@ -102,80 +111,51 @@ def _processes_of(flow_run_ids: set[str]) -> list[psutil.Process]:
     return found
 
 
-def test_a_process_workers_flow_runs_are_forks_of_the_warm_launcher(server, tiny_model_dir, tmp_path):
-    """With `areal-pipeline engine` as the work pool's command (a job variable), each flow run the worker starts is a
-    fork of the warm launcher instead of a new `python -m prefect.engine`; where it can use none (AREAL_WARM=0
-    here), the command runs Prefect's engine itself. Either way the run goes to its end."""
-    import sys
-    from pathlib import Path
+def test_a_process_workers_run_cancelled_in_prefect_ends_cancelled_with_nothing_left(server, tiny_model_dir,
+                                                                                     tmp_path):
+    """The UI's Cancel on a long train run of a process worker: the worker's cancel is acknowledged on the run's
+    control channel (the run's SIGTERM handler stands in for Prefect's, flows/overlap.py), so the run ends
+    Cancelled, not Crashed, the worker goes on, and nothing the run started is left."""
+    import time
 
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
-    from test_warm import _start_launcher, _status, _stop_launcher
+    from prefect.states import Cancelling
 
-    (tmp_path / "warm").mkdir()
-    launcher = _start_launcher(tmp_path / "warm")
+    env = {**client_env(server, tmp_path / "prefect-home"), "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    pool = "areal-cancel"  # a pool of its own: the test does not depend on the one above having run
+    prefect_cli("work-pool", "create", pool, "--type", "process", env=env)
+    prefect_cli("--no-prompt", "deploy", "--name", "train", "--pool", pool, env=env)
+    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool], cwd=tmp_path, env=env,
+                              stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    seen: set[int] = set()  # pids of the run's processes before the cancel
+
+    async def cancel_a_long_run():
+        async with get_client() as client:
+            deployment = await client.read_deployment_by_name("train/train")
+            assert deployment.work_pool_name == pool
+            flow_run = await client.create_flow_run_from_deployment(deployment.id, parameters={
+                "overrides": fast_overrides(tmp_path, tiny_model_dir, run_id="long", iterations=500),
+                "iterations": 500})
+            deadline = time.monotonic() + 600
+            while not (tmp_path / "long" / "iter_2").exists():
+                run = await client.read_flow_run(flow_run.id)
+                assert not run.state.is_final() and time.monotonic() < deadline, (
+                    run.state, (tmp_path / "worker.log").read_text()[-3000:])
+                seen.update(p.pid for p in _processes_of({str(flow_run.id)}))
+                await asyncio.sleep(0.1)
+            await client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
+            return await _until_final(client, flow_run)
+
     try:
-        env = {**client_env(server, tmp_path / "prefect-home"), "PREFECT_WORKER_QUERY_SECONDS": "1",
-               "AREAL_WARM": "1", "AREAL_WARM_SOCKET": launcher["AREAL_WARM_SOCKET"]}
-        pool = "areal-warm"
-        prefect_cli("work-pool", "create", pool, "--type", "process", env=env)
-        engine = Path(sys.executable).with_name("areal-pipeline")
-        prefect_cli("--no-prompt", "deploy", "--name", "evaluate", "--pool", pool,
-                    "--job-variable", f"command={engine} engine", env=env)
-
-        async def run(k: int) -> object:
-            async with get_client() as client:
-                deployment = await client.read_deployment_by_name("evaluate/evaluate")
-                assert deployment.job_variables.get("command") == f"{engine} engine"
-                flow_run = await client.create_flow_run_from_deployment(deployment.id, parameters={
-                    "overrides": fast_overrides(tmp_path, tiny_model_dir, run_id=f"pooled-{k}"),
-                    "checkpoint": str(tiny_model_dir)})
-                return await _until_final(client, flow_run)
-
-        for k, (mode, forks) in enumerate((("1", 1), ("0", 0))):
-            before = _status(launcher)["runs_started"]
-            log_path = tmp_path / f"worker-{k}.log"
-            worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool], cwd=tmp_path,
-                                      env={**env, "AREAL_WARM": mode}, stdout=open(log_path, "w"),
-                                      stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                with temporary_settings(updates={PREFECT_API_URL: server}):
-                    evaluated = asyncio.run(run(k))
-            finally:
-                stop_group(worker)
-            log = log_path.read_text()
-            assert evaluated.state.is_completed(), (mode, evaluated.state, log[-3000:])
-            assert "started cold" not in log, log[-3000:]
-            assert _status(launcher)["runs_started"] == before + forks, mode
-
-        # the UI's Cancel on such a run: the worker's cancel is acknowledged on its control channel (the run's
-        # SIGTERM handler stands in for Prefect's), so the run ends Cancelled, not Crashed, and nothing of it is left
-        prefect_cli("--no-prompt", "deploy", "--name", "train", "--pool", pool,
-                    "--job-variable", f"command={engine} engine", env=env)
-        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool], cwd=tmp_path, env=env,
-                                  stdout=open(tmp_path / "worker-cancel.log", "w"), stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-
-        async def cancel_a_long_run() -> object:
-            from prefect.states import Cancelling
-
-            async with get_client() as client:
-                deployment = await client.read_deployment_by_name("train/train")
-                flow_run = await client.create_flow_run_from_deployment(deployment.id, parameters={
-                    "overrides": fast_overrides(tmp_path, tiny_model_dir, run_id="long", iterations=500),
-                    "iterations": 500})
-                while not (tmp_path / "long" / "iter_2").exists():
-                    await asyncio.sleep(0.1)
-                await client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
-                return await _until_final(client, flow_run)
-
-        try:
-            with temporary_settings(updates={PREFECT_API_URL: server}):
-                cancelled = asyncio.run(cancel_a_long_run())
-        finally:
-            stop_group(worker)
-        assert cancelled.state.is_cancelled(), (cancelled.state, (tmp_path / "worker-cancel.log").read_text()[-3000:])
-        wait_until(lambda: not _processes_of({str(cancelled.id)}), 30, "the cancelled run's processes to exit")
+        with temporary_settings(updates={PREFECT_API_URL: server}):
+            cancelled = asyncio.run(cancel_a_long_run())
+        worker_ran_on = worker.poll() is None
     finally:
-        _stop_launcher(launcher)
+        stop_group(worker)
+    log = (tmp_path / "worker.log").read_text()
+    assert cancelled.state.is_cancelled(), (cancelled.state, log[-3000:])
+    assert worker_ran_on, log[-3000:]
+    assert len(seen) >= 3, seen  # the run's process, its inference server and trainer
+    wait_until(lambda: not _processes_of({str(cancelled.id)}), 30, "the cancelled run's processes to exit")

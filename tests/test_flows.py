@@ -404,6 +404,58 @@ def test_scheduled_deployment_registers_and_a_triggered_run_completes(prefect_ap
     assert [json.loads(line)["iteration"] for line in lines] == [1, 2]
 
 
+def test_stopping_serve_stops_its_deployment_run_and_what_the_run_started(prefect_api, tiny_model_dir, tmp_path):
+    """Ctrl-C to `areal-pipeline serve` while one of its deployment runs (a process multiprocessing spawned) is
+    mid-way: serve ends by the signal, and the run, its inference server and trainer end with it."""
+    from prefect.client.orchestration import get_client
+
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    log = tmp_path / "serve.log"
+    overrides = fast_overrides(tmp_path, tiny_model_dir, run_id="served-stop", iterations=50)
+    serve = subprocess.Popen([sys.executable, "-m", "areal_pipeline.cli", "serve", "--config", "configs/tiny_cpu.yaml",
+                              "--run-id", "served-stop", "--iterations", "50", *overrides],
+                             cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                             start_new_session=True)
+
+    async def start_a_long_run():
+        async with get_client() as client:
+            deployment = await wait_for_deployment(client, "train/train", run_id="served-stop")
+            await client.create_flow_run_from_deployment(deployment.id)
+
+    started: list[psutil.Process] = []
+    try:
+        asyncio.run(start_a_long_run())
+        marker = tmp_path / "served-stop" / "iter_2" / "rollout" / "manifest.json"
+        wait_until(lambda: marker.exists() or serve.poll() is not None, 600, "the run's second iteration",
+                   interval=0.05)
+        assert serve.poll() is None, log.read_text()[-3000:]
+        started = psutil.Process(serve.pid).children(recursive=True)
+        commands = [_command_line(p) for p in started]
+        assert any("--multiprocessing-fork" in c for c in commands), commands  # the deployment run
+        assert any("inference.server" in c for c in commands) and any("trainer_server" in c for c in commands), (
+            commands)
+    finally:
+        stop_serve(serve)
+    # it ended by Ctrl-C, not by stop_serve's SIGKILL
+    assert serve.returncode not in (None, -signal.SIGKILL) and "no longer serving" in log.read_text(), (
+        log.read_text()[-3000:])
+
+    def gone(process: psutil.Process) -> bool:
+        try:
+            return process.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_until(lambda: all(gone(p) for p in started), 30, "the run and its services to exit")
+
+
+def _command_line(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return ""  # ended meanwhile
+
+
 def test_a_sweep_started_from_its_served_deployment_runs_every_combination(prefect_api, tiny_model_dir, tmp_path):
     """The UI's Run on the `sweep` deployment of `areal-pipeline serve`, with an axis added to the served overrides:
     a train run per value, each a child of the sweep's flow run, and the sweep's table artifact."""

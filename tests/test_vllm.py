@@ -322,7 +322,7 @@ def test_agent_workflows_run_on_vllm(server, models, tmp_path, config, caplog):
 def test_the_train_flow_runs_on_vllm(server, models, tmp_path):
     """`areal-pipeline train` as a user runs it (the Prefect flow, its temporary API server included) on the vLLM
     server: every iteration's flow run completes, and the server ends serving the trainer's final weights."""
-    env = {**os.environ, "AREAL_WARM": "0", "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
     iterations = 3
     done = subprocess.run(

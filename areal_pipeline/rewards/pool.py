@@ -118,8 +118,7 @@ class RewardPool:
         self.max_workers = max_workers
         # Not forks of this process: it holds torch threads and an asyncio loop, which a forked child would
         # inherit in a broken state. Forks of the services' forkserver where this process runs one (it has this
-        # package imported, and math-verify too where the run is a fork of the warm launcher: a spawned worker
-        # spends ~0.45 s of CPU on them at a run's start), else new interpreters.
+        # package imported already), else new interpreters.
         from areal_pipeline import forkserver
 
         context = forkserver.worker_context()
