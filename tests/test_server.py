@@ -45,7 +45,9 @@ def teacher_forced_logprobs(model, prompt, output, temperature):
 
 
 def test_generate_reply_shape(cpu_server):
-    status, reply = generate(cpu_server, sampling_params={"max_new_tokens": 7, "temperature": 1.0},
+    # ignore_eos: a sampled EOS would end the reply early, and whether one is sampled depends on the shared server's
+    # earlier requests
+    status, reply = generate(cpu_server, sampling_params={"max_new_tokens": 7, "temperature": 1.0, "ignore_eos": True},
                              return_logprob=True, rid="shape-1")
     assert status == 200
     meta = reply["meta_info"]
