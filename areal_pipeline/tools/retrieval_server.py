@@ -34,7 +34,7 @@ import numpy as np
 from aiohttp import web
 
 from areal_pipeline.http_json import RequestRejected, check_bool, check_int, json_errors, read_json, shown
-from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.processes import ServerProcess
 from areal_pipeline.tools.retrieval_args import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUERIES,
