@@ -369,9 +369,8 @@ class TrainEngine:
         o = self.cfg.optimizer
         for group in self.optimizer.param_groups:
             group.update(initial_lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
-        self.scheduler.base_lrs = [o.lr] * len(self.optimizer.param_groups)
-        step = self.scheduler.last_epoch
-        lrs = [base * schedule(step) for base, schedule in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
-        self.scheduler._last_lr = lrs
+        # the schedule at the checkpoint's position, made afresh: its base learning rates are the groups'
+        # initial_lr, and making it steps once, to `last_epoch`, setting each group's lr (and get_last_lr()) to
+        # base * schedule(last_epoch)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.scheduler.lr_lambdas,
+                                                           last_epoch=self.scheduler.last_epoch - 1)
