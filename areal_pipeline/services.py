@@ -181,8 +181,8 @@ class Services:
                 s.stop()
             self.inference = [s for s in self.inference if s not in dead]
             # restart on the same ports, so that addresses recorded elsewhere stay valid
-            self.inference += [ServerProcess(s.command, s.address, s.log_path, s.env, s.fork, s.kind).start()
-                               for s in dead]
+            self.inference += [ServerProcess(s.command, s.address, s.log_path, s.env, s.fork, s.kind,
+                                             s.liveness_path).start() for s in dead]
             for s in self.inference[-len(dead):]:
                 s.wait_healthy(self.cfg.inference.setup_timeout)
 
