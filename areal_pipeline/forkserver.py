@@ -76,11 +76,6 @@ def _start_forkserver_process() -> None:
     mp_forkserver.ensure_running()
 
 
-def running() -> bool:
-    """Whether this process started the services' forkserver."""
-    return _context is not None
-
-
 def processes_of(launcher_pid: int, forkserver: bool = True) -> list["psutil.Process"]:
     """The processes a command (`launcher_pid`) started and that are still there, as `psutil.Process`es: those
     whose environment names it (AREAL_PARENT_PID: launched services, the temporary API server, the forkserver and

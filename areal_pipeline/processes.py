@@ -47,7 +47,7 @@ class ServerProcess:
 
     def __init__(self, command: list[str], address: str, log_path: Optional[Path] = None,
                  env: Optional[dict[str, str]] = None, fork: Optional[tuple[str, list[str], dict[str, str]]] = None,
-                 kind: str = "inference server", liveness_path: str = "/health"):
+                 kind: str = "service", liveness_path: str = "/health"):
         """`fork`: (module, argv, extra environment) of the same service as a fork of the preloaded forkserver
         (areal_pipeline/forkserver.py), tried before `command`. `kind` names the service in logs and errors.
         `liveness_path`: what a run asks a server it may have paused (where /health would wait for it)."""

@@ -213,6 +213,7 @@ def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: 
         envs = [vllm_env(cfg.vllm, log_dir, i, env) for i, env in enumerate(envs)]
     servers = [
         ServerProcess(command, f"{cfg.host}:{port}", log_dir / f"inference-server-{i}.log", env=envs[i],
+                      kind="inference server",
                       # forked only on the CPU: the forkserver's process may have initialised the CUDA driver (a
                       # fork of it cannot use CUDA), and a GPU server's start-up is not the critical path
                       fork=_forked_cpu_server(command) if cfg.backend == "cpu" and not gpus[i] else None,

@@ -314,7 +314,7 @@ def launch_retrieval_server(cfg, log_dir: Path) -> ServerProcess:
     r = cfg.rollout.agent.retrieval
     port = r.port or find_free_port(r.host)
     server = ServerProcess(retrieval_server_command(cfg, port), f"{r.host}:{port}",
-                           Path(log_dir) / "retrieval-server.log")
+                           Path(log_dir) / "retrieval-server.log", kind="retrieval server")
     server.start()
     try:
         server.wait_healthy(r.setup_timeout)
