@@ -82,16 +82,15 @@ def cmd_rollout(args) -> None:
 
 @contextlib.contextmanager
 def _api_and_forkserver():
-    """Prefect's temporary API server (when none is configured) comes up in the background from here on, while
-    this process imports what the run needs; once it has imported what its services need too, a fork of it
-    becomes their forkserver (see forkserver.py), which imports the rest of theirs while this process imports
-    Prefect's flow machinery. Yields the API server to pass to `prefect_api`; stops it if the block fails."""
-    from areal_pipeline import forkserver
+    """Prefect's temporary API server (when none is configured) and the services' forkserver (see forkserver.py)
+    come up in the background from here on, while this process imports what the run needs. Yields the API server
+    to pass to `prefect_api`; stops it if the block fails."""
+    from areal_pipeline.services import start_forkserver
     from flows.api_server import early_api_server, needed_api_server
 
     api_server = early_api_server()
     try:
-        forkserver.start_here()
+        start_forkserver()
         api_server = needed_api_server(api_server)
         yield api_server
     except BaseException:

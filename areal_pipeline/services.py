@@ -8,11 +8,31 @@ from typing import Optional
 
 from areal_pipeline import shutdown
 from areal_pipeline.config import ExperimentConfig
-from areal_pipeline.inference.launcher import LIVENESS_TIMEOUT_S, ServerProcess, launch_servers
+from areal_pipeline.inference.launcher import LIVENESS_TIMEOUT_S, launch_servers
+from areal_pipeline.processes import ServerProcess
 from areal_pipeline.training.client import TrainerClient, launch_trainer
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
+
+
+# What the services' forkserver imports before it forks the first of them (the model class is resolved by name at
+# load time, so a model of another architecture imports its own modules in the service, as it would anyway).
+FORKSERVER_PRELOAD = (
+    "areal_pipeline.inference.server",
+    "areal_pipeline.training.trainer_server",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.qwen2.tokenization_qwen2",
+    "transformers.tokenization_utils_fast",
+)
+
+
+def start_forkserver() -> None:
+    """Start the forkserver that the CPU services are forked from (areal_pipeline/forkserver.py) now: it imports
+    their modules while the command goes on with its own start-up."""
+    from areal_pipeline import forkserver
+
+    forkserver.start(FORKSERVER_PRELOAD)
 
 
 class ServicesStoppedError(RuntimeError):
@@ -106,7 +126,7 @@ class Services:
         else an error naming the ones that do not."""
         import time
 
-        from areal_pipeline.inference.launcher import ServerLaunchError
+        from areal_pipeline.processes import ServerLaunchError
 
         probes = [ServerProcess([], address, kind="inference server (inference.addresses)") for address in addresses]
         deadline = time.monotonic() + self.cfg.inference.setup_timeout
@@ -161,8 +181,8 @@ class Services:
                 s.stop()
             self.inference = [s for s in self.inference if s not in dead]
             # restart on the same ports, so that addresses recorded elsewhere stay valid
-            self.inference += [ServerProcess(s.command, s.address, s.log_path, s.env, s.fork, s.kind).start()
-                               for s in dead]
+            self.inference += [ServerProcess(s.command, s.address, s.log_path, s.env, s.fork, s.kind,
+                                             s.liveness_path).start() for s in dead]
             for s in self.inference[-len(dead):]:
                 s.wait_healthy(self.cfg.inference.setup_timeout)
 

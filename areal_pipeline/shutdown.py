@@ -29,6 +29,7 @@ _cleanups: dict[int, tuple[str, Callable[[], None]]] = {}
 _ids = itertools.count()
 _lock = threading.Lock()
 _first_signal: Optional[int] = None
+_handler: Optional[Callable] = None  # the stop handler `install_handlers` installed in this process, if it did
 
 
 def register(what: str, stop: Callable[[], None]) -> int:
@@ -95,6 +96,7 @@ def _force_exit(signum: int, why: str) -> None:
 
 def install_handlers(signals=(signal.SIGINT, signal.SIGTERM)) -> None:
     """In the main thread of a command: each stop signal runs `on_stop_signal`, then raises KeyboardInterrupt."""
+    global _handler
 
     def handle(signum, frame):
         on_stop_signal(signum)
@@ -102,3 +104,10 @@ def install_handlers(signals=(signal.SIGINT, signal.SIGTERM)) -> None:
 
     for signum in signals:
         signal.signal(signum, handle)
+    _handler = handle
+
+
+def handlers_installed() -> bool:
+    """Whether this process's command installed the stop handlers (`install_handlers`): a command of the
+    project's own, not a process that a Prefect worker or runner started to run a flow."""
+    return _handler is not None

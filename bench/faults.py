@@ -59,7 +59,7 @@ import psutil
 
 from areal_pipeline.checksums import sha256_file
 from areal_pipeline.forkserver import processes_of
-from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.processes import ServerProcess
 from areal_pipeline.run_dir import RunPaths
 from areal_pipeline.utils import find_free_port
 

@@ -39,7 +39,8 @@ import torch
 
 from areal_pipeline.config import GenerationConfig
 from areal_pipeline.inference.client import RemoteSGLangEngine
-from areal_pipeline.inference.launcher import ServerProcess, build_vllm_command, vllm_env
+from areal_pipeline.inference.launcher import build_vllm_command, vllm_env
+from areal_pipeline.processes import ServerProcess
 from areal_pipeline.inference.types import ModelRequest
 from areal_pipeline.model import load_model
 from areal_pipeline.utils import find_free_port

@@ -42,9 +42,7 @@ class TemporaryAPIServer:
         self.port = find_free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.startup_timeout = startup_timeout
-        env = {**os.environ, PARENT_PID_ENV: str(os.getpid()),
-               # what Prefect's own ephemeral server runs with: no UI, the services an in-process run needs
-               "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), "PREFECT_UI_ENABLED": "0"}
         env.pop("PREFECT_API_URL", None)
         fd, self.log_path = tempfile.mkstemp(prefix=f"prefect-api-{self.port}-", suffix=".log")
         with os.fdopen(fd, "w") as log:
@@ -173,8 +171,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     exit_when_parent_dies()
     import uvicorn
 
-    uvicorn.run("prefect.server.api.server:create_app", factory=True, host="127.0.0.1", port=args.port,
+    uvicorn.run("flows.api_server:create_app", factory=True, host="127.0.0.1", port=args.port,
                 log_level="error", lifespan="on")
+
+
+def create_app():
+    """The API app as Prefect's own ephemeral server runs it: no UI, the services an in-process run needs, and the
+    only app of its process (`final`)."""
+    from prefect.server.api.server import create_app as create_prefect_app
+
+    return create_prefect_app(ephemeral=True, final=True)
 
 
 if __name__ == "__main__":

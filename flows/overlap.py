@@ -124,15 +124,25 @@ def record_orchestration(pipeline: Pipeline, k: int, period: float) -> None:
 
 @contextlib.contextmanager
 def stop_everything_on_sigterm() -> Iterator[None]:
-    """During a flow run Prefect's own SIGTERM handler replaces the command's (it raises TerminationSignal, so
-    that the run is recorded as crashed). Ahead of it, stop the run's processes in the handler itself: that
-    exception alone can be lost (raised while the main thread runs a finalizer, Python prints "Exception
-    ignored" and a run went on to its end with exit code 0), and with the services stopped the node in flight
-    and every later one fail at once and are not retried, whatever the exception does."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
+    """Stop the run's processes at once when SIGTERM arrives during the block (a flow run's body).
+
+    During a flow run Prefect's SIGTERM handler is installed: it raises TerminationSignal in the main thread, and
+    the engine records the run as crashed, or as cancelled where a Prefect worker or runner sent the signal after
+    asking the run to cancel (the run acknowledges that request only while Prefect's own handler is installed).
+
+    In a command of the project's own (`areal-pipeline train`, a sweep's run: `shutdown.handlers_installed()`) no
+    worker is waiting for such an acknowledgement, so the project's handler goes ahead of Prefect's, which it then
+    calls: it stops the services in the handler itself. The exception alone can be lost (raised while the main
+    thread runs a finalizer, Python prints "Exception ignored" and a run went on to its end with exit code 0);
+    with the services stopped, the node in flight and every later one fail at once and are not retried.
+
+    In a process that a worker or runner started, Prefect's handler stays: its TerminationSignal, once it reaches
+    this block, runs the project's reaction to the signal (`shutdown.on_stop_signal`: what is still registered is
+    stopped, and the process ends within seconds), and the flows' `STOP_HOOKS` stop what is left."""
+    from prefect.exceptions import TerminationSignal
+
+    chained = shutdown.handlers_installed() and threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if chained else None
 
     def stop(signum, frame):
         shutdown.on_stop_signal(signum)
@@ -140,33 +150,25 @@ def stop_everything_on_sigterm() -> Iterator[None]:
             previous(signum, frame)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    with _as_prefects_bridge(previous, stop):
-        yield
-
-
-@contextlib.contextmanager
-def _as_prefects_bridge(previous, handler) -> Iterator[None]:
-    """Install `handler` for SIGTERM. Where `previous` is Prefect's SIGTERM bridge, `handler` stands in for it
-    where Prefect asks which handler is installed: a run that a worker cancels acknowledges the cancel on its control
-    channel only while Prefect's own handler is installed (checked by identity), and otherwise ends Crashed, not
-    Cancelled. `handler` calls the bridge after stopping the services, so Prefect still gets its TerminationSignal."""
-    from prefect.utilities import engine as prefect_engine
-
-    bridge = getattr(prefect_engine, "_prefect_sigterm_handler", None)
-    lock = getattr(prefect_engine, "_prefect_sigterm_bridge_lock", None)
-    stands_in = bridge is not None and previous is bridge and lock is not None
-    swapping = lock if stands_in else contextlib.nullcontext()
-    with swapping:
-        signal.signal(signal.SIGTERM, handler)
-        if stands_in:
-            prefect_engine._prefect_sigterm_handler = handler
+    if chained:
+        signal.signal(signal.SIGTERM, stop)
     try:
         yield
+    except TerminationSignal as stopped:
+        shutdown.on_stop_signal(stopped.signal)
+        raise
     finally:
-        with swapping:
+        if chained:
             signal.signal(signal.SIGTERM, previous)
-            if stands_in:
-                prefect_engine._prefect_sigterm_handler = bridge
+
+
+def stop_what_the_process_started(flow, flow_run, state) -> None:
+    """A flow's on_crashed / on_cancellation hook (Prefect's public hooks): what this process registered to stop
+    on a stop signal (the services of its runs, a sweep's runs) is stopped, whichever way the run ended."""
+    shutdown.stop_everything()
+
+
+STOP_HOOKS = {"on_crashed": [stop_what_the_process_started], "on_cancellation": [stop_what_the_process_started]}
 
 
 _PROGRESS: dict[str, artifacts.Progress] = {}

@@ -1,13 +1,12 @@
 """Deployments of `train`, `evaluate` and `sweep` served against the configured Prefect API, so runs can be started
 from the UI (with typed parameters) and scheduled.
 
-The runner is given the flows themselves (`Runner.add_flow`, as `flow.serve()` does), so it starts each run with
-multiprocessing's spawn method rather than `python -m prefect.engine` loading the flow from its file."""
+Each deployment names its flow by module and name (`flows.train.train`, Prefect's module-path entrypoint), so the
+runner starts each run as `python -m prefect.engine`, which imports the flow, as a worker runs a deployment:
+nothing of the serving process (a module global, the sweep's lock) is copied into the run."""
 
 from __future__ import annotations
 
-import copy
-import importlib
 import os
 from pathlib import Path
 from typing import Optional
@@ -19,32 +18,13 @@ from flows.sweep import sweep
 from flows.train import train
 
 
-class _ImportedFlow(Flow):
-    """A flow that pickles as its module and name: each run imports it (as `python -m prefect.engine` loads a
-    deployment's entrypoint) instead of unpickling a copy of its function and that function's globals by value
-    (the sweep's lock cannot be pickled, and a copied module global would not be the module's)."""
-
-    def __reduce__(self):
-        return _imported, (self.fn.__module__, self.fn.__name__)
-
-
-def _imported(module: str, name: str) -> Flow:
-    return getattr(importlib.import_module(module), name)
-
-
-def _by_reference(flow: Flow) -> Flow:
-    imported = copy.copy(flow)
-    imported.__class__ = _ImportedFlow
-    return imported
-
-
 def deployments(config_path: str, overrides: list[str], run_id: Optional[str], iterations: Optional[int],
                 cron: Optional[str] = None, interval: Optional[float] = None,
                 eval_cron: Optional[str] = None, eval_interval: Optional[float] = None) -> list[tuple[Flow, dict]]:
     """A scheduled train run continues the same run id from its newest checkpoint for `iterations` more
     iterations; a scheduled evaluate run scores the run's newest checkpoint. A sweep run (the UI's Run, with the
     axes to add, e.g. `trainer.optimizer.lr=1e-3,5e-4`) starts a train run per combination, the served overrides
-    fixed in every one. Each as (flow, keyword arguments of `Runner.add_flow` / `flow.to_deployment`)."""
+    fixed in every one. Each as (flow, keyword arguments of `flow.to_deployment`)."""
     config_path = str(Path(config_path).resolve())
     common = {"config_path": config_path, "overrides": overrides, "run_id": run_id}
     train_deployment = dict(
@@ -69,19 +49,23 @@ DEFAULT_POLL_SECONDS = 2.0  # a run started from the UI begins within this (Pref
 
 
 def serve_deployments(*args, poll_seconds: Optional[float] = None, **kwargs) -> None:
-    """What `prefect.serve` does, with the flows given to the runner, which asks the API for runs to start every
-    `poll_seconds` (default: PREFECT_RUNNER_POLL_FREQUENCY where set, else `DEFAULT_POLL_SECONDS`)."""
+    """What `prefect.serve` does, with a runner that asks the API for runs to start every `poll_seconds` (default:
+    PREFECT_RUNNER_POLL_FREQUENCY where set, else `DEFAULT_POLL_SECONDS`)."""
     import asyncio
 
     from prefect.exceptions import TerminationSignal
     from prefect.runner import Runner
     from prefect.settings import get_current_settings
+    from prefect.types.entrypoint import EntrypointType
     if poll_seconds is None and not os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY"):
         poll_seconds = DEFAULT_POLL_SECONDS
     runner = Runner(pause_on_shutdown=True, query_seconds=poll_seconds)
     served = []
     for flow, arguments in deployments(*args, **kwargs):
-        runner.add_flow(_by_reference(flow), **arguments)
+        deployment = flow.to_deployment(**arguments, entrypoint_type=EntrypointType.MODULE_PATH)
+        # run by this runner, not a work pool's worker (as `Runner.add_flow` sets it)
+        deployment.work_pool_name = deployment.work_queue_name = None
+        runner.add_deployment(deployment)
         served.append(f"{flow.name}/{arguments['name']}")
     ui = get_current_settings().ui_url
     print(f"Serving {', '.join(served)}: start a run from the Prefect UI{f' ({ui}/deployments)' if ui else ''} or "

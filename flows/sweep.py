@@ -5,7 +5,8 @@
 Each combination is its own run (`<base>-lr=1e-3-n_samples=4`: its own run directory, run lock and flow run) and
 runs in a process of its own, as a worker runs a deployment's flow run: the sweep's task for it creates the
 `train` flow run through the API, as a child of that task (the UI shows the train runs under the sweep), and
-starts `python -m flows.sweep --child`, which runs exactly that flow run (PREFECT__FLOW_RUN_ID).
+starts `python -c "from flows.sweep import child_main; child_main()"`, which runs exactly that flow run
+(PREFECT__FLOW_RUN_ID).
 
 Why processes and not subflow calls in threads of this process: a train run is a process-sized thing. It keeps
 an inference server, a trainer and a Prefect client busy from one interpreter, so runs in threads of one process
@@ -34,6 +35,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 CHILD_FLAG = "--child"
+# How the sweep starts a run: `-c` rather than `-m flows.sweep`, since every process multiprocessing starts (the
+# run's forked services) imports the main module first, and this one's import is Prefect's
+CHILD_COMMAND = "from flows.sweep import child_main; child_main()"
 LOG_NAME = "sweep.log"  # a run's terminal output, in <run_dir>/logs/ (its full log is train.log beside it)
 
 
@@ -161,9 +165,12 @@ def run_one(config_path: str, run_id: str, overrides: list[str], iterations: Opt
             api_url: str) -> dict[str, Any]:
     """One combination: its `train` flow run (a child of this task run), run by a process of its own; its
     final figures."""
+    from uuid import uuid4
+
     from prefect import Task, get_client
-    from prefect.context import FlowRunContext
-    from prefect.utilities.asyncutils import run_coro_as_sync
+    from prefect.client.schemas.objects import TaskRunResult
+    from prefect.context import FlowRunContext, TaskRunContext
+    from prefect.states import Pending
 
     from areal_pipeline.metrics import read_metrics, summarize
     from flows.train import train
@@ -171,12 +178,14 @@ def run_one(config_path: str, run_id: str, overrides: list[str], iterations: Opt
     parameters = {"config_path": config_path, "overrides": overrides, "run_id": run_id, "iterations": iterations}
     # What Prefect does for a subflow called in a task: a tracking task run, created at once through the API (this
     # task's own run may reach the database seconds later, batched), that the flow run hangs under; the server
-    # keeps its state in step with the flow run's.
+    # keeps its state in step with the flow run's. Its key is new on every call, as Prefect's own for a subflow
+    # called in a task: a retried sweep gives each combination a new train run, not the earlier one's tracker.
     tracker = Task(name=train.name, fn=train.fn, version=train.version)
-    setattr(tracker, "_is_subflow_tracking_task", True)
-    tracking_run = run_coro_as_sync(tracker.create_run(flow_run_context=FlowRunContext.get(),
-                                                       parameters=parameters))
+    key = f"{run_id}-{uuid4().hex}"
     with get_client(sync_client=True) as client:
+        tracking_run = client.create_task_run(
+            tracker, flow_run_id=FlowRunContext.get().flow_run.id, dynamic_key=key, name=f"{train.name}-{key}",
+            state=Pending(), task_inputs={"__parents__": [TaskRunResult(id=TaskRunContext.get().task_run.id)]})
         flow_run = client.create_flow_run(train, name=run_id, parameters=parameters, tags=["sweep"],
                                           parent_task_run_id=tracking_run.id)
     log = Path(run_dir) / "logs" / LOG_NAME
@@ -187,7 +196,7 @@ def run_one(config_path: str, run_id: str, overrides: list[str], iterations: Opt
            PARENT_PID_ENV: str(os.getpid())}
     started = time.monotonic()
     with open(log, "ab") as out:
-        child = subprocess.Popen([sys.executable, "-m", "flows.sweep", CHILD_FLAG], env=env,
+        child = subprocess.Popen([sys.executable, "-c", CHILD_COMMAND], env=env,
                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True)  # a terminal's Ctrl-C reaches the sweep, which stops it
     with _children_lock:
@@ -222,7 +231,12 @@ def _sweep_run_name() -> str:
     return f"sweep/{params.get('run_id') or load_config(params['config_path'], []).run_id}"
 
 
-@flow(name="sweep", flow_run_name=_sweep_run_name)
+def _stop_runs_hook(flow, flow_run, state) -> None:
+    """The sweep's on_crashed / on_cancellation hook: its runs in flight stop too."""
+    signal_runs()
+
+
+@flow(name="sweep", flow_run_name=_sweep_run_name, on_crashed=[_stop_runs_hook], on_cancellation=[_stop_runs_hook])
 def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] = None,
           run_id: Optional[str] = None, iterations: Optional[int] = None, max_parallel: int = 1) -> list[dict]:
     """A `train` run for each combination of `axes` (`key=v1,v2,...`; the cartesian product), at most
@@ -251,11 +265,11 @@ def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] 
             built.add(key)
     api_url = PREFECT_API_URL.value()
     # A stop signal reaches this process only (each run is in a session of its own): pass it on to the runs at
-    # once, or the task runner would wait for them to finish. During a flow run SIGTERM goes to Prefect's handler
-    # first; stop_everything_on_sigterm puts the shutdown's clean-ups ahead of it.
+    # once, or the task runner would wait for them to finish. During a flow run SIGTERM goes to Prefect's handler;
+    # stop_everything_on_sigterm stops the runs inside the task runner's block, before it waits for them.
     stopping = shutdown.register("the sweep's runs", signal_runs)
     try:
-        with overlap.stop_everything_on_sigterm(), ThreadPoolTaskRunner(max_workers=max_parallel) as runner:
+        with ThreadPoolTaskRunner(max_workers=max_parallel) as runner, overlap.stop_everything_on_sigterm():
             futures = [runner.submit(run_one, parameters={
                 "config_path": config_path, "run_id": r["run_id"], "overrides": r["overrides"],
                 "iterations": iterations, "run_dir": r["run_dir"], "api_url": api_url}) for r in runs]
@@ -286,16 +300,17 @@ def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] 
 
 # ---------------------------------------------------------------- the processes
 
-def _child() -> None:
+def child_main() -> None:
     """A sweep's run: the `train` flow run PREFECT__FLOW_RUN_ID names, as `areal-pipeline train` runs one (stop
     signals, services forked from a fork of this process, the progress line and train.log)."""
     from uuid import UUID
 
-    from areal_pipeline import forkserver, shutdown
+    from areal_pipeline import shutdown
+    from areal_pipeline.services import start_forkserver
     from areal_pipeline.utils import exit_when_parent_dies
 
     shutdown.install_handlers()
-    forkserver.start_here()  # before the parent watch's thread starts
+    start_forkserver()
     exit_when_parent_dies()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -362,6 +377,6 @@ def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] == [CHILD_FLAG]:
-        _child()
+        child_main()
     else:
-        sys.exit(f"usage: areal-pipeline sweep ... (python -m flows.sweep {CHILD_FLAG} is what the sweep starts)")
+        sys.exit(f"usage: areal-pipeline sweep ... (python -m flows.sweep {CHILD_FLAG} runs one sweep run)")

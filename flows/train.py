@@ -132,7 +132,7 @@ def _start_services(pipeline: Pipeline) -> None:
         future.result()
 
 
-@flow(name="train", persist_result=True, result_serializer="json")
+@flow(name="train", persist_result=True, result_serializer="json", **overlap.STOP_HOOKS)
 def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[str]] = None,
           run_id: Optional[str] = None, iterations: Optional[int] = None) -> dict[str, Any]:
     """Train `config_path` (+ dotted `overrides`) as run `run_id` (default: the config's). `iterations`

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.processes import ServerProcess
 from areal_pipeline.utils import find_free_port
 
 # The full data sets, where the checkout sits beside ../shared; tests/data holds small slices of the same data in

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from areal_pipeline.config import load_config
-from areal_pipeline.inference.launcher import ServerLaunchError
+from areal_pipeline.processes import ServerLaunchError
 from areal_pipeline.pipeline import run_plain
 from areal_pipeline.services import Services
 from conftest import http, start_cpu_server

@@ -10,13 +10,12 @@ import pytest
 
 from areal_pipeline.config import InferenceConfig, SGLangConfig
 from areal_pipeline.inference.launcher import (
-    ServerLaunchError,
-    ServerProcess,
     build_cpu_server_command,
     build_sglang_command,
     launch_servers,
     server_processes,
 )
+from areal_pipeline.processes import ServerLaunchError, ServerProcess
 from areal_pipeline.training.client import trainer_process
 from areal_pipeline.utils import find_free_port
 

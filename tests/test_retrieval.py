@@ -15,7 +15,7 @@ from aiohttp import web
 from areal_pipeline.config import DatasetConfig, load_config
 from areal_pipeline.data.datasets import load_records
 from areal_pipeline.data.knowledge_base import knowledge_base
-from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.processes import ServerProcess
 from areal_pipeline.tools.retrieval_client import LocalRetrievalClient, RetrievalClient, RetrievalError
 from areal_pipeline.tools.retrieval_server import (
     BadRequest,

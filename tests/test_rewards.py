@@ -239,14 +239,15 @@ _FORKED_WORKERS = r'''
 import os, sys, time
 import psutil
 from areal_pipeline import forkserver
-forkserver.start_here()  # as `train` does: a fork of this process becomes the services' forkserver
+forkserver.start(["areal_pipeline.rewards.math"])  # as `train` starts the services' forkserver
 from areal_pipeline.rewards.pool import RewardPool, RewardReference
 
 with RewardPool(1, timeout=2.0) as pool:
     assert pool.score(RewardReference("areal_pipeline.rewards.math:math_reward"), "#### 42", "42") == 1.0
     assert pool.score(RewardReference("loud_reward:loud"), "x") == 1.0
     workers = [p for p in psutil.Process().children(recursive=True) if p.ppid() != os.getpid()]
-    print("WORKERS", [" ".join(p.parent().cmdline()) for p in workers], flush=True)
+    print("WORKERS", [(" ".join(p.parent().cmdline()), p.parent().ppid() == os.getpid()) for p in workers],
+          flush=True)
     assert pool.score(RewardReference("loud_reward:hang"), "x") == 0.0  # timed out: the worker is replaced
     assert pool.score(RewardReference("loud_reward:loud"), "y") == 1.0
 print("DONE", flush=True)
@@ -254,7 +255,7 @@ print("DONE", flush=True)
 
 
 def test_reward_workers_are_forks_of_the_services_forkserver_with_the_commands_output(tmp_path):
-    """Where the command runs a forkserver (`train` forks one), reward workers are its forks: no interpreter
+    """Where the command runs a forkserver (`train` starts one), reward workers are its forks: no interpreter
     and no imports of their own. What a reward function prints reaches the command's stdout and stderr, as a
     spawned worker's did; a worker killed for a timeout is replaced by another fork."""
     (tmp_path / "loud_reward.py").write_text(
@@ -268,6 +269,6 @@ def test_reward_workers_are_forks_of_the_services_forkserver_with_the_commands_o
     assert done.returncode == 0, done.stdout + done.stderr
     assert "DONE" in done.stdout, done.stdout + done.stderr
     workers = next(line for line in done.stdout.splitlines() if line.startswith("WORKERS"))
-    assert "multiprocessing.forkserver of" in workers, workers
+    assert "multiprocessing.forkserver" in workers and "True)" in workers and "False)" not in workers, workers
     assert "LOUD x" in done.stdout and "LOUD y" in done.stdout, done.stdout
     assert "ERR x" in done.stderr, done.stderr

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.processes import ServerProcess
 from areal_pipeline.utils import find_free_port
 from conftest import http, start_cpu_server
 

@@ -77,7 +77,7 @@ def test_sampling_seed_is_ignored_without_deterministic_inference(server):
 
 
 def test_min_p_is_refused_with_deterministic_inference_where_sglang_would_die(tiny_model_dir, tmp_path):
-    from areal_pipeline.inference.launcher import ServerProcess
+    from areal_pipeline.processes import ServerProcess
 
     seeded: ServerProcess = start_cpu_server(tiny_model_dir, tmp_path)  # as the launcher starts it
     try:

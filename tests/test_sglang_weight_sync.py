@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import _sglang_reference as ref
-from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.processes import ServerProcess
 from areal_pipeline.training.weight_sync import broadcast_weights, buckets, forget_group, rank_offsets, wire_dtype
 from areal_pipeline.utils import find_free_port
 from conftest import http, start_cpu_server

@@ -1,6 +1,6 @@
 """What `areal-pipeline train` starts before its own imports: the temporary Prefect API server (unless an API may be
-configured), which needs the command to reach it without importing torch first; then the forkserver, a fork of the
-command once it has imported what its services need."""
+configured), which needs the command to reach it without importing torch first; then the services' forkserver,
+which imports what the command tells it to."""
 
 from __future__ import annotations
 
@@ -83,49 +83,46 @@ def test_an_early_server_is_stopped_when_prefect_settings_name_an_api(tmp_path):
     assert figures == {"early": True, "early_stopped": True, "used": False, "health": None}
 
 
-FORKSERVER_KIND = """
-import os, signal, sys, threading, time
-import psutil
-os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+FORKSERVER_PRELOAD = """
+import os, sys
 from areal_pipeline import forkserver, shutdown
-from multiprocessing import forkserver as mp_forkserver
-shutdown.install_handlers()  # as the command has its stop handlers when it forks
-if sys.argv[1] == "thread":
-    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
-forkserver.start_here()
-server = psutil.Process(mp_forkserver._forkserver._forkserver_pid)
-for _ in range(100):  # the fork names itself once it runs
-    titled = " ".join(server.cmdline()).strip() == f"multiprocessing.forkserver of {os.getpid()}"
-    if titled:
-        break
-    time.sleep(0.05)
-service = forkserver.fork_service("signal_probe", [sys.argv[2]], sys.argv[2] + ".log", dict(os.environ))
+shutdown.install_handlers()  # as the command has its stop handlers when it starts the forkserver
+forkserver.start(["preloaded_probe"])
+service = forkserver.fork_service("signal_probe", [sys.argv[1]], sys.argv[1] + ".log", dict(os.environ))
+(server,) = [p for p in forkserver.processes_of(os.getpid())
+            if p.pid != service.pid and "multiprocessing.forkserver" in " ".join(p.cmdline())]
+print("preloaded_probe" in sys.modules, server.ppid() == os.getpid(), flush=True)
 service.wait(120)
-print(server.ppid() == os.getpid(), titled, open(sys.argv[2]).read())
+print(open(sys.argv[1]).read())
+"""
+
+PRELOADED_PROBE = """
+import os
+IMPORTED_BY = os.getpid()
 """
 
 SIGNAL_PROBE = """
-import signal
+import os, signal, sys
 def main(argv):
+    import preloaded_probe
     with open(argv[0], "w") as out:
         out.write(f"{signal.getsignal(signal.SIGINT) is signal.default_int_handler}-"
-                  f"{signal.getsignal(signal.SIGTERM) == signal.SIG_DFL}")
+                  f"{signal.getsignal(signal.SIGTERM) == signal.SIG_DFL}-"
+                  f"{preloaded_probe.IMPORTED_BY == os.getppid()}")
 """
 
 
-def test_the_forkserver_is_a_fork_of_the_command_unless_a_thread_runs(tmp_path):
-    """A fork copies only the forking thread: another thread's locks would stay held in the copy for ever, so a
-    process with threads starts a new interpreter as its forkserver instead. Either way a service starts with a
-    new interpreter's signal handlers, not the command's stop handlers."""
+def test_the_forkserver_imports_what_its_caller_names_and_services_start_with_fresh_handlers(tmp_path):
+    """The forkserver is a process of the command's that imports the modules the command names (not the command
+    itself): a service forked from it finds them imported by the forkserver, and starts with a new interpreter's
+    signal handlers, not the command's stop handlers."""
     (tmp_path / "signal_probe.py").write_text(SIGNAL_PROBE)
-    kinds = {}
-    for setting in ("alone", "thread"):
-        done = subprocess.run([sys.executable, "-c", FORKSERVER_KIND, setting, str(tmp_path / setting)], cwd=REPO,
-                              capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"})
-        assert done.returncode == 0, done.stderr[-3000:]
-        kinds[setting] = done.stdout.split()
-    assert kinds == {"alone": ["True", "True", "True-True"], "thread": ["True", "False", "True-True"]}
+    (tmp_path / "preloaded_probe.py").write_text(PRELOADED_PROBE)
+    done = subprocess.run([sys.executable, "-c", FORKSERVER_PRELOAD, str(tmp_path / "probe")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}", "AREAL_FORKSERVER": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "True", "True-True-True"], done.stdout + done.stderr[-3000:]
 
 
 IMPORT_AHEAD = """

@@ -34,7 +34,7 @@ import numpy as np
 from aiohttp import web
 
 from areal_pipeline.http_json import RequestRejected, check_bool, check_int, json_errors, read_json, shown
-from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.processes import ServerProcess
 from areal_pipeline.tools.retrieval_args import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUERIES,
@@ -314,7 +314,7 @@ def launch_retrieval_server(cfg, log_dir: Path) -> ServerProcess:
     r = cfg.rollout.agent.retrieval
     port = r.port or find_free_port(r.host)
     server = ServerProcess(retrieval_server_command(cfg, port), f"{r.host}:{port}",
-                           Path(log_dir) / "retrieval-server.log")
+                           Path(log_dir) / "retrieval-server.log", kind="retrieval server")
     server.start()
     try:
         server.wait_healthy(r.setup_timeout)

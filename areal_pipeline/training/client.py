@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from areal_pipeline.config import ExperimentConfig, save_config
-from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.processes import ServerProcess
 from areal_pipeline.utils import find_free_port, raise_if_deadline_passed, time_left
 
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes through a proxy

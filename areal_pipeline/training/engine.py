@@ -72,6 +72,13 @@ def lr_lambda(kind: str, total_steps: int, warmup_steps: int, min_lr_ratio: floa
     return factor
 
 
+
+def attention_implementation(model) -> str:
+    """The attention `model` runs ("sdpa", "eager", ...). transformers sets it publicly (`attn_implementation=`,
+    `set_attn_implementation`) but has no public reader: the name it keeps it under is read here only, and
+    tests/test_prefect_surface.py fails where a release moves it."""
+    return getattr(model.config, "_attn_implementation", None) or "sdpa"
+
 class TrainEngine:
     def __init__(self, model_path: str, trainer_cfg, *, total_steps: int, temperature: float = 1.0,
                  trust_remote_code: bool = False, trainable: bool = True):
@@ -132,8 +139,7 @@ class TrainEngine:
     @property
     def shares_prefixes(self) -> bool:
         """Whether micro-batches lay out shared prefixes once: needs an attention that takes a dense mask."""
-        impl = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
-        return self.cfg.share_prefix and impl in ("sdpa", "eager")
+        return self.cfg.share_prefix and attention_implementation(self.model) in ("sdpa", "eager")
 
     def _units(self, indices: list[int], batch) -> list[tuple[list[int], int]]:
         """`indices` grouped into the units a micro-batch lays out together (see `packing`), each with its
@@ -169,7 +175,7 @@ class TrainEngine:
         extra = {}
         if mb.grid_attention_mask is not None:
             mask = mb.grid_attention_mask
-            if self.model.config._attn_implementation == "eager":  # eager attention adds its mask to the scores
+            if attention_implementation(self.model) == "eager":  # eager attention adds its mask to the scores
                 mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
             extra["attention_mask"] = mask
         grid = self.model(input_ids=mb.grid_input_ids, position_ids=mb.grid_position_ids, use_cache=False,
@@ -369,9 +375,8 @@ class TrainEngine:
         o = self.cfg.optimizer
         for group in self.optimizer.param_groups:
             group.update(initial_lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
-        self.scheduler.base_lrs = [o.lr] * len(self.optimizer.param_groups)
-        step = self.scheduler.last_epoch
-        lrs = [base * schedule(step) for base, schedule in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
-        self.scheduler._last_lr = lrs
+        # the schedule at the checkpoint's position, made afresh: its base learning rates are the groups'
+        # initial_lr, and making it steps once, to `last_epoch`, setting each group's lr (and get_last_lr()) to
+        # base * schedule(last_epoch)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.scheduler.lr_lambdas,
+                                                           last_epoch=self.scheduler.last_epoch - 1)
