@@ -13,12 +13,9 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from areal_pipeline.http_json import RequestRejected, check_bool, check_int, check_number, shown
-
-if TYPE_CHECKING:
-    from areal_pipeline.config import GenerationConfig
 
 GREEDY_TEMPERATURE = 1e-6
 # SGLang's fields that the CPU server takes only at their neutral value: RL rollouts never change them, and silently
@@ -61,8 +58,9 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
-    def from_config(cls, gconfig: "GenerationConfig") -> "SamplingParams":
-        """A workflow's `rollout.gconfig` (its `n_samples` is the executor's: one request is one sample)."""
+    def from_config(cls, gconfig: Any) -> "SamplingParams":
+        """A workflow's `rollout.gconfig` (config.GenerationConfig, not imported: the configuration sits above
+        nothing here; its `n_samples` is the executor's: one request is one sample)."""
         return cls(max_new_tokens=gconfig.max_new_tokens, temperature=0.0 if gconfig.greedy else gconfig.temperature,
                    top_p=gconfig.top_p, top_k=gconfig.top_k, stop=tuple(gconfig.stop),
                    stop_token_ids=tuple(gconfig.stop_token_ids))
