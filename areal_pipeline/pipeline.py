@@ -37,7 +37,8 @@ from areal_pipeline.config import ExperimentConfig, save_config, to_dict
 from areal_pipeline.data.datasets import load_records
 from areal_pipeline.data.shards import keep_if_intact, read_manifest
 from areal_pipeline.evaluation import evaluate_policy
-from areal_pipeline.inference.client import RemoteSGLangEngine, engine_for
+from areal_pipeline.inference.backend import engine_for
+from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.model import load_tokenizer, resolve_model_path
 from areal_pipeline.policy_versions import PolicyVersions
 from areal_pipeline.rewards.pool import RewardPool

@@ -37,22 +37,20 @@ from pathlib import Path
 
 import torch
 
-from areal_pipeline.config import GenerationConfig
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.inference.launcher import build_vllm_command, vllm_env
+from areal_pipeline.inference.types import ModelRequest, SamplingParams
 from areal_pipeline.processes import ServerProcess
-from areal_pipeline.inference.types import ModelRequest
 from areal_pipeline.model import load_model
 from areal_pipeline.utils import find_free_port
 from train_throughput import SHAPES, build_model  # bench/ is this script's directory, first on sys.path
 
 
 async def through_server(engine: RemoteSGLangEngine, prompts, new_tokens: int, concurrent: bool) -> float:
-    gconfig = GenerationConfig(max_new_tokens=new_tokens, temperature=1.0)
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
 
     async def one(p):
-        resp = await engine.agenerate(ModelRequest(input_ids=p, gconfig=gconfig,
-                                                   extra_sampling_params={"ignore_eos": True}))
+        resp = await engine.agenerate(ModelRequest(input_ids=p, sampling=sampling))
         return resp.output_len
 
     start = time.perf_counter()

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from areal_pipeline.inference.openai_api import chat_prompt_ids, parse_messages
+from areal_pipeline.inference.openai_requests import parse_messages
+from areal_pipeline.inference.openai_tools import chat_prompt_ids
 from areal_pipeline.model import build_tiny_model, load_model, load_tokenizer
 
 CALCULATOR = {"type": "function", "function": {

@@ -1,6 +1,7 @@
 """RemoteSGLangEngine against real CPU inference servers (subprocesses) and a scripted fake for retries."""
 
 import asyncio
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from aiohttp import web
 from areal_pipeline.config import GenerationConfig, InferenceConfig
 from areal_pipeline.inference.client import RID_CACHE_SIZE, InferenceServerError, RemoteSGLangEngine
 from areal_pipeline.inference.launcher import launch_servers
-from areal_pipeline.inference.types import ModelRequest
+from areal_pipeline.inference.types import ModelRequest, SamplingParams
 from areal_pipeline.utils import find_free_port
 from _http_helpers import serve_on_loopback
 
@@ -68,7 +69,8 @@ def one_server(tiny_model, tmp_path):
 
 
 def _request(max_new_tokens=16, rid=None, **gconfig):
-    req = ModelRequest(input_ids=list(PROMPT), gconfig=GenerationConfig(max_new_tokens=max_new_tokens, **gconfig))
+    req = ModelRequest(input_ids=list(PROMPT),
+                       sampling=SamplingParams.from_config(GenerationConfig(max_new_tokens=max_new_tokens, **gconfig)))
     if rid is not None:
         req.rid = rid
     return req
@@ -96,8 +98,8 @@ def test_generate_returns_aligned_tokens_logprobs_versions(two_servers):
 def test_ignore_eos_fills_budget_and_greedy_is_deterministic(two_servers):
     async def main():
         async with RemoteSGLangEngine(two_servers) as engine:
-            long = engine.agenerate(ModelRequest(input_ids=list(PROMPT), gconfig=GenerationConfig(max_new_tokens=300),
-                                                 extra_sampling_params={"ignore_eos": True}))
+            long = engine.agenerate(ModelRequest(input_ids=list(PROMPT),
+                                                 sampling=SamplingParams(max_new_tokens=300, ignore_eos=True)))
             greedy = [engine.agenerate(_request(32, greedy=True)) for _ in range(2)]
             return await asyncio.gather(long, *greedy)
 
@@ -208,7 +210,7 @@ def test_5xx_is_retried_4xx_is_not():
                 assert calls[0]["return_logprob"] is True and calls[0]["stream"] is False
 
                 req = _request(5, greedy=True, temperature=0.7, stop=["\n"], stop_token_ids=[3])
-                req.extra_sampling_params = {"ignore_eos": True}
+                req.sampling = dataclasses.replace(req.sampling, ignore_eos=True)
                 await engine.agenerate(req)
                 # no rid: SGLang 0.5.10 refuses one it still holds, as a re-sent request's may be
                 assert calls[-1] == {
@@ -263,8 +265,7 @@ def test_generation_survives_pause_and_weight_update(one_server, perturbed_model
     async def main():
         async with RemoteSGLangEngine([one_server]) as engine, RemoteSGLangEngine([one_server]) as other:
             updater = engine if controller == "same-engine" else other
-            req = ModelRequest(input_ids=list(PROMPT), gconfig=GenerationConfig(max_new_tokens=budget),
-                               extra_sampling_params={"ignore_eos": True})
+            req = ModelRequest(input_ids=list(PROMPT), sampling=SamplingParams(max_new_tokens=budget, ignore_eos=True))
             task = asyncio.create_task(engine.agenerate(req))
             await _wait_until_decoding(updater, one_server, min_tokens=20)
             await updater.pause()
@@ -291,8 +292,8 @@ def test_group_generation_matches_separate_requests_and_survives_a_weight_update
     budget = CONTEXT - len(PROMPT) - 1  # the most SGLang takes: prompt + budget below the context length
 
     def group(max_new_tokens):
-        return [ModelRequest(input_ids=list(PROMPT), gconfig=GenerationConfig(max_new_tokens=max_new_tokens),
-                             extra_sampling_params={"ignore_eos": True, "sampling_seed": 10 + i}) for i in range(3)]
+        return [ModelRequest(input_ids=list(PROMPT), sampling=SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True,
+                                                                             sampling_seed=10 + i)) for i in range(3)]
 
     async def main():
         async with RemoteSGLangEngine([one_server]) as engine:

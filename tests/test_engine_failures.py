@@ -16,11 +16,10 @@ import pytest
 import torch
 from aiohttp import web
 
-from areal_pipeline.config import GenerationConfig
 from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEngine
 from areal_pipeline.inference.engine import BatchEngine
 from areal_pipeline.inference.server import InferenceServer
-from areal_pipeline.inference.types import ModelRequest
+from areal_pipeline.inference.types import ModelRequest, SamplingParams
 from areal_pipeline.utils import find_free_port
 from conftest import http
 
@@ -122,7 +121,7 @@ def test_the_client_gets_an_error_not_a_hang(served):
 
     async def poisoned():
         async with RemoteSGLangEngine([address], request_retries=1, retry_delay=0.05) as client:
-            await client.agenerate(ModelRequest(input_ids=PROMPT + [POISON], gconfig=GenerationConfig(max_new_tokens=4)))
+            await client.agenerate(ModelRequest(input_ids=PROMPT + [POISON], sampling=SamplingParams(max_new_tokens=4)))
 
     with pytest.raises(InferenceServerError, match="failed after 2 attempts.*HTTP 500.*admitting"):
         asyncio.run(asyncio.wait_for(poisoned(), TIMEOUT))

@@ -13,7 +13,7 @@ import torch
 from areal_pipeline.config import load_config
 from areal_pipeline.data.datasets import load_records
 from areal_pipeline.evaluation import evaluate_checkpoint, evaluate_policy
-from areal_pipeline.inference.client import engine_for
+from areal_pipeline.inference.backend import engine_for
 from areal_pipeline.model import build_tiny_model, load_model, load_tokenizer
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.rewards.math import extract_answer

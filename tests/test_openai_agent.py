@@ -27,7 +27,8 @@ from areal_pipeline.config import ConfigError, GenerationConfig, load_config
 from areal_pipeline.data.trajectory import NO_VERSION, Trajectory
 from areal_pipeline.errors import is_transient
 from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEngine
-from areal_pipeline.inference.openai_api import chat_prompt_ids, parse_messages, parse_tool_calls
+from areal_pipeline.inference.openai_requests import parse_messages
+from areal_pipeline.inference.openai_tools import chat_prompt_ids, parse_tool_calls
 from areal_pipeline.model import load_model, load_tokenizer
 from areal_pipeline.utils import find_free_port
 from areal_pipeline.workflows.openai_agent import AgentError, OpenAIAgentWorkflow, discounted_rewards, load_agent

@@ -16,13 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _openai_helpers import CALCULATOR, QUESTION, QWEN25_CHAT_TEMPLATE, taught_model
-from areal_pipeline.inference.openai_api import (
-    chat_prompt_ids,
-    parse_messages,
-    parse_tool_calls,
-    qwen_tool_messages,
-    renders_tools,
-)
+from areal_pipeline.inference.openai_requests import parse_messages
+from areal_pipeline.inference.openai_tools import chat_prompt_ids, parse_tool_calls, qwen_tool_messages, renders_tools
 from areal_pipeline.model import load_tokenizer
 from conftest import http, start_cpu_server
 

@@ -10,9 +10,8 @@ import time
 
 import pytest
 
-from areal_pipeline.config import GenerationConfig
 from areal_pipeline.inference.client import RemoteSGLangEngine
-from areal_pipeline.inference.types import ModelRequest
+from areal_pipeline.inference.types import ModelRequest, SamplingParams
 from conftest import http, start_cpu_server
 
 PROMPT = [258, 117, 115, 101, 114, 10, 51, 43, 52, 61]
@@ -96,8 +95,8 @@ def test_prompt_plus_budget_reaching_the_context_length_is_refused_and_the_clien
 
     async def run():
         async with RemoteSGLangEngine([server], context_length=CONTEXT) as engine:
-            gconfig = GenerationConfig(max_new_tokens=room + 10, temperature=1.0)
-            return await engine.agenerate(ModelRequest(input_ids=PROMPT, gconfig=gconfig))
+            sampling = SamplingParams(max_new_tokens=room + 10, temperature=1.0)
+            return await engine.agenerate(ModelRequest(input_ids=PROMPT, sampling=sampling))
 
     resp = asyncio.run(run())
     assert len(resp.output_tokens) <= room - 1 and resp.stop_reason in ("length", "stop")

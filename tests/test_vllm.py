@@ -8,6 +8,7 @@ attention computes. Under CI (CI=true) a missing vLLM environment fails these te
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -20,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_pipeline.config import ConfigError, GenerationConfig, load_config
-from areal_pipeline.inference.client import engine_for
+from areal_pipeline.config import ConfigError, load_config
+from areal_pipeline.inference.backend import engine_for
 from areal_pipeline.inference.launcher import build_vllm_command, launch_servers, server_processes
-from areal_pipeline.inference.types import ModelRequest
+from areal_pipeline.inference.types import ModelRequest, SamplingParams
 from areal_pipeline.inference.vllm_client import RemoteVLLMEngine
 from areal_pipeline.inference.weight_check import WeightMismatchError, probe_ids, verify_served
 from areal_pipeline.model import load_model, load_tokenizer
@@ -187,7 +188,7 @@ def test_abort_mid_rollout_resumes_under_the_new_version(server, models):
     """(b) A weight update while requests run: they come back aborted, are re-sent with what they have, and end at
     their full length; each token is tagged with the version that sampled it and carries that version's logprob."""
     new_tokens, n = 400, 6
-    gconfig = GenerationConfig(max_new_tokens=new_tokens, temperature=1.0)
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
     prompt = load_tokenizer(models[0])("3+4=", add_special_tokens=False)["input_ids"]
 
     async def run():
@@ -195,7 +196,7 @@ def test_abort_mid_rollout_resumes_under_the_new_version(server, models):
             await _push(engine, models[0], 0)
             before = await _generation_tokens(engine, server)
             task = asyncio.create_task(engine.agenerate_group([
-                ModelRequest(input_ids=prompt, gconfig=gconfig, extra_sampling_params={"ignore_eos": True})
+                ModelRequest(input_ids=prompt, sampling=sampling)
                 for _ in range(n)]))
             deadline = time.monotonic() + 60
             while await _generation_tokens(engine, server) < before + 2 * n:
@@ -232,25 +233,23 @@ def test_sampling_parameters_reach_vllm(server, models):
         assert isinstance(engine, RemoteVLLMEngine)
         async with engine:
             await _push(engine, models[0], 0)
-            greedy = GenerationConfig(max_new_tokens=12, greedy=True)
-            a, b = [await engine.agenerate(ModelRequest(input_ids=prompt, gconfig=greedy,
-                                                        extra_sampling_params={"ignore_eos": True}))
-                    for _ in range(2)]
+            greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+            a, b = [await engine.agenerate(ModelRequest(input_ids=prompt, sampling=greedy)) for _ in range(2)]
             assert a.output_tokens == b.output_tokens and len(a.output_tokens) == 12
-            topk = await engine.agenerate(ModelRequest(input_ids=prompt, gconfig=GenerationConfig(
-                max_new_tokens=12, top_k=1, temperature=1.0), extra_sampling_params={"ignore_eos": True}))
+            topk = await engine.agenerate(ModelRequest(input_ids=prompt, sampling=SamplingParams(
+                max_new_tokens=12, top_k=1, temperature=1.0, ignore_eos=True)))
             assert topk.output_tokens == a.output_tokens
             stop_id = a.output_tokens[3]
-            stopped = await engine.agenerate(ModelRequest(input_ids=prompt, gconfig=GenerationConfig(
-                max_new_tokens=12, greedy=True, stop_token_ids=[stop_id]), extra_sampling_params={"ignore_eos": True}))
+            stopped = await engine.agenerate(ModelRequest(input_ids=prompt, sampling=dataclasses.replace(
+                greedy, stop_token_ids=(stop_id,))))
             first = a.output_tokens.index(stop_id)
             assert stopped.output_tokens == a.output_tokens[:first + 1] and stopped.stop_reason == "stop"
             text = load_tokenizer(models[0]).decode(a.output_tokens[2:4])
-            by_string = await engine.agenerate(ModelRequest(input_ids=prompt, gconfig=GenerationConfig(
-                max_new_tokens=12, greedy=True, stop=[text]), extra_sampling_params={"ignore_eos": True}))
+            by_string = await engine.agenerate(ModelRequest(input_ids=prompt, sampling=dataclasses.replace(
+                greedy, stop=(text,))))
             assert by_string.stop_reason == "stop" and len(by_string.output_tokens) <= 4
             with pytest.raises(ValueError, match="max_new_tokens must be positive"):
-                await engine.agenerate(ModelRequest(input_ids=prompt, gconfig=GenerationConfig(max_new_tokens=0)))
+                await engine.agenerate(ModelRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=0)))
     asyncio.run(run())
 
 

@@ -45,7 +45,7 @@ class ScriptedEngine:
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         turn = sum(r.rid == req.rid for r, _ in self.calls)
-        out = list(self.respond(req, turn))[: req.gconfig.max_new_tokens]
+        out = list(self.respond(req, turn))[: req.sampling.max_new_tokens]
         resp = ModelResponse(input_tokens=list(req.input_ids), output_tokens=out,
                              output_logprobs=[-0.01 * (i + 1) for i in range(len(out))],
                              output_versions=[self.VERSION] * len(out), stop_reason=self.stop_reason, latency=0.0,

@@ -268,14 +268,14 @@ def test_remax_advantage_is_sampled_minus_greedy_reward(tokenizer):
     by_seed = {0: "7", 1009: "3"}  # rlvr.sample_seed: sample i of an episode seeded 0 gets seed 1009 * i
 
     def respond(req, turn):
-        return _enc(tokenizer, "7" if req.gconfig.greedy else by_seed[req.extra_sampling_params["sampling_seed"]])
+        return _enc(tokenizer, "7" if req.sampling.greedy else by_seed[req.sampling.sampling_seed])
 
     engine = ScriptedEngine(respond)
     workflow = ReMaxWorkflow(math_reward, GenerationConfig(n_samples=2, max_new_tokens=8), tokenizer, InlinePool())
     data = {**DATA, "sampling_seed": 0}
     t0, t1 = asyncio.run(workflow.arun_episode(engine, data))
-    greedy = [req for req, _ in engine.calls if req.gconfig.greedy]
-    assert len(engine.calls) == 3 and len(greedy) == 1 and "sampling_seed" not in greedy[0].extra_sampling_params
+    greedy = [req for req, _ in engine.calls if req.sampling.greedy]
+    assert len(engine.calls) == 3 and len(greedy) == 1 and greedy[0].sampling.sampling_seed is None
     assert all(req.input_ids == chat_prompt_ids(tokenizer, DATA["messages"]) for req, _ in engine.calls)
     assert (t0.reward, t1.reward) == (1.0, 0.0)  # each sample keeps its own reward
     for t, advantage in ((t0, 0.0), (t1, -1.0)):

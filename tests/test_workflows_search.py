@@ -122,8 +122,8 @@ def test_two_searches_then_the_answer(tokenizer, retrieval):
         end = len(req.input_ids) + resp.output_len
         assert next_req.input_ids[end:] == _enc(tokenizer, format_information(docs))  # masked: checked above
     for req, _ in calls:
-        assert set(STOP_STRINGS) <= set(req.extra_sampling_params["stop"])
-    assert len({req.extra_sampling_params["sampling_seed"] for req, _ in calls}) == 3
+        assert set(STOP_STRINGS) <= set(req.sampling.stop)
+    assert len({req.sampling.sampling_seed for req, _ in calls}) == 3
     assert t.messages[-1]["role"] == "assistant" and "<information>Doc 1 (Title: " + PERSON in t.messages[-1]["content"]
 
 
@@ -153,7 +153,7 @@ def test_max_tokens_bounds_the_whole_episode(tokenizer, retrieval):
     (t,) = asyncio.run(_workflow(tokenizer, retrieval, max_turns=10, max_tokens=budget).arun_episode(engine, DATA))
     assert t.stop_reason == "length" and len(t.input_ids) <= budget and t.num_turns >= 2
     for req, _ in engine.calls:
-        assert len(req.input_ids) + req.gconfig.max_new_tokens <= budget
+        assert len(req.input_ids) + req.sampling.max_new_tokens <= budget
 
 
 def test_a_failing_retrieval_ends_the_episode_not_the_batch(tokenizer, tmp_path):
@@ -210,7 +210,7 @@ def test_search_episodes_against_a_real_server(cpu_server, tiny_model_dir, token
             calls = assert_token_invariants(t, engine.calls, prompt)
             assert_logprobs_match_model(model, t)
             assert len(t.input_ids) <= cfg.rollout.agent.max_tokens
-            assert all(set(STOP_STRINGS) <= set(req.extra_sampling_params["stop"]) for req, _ in calls)
+            assert all(set(STOP_STRINGS) <= set(req.sampling.stop) for req, _ in calls)
             if first_turn:  # the results went in after the scripted search, and the real server went on from there
                 assert t.num_turns >= 2 and "<information>Doc 1 (Title: " + PERSON in t.text
 
@@ -240,7 +240,7 @@ class _CutEngine(ScriptedEngine):
 
     def _next(self, req, turn):
         start = self.given.get(req.rid, 0)
-        out = self.ids[start: start + req.gconfig.max_new_tokens]
+        out = self.ids[start: start + req.sampling.max_new_tokens]
         self.given[req.rid] = start + len(out)
         self.stop_reason = "length" if start + len(out) < len(self.ids) else "stop"
         return out

@@ -2,7 +2,7 @@
 
     engine = RemoteSGLangEngine(["127.0.0.1:30000", "127.0.0.1:30001"])
     await engine.wait_healthy(300)
-    resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=gconfig))
+    resp = await engine.agenerate(ModelRequest(input_ids=ids, sampling=SamplingParams.from_config(gconfig)))
     await engine.update_weights(checkpoint_dir, version=1)  # pause -> load -> set version -> resume
     await engine.close()
 
@@ -26,7 +26,7 @@ import aiohttp
 
 from areal_pipeline import shutdown
 from areal_pipeline.config import InferenceConfig
-from areal_pipeline.inference.types import ModelRequest, ModelResponse
+from areal_pipeline.inference.types import ModelRequest, ModelResponse, SamplingParams
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -74,7 +74,7 @@ class _Sample:
 
     @property
     def unfinished(self) -> bool:
-        return self.stop_reason == "abort" and len(self.tokens) < self.req.gconfig.max_new_tokens
+        return self.stop_reason == "abort" and len(self.tokens) < self.req.sampling.max_new_tokens
 
 
 @dataclasses.dataclass
@@ -220,27 +220,17 @@ class RemoteSGLangEngine:
     # -- generation -------------------------------------------------------------------------------
 
     def _generate_payload(self, req: ModelRequest, generated: list[int]) -> dict:
-        g = req.gconfig
-        max_new_tokens = g.max_new_tokens - len(generated)
+        max_new_tokens = req.sampling.max_new_tokens - len(generated)
         if self.context_length:
             room = self.context_length - 1 - len(req.input_ids) - len(generated)
             if room >= 1:  # else the server's refusal says the prompt alone is too long
                 max_new_tokens = min(max_new_tokens, room)
-        sampling_params = {
-            "max_new_tokens": max_new_tokens,
-            "temperature": 0.0 if g.greedy else g.temperature,
-            "top_p": g.top_p,
-            "top_k": g.top_k,
-            "stop": list(g.stop),
-            "stop_token_ids": list(g.stop_token_ids),
-            **req.extra_sampling_params,
-        }
         # No `rid`: the trajectory's id only keeps it on one server (choose_server). SGLang 0.5.10 refuses an id it
         # still holds (an aborted request's may linger), so an id re-sent after a pause could fail the request;
         # the server makes one per request, as for AReaL's client, which sends none either.
         return {
             "input_ids": list(req.input_ids) + generated,
-            "sampling_params": sampling_params,
+            "sampling_params": dataclasses.replace(req.sampling, max_new_tokens=max_new_tokens).sglang(),
             "return_logprob": True,
             "stream": False,
         }
@@ -285,8 +275,8 @@ class RemoteSGLangEngine:
         `/generate` call per round: SGLang's batch form (lists of `input_ids` and `sampling_params`) costs
         one HTTP request instead of one per sample. Samples interrupted by a pause resume together."""
         for req in reqs:
-            if req.gconfig.max_new_tokens <= 0:
-                raise ValueError(f"max_new_tokens must be positive, got {req.gconfig.max_new_tokens}")
+            if req.sampling.max_new_tokens is None or req.sampling.max_new_tokens <= 0:
+                raise ValueError(f"max_new_tokens must be positive, got {req.sampling.max_new_tokens}")
         address = self.choose_server(reqs[0].rid)
         if len(reqs) > 1:
             with self._lock:
@@ -381,7 +371,7 @@ class RemoteSGLangEngine:
     async def probe_logprobs(self, address: str, input_ids: list[int]) -> list[float]:
         """The server's logprob of each of `input_ids[1:]` after the ids before it, at temperature 1: what the
         trainer computes for the same ids, to check which weights the server holds."""
-        payload = {"input_ids": list(input_ids), "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+        payload = {"input_ids": list(input_ids), "sampling_params": SamplingParams(max_new_tokens=1).sglang(),
                    "return_logprob": True, "logprob_start_len": 0, "stream": False}
         entries = (await self.request(address, "/generate", payload))["meta_info"].get("input_token_logprobs") or []
         values = [entry[0] for entry in entries]
@@ -399,13 +389,3 @@ class RemoteSGLangEngine:
     async def get_server_info(self, address: Optional[str] = None) -> dict:
         return await self.request(address or self.addresses[0], "/server_info", method="GET")
 
-
-def engine_for(addresses: list[str], cfg: InferenceConfig, **kwargs: Any) -> RemoteSGLangEngine:
-    """The client that speaks `cfg.backend`'s protocol: vLLM's, else SGLang's (SGLang and the project's server)."""
-    options = {"request_timeout": cfg.request_timeout, "request_retries": cfg.request_retries,
-               "setup_timeout": cfg.setup_timeout, **kwargs}
-    if cfg.backend == "vllm":
-        from areal_pipeline.inference.vllm_client import RemoteVLLMEngine
-
-        return RemoteVLLMEngine(addresses, seeded=cfg.vllm.seeded_sampling, **options)
-    return RemoteSGLangEngine(addresses, **options)

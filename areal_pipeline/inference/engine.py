@@ -1,10 +1,8 @@
-"""The batched decode engine behind the CPU inference server.
+"""The batched decode engine behind the CPU inference server: one thread owns the model and schedules requests.
 
-One thread owns the model. Requests that arrive while a batch is decoding join it at the next step
-boundary (step-level continuous batching): their prompts are prefilled together, and their KV cache is
-left-padded to the running batch's length and concatenated to it, so every decode step runs all live
-requests through the model at once. Finished requests leave the batch at once, and common left padding is
-trimmed away.
+Requests that arrive while a batch is decoding join it at the next step boundary (step-level continuous batching):
+their prompts are prefilled together and merged into the running batch (kv_batch.py), so every decode step runs all
+live requests through the model at once; finished requests leave the batch at once.
 
 Logprobs are those of the full distribution at the request's temperature (`log_softmax(logits / T)`),
 computed before top-k / top-p / min-p filtering: exactly what a trainer's teacher-forced forward pass at the
@@ -17,74 +15,28 @@ import concurrent.futures
 import gc
 import threading
 import time
-import uuid
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from areal_pipeline.inference.sampling import RequestError, SamplingParams, sample_next_tokens
+from areal_pipeline.http_json import RequestRejected as RequestError
+from areal_pipeline.inference.kv_batch import Batch, GenRequest, prefill
+from areal_pipeline.inference.sampling import sample_next_tokens
+from areal_pipeline.inference.types import SamplingParams
 from areal_pipeline.model import eos_token_ids, load_model, load_tokenizer
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
 
+__all__ = ["BatchEngine", "GenRequest", "RequestError", "SamplingParams"]
+
 # A text prompt is tokenised whole when it has at most this many characters per token of room in the context
 # (English runs ~4 per token); a longer one first as a prefix of that length.
 PREFIX_CHARS_PER_TOKEN = 8
 PREFIX_CUT_TOKENS = 16
-
-
-@dataclass
-class GenRequest:
-    input_ids: list[int]
-    params: SamplingParams
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    on_finish: Optional[Callable[["GenRequest"], None]] = None
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    input_logprobs: list[Optional[float]] = field(default_factory=list)
-    finish_reason: Optional[dict] = None
-    weight_version: str = ""
-    created: float = field(default_factory=time.perf_counter)
-    finished: float = 0.0
-    abort_message: Optional[str] = None  # set from another thread to abort at the next step
-    # Why the server failed this request (an internal error, not the request's fault): the HTTP reply is then an
-    # error, never an abort a client would take for a pause and resend.
-    error: Optional[str] = None
-    generator: Optional[torch.Generator] = None
-    cached_tokens: int = 0  # prompt tokens whose KV cache came from another request's prefill
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-
-class _Batch:
-    """The live requests and their KV cache; row i of every tensor belongs to requests[i]."""
-
-    def __init__(self) -> None:
-        self.requests: list[GenRequest] = []
-        self.cache = None  # transformers DynamicCache, [B, heads, T, dim] per layer
-        self.mask: Optional[torch.Tensor] = None  # [B, T], 1 where the cache holds a real token
-        self.next_pos: Optional[torch.Tensor] = None  # [B], position id of the token fed next
-        self.next_tokens: Optional[torch.Tensor] = None  # [B], sampled but not yet in the cache
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-
-def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - t.shape[dim]
-    if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
+PAUSED_FOR_WEIGHT_UPDATE = "paused for a weight update"  # the abort message of a request a pause interrupted
 
 
 class BatchEngine:
@@ -115,7 +67,7 @@ class BatchEngine:
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._cv = threading.Condition()
         self._stop = False
-        self._batch = _Batch()
+        self._batch = Batch()
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
         self._thread: Optional[threading.Thread] = None
@@ -202,7 +154,7 @@ class BatchEngine:
     def pause(self) -> concurrent.futures.Future:
         def _pause():
             self.paused = True
-            self._abort_where(lambda r: True, "paused for a weight update")
+            self._abort_where(lambda r: True, PAUSED_FOR_WEIGHT_UPDATE)
         return self.call(_pause)
 
     def resume(self) -> concurrent.futures.Future:
@@ -338,7 +290,7 @@ class BatchEngine:
         self._finish(r, {"type": "abort", "message": message})
 
     def _fail_running(self, message: str) -> None:
-        batch, self._batch = self._batch, _Batch()
+        batch, self._batch = self._batch, Batch()
         for r in batch.requests:
             if not r.done:
                 self._fail(r, message)
@@ -361,7 +313,7 @@ class BatchEngine:
             r = self._batch.requests[i]
             self._finish(r, {"type": "abort", "message": r.abort_message})
         if aborted:
-            self._drop_rows(set(aborted))
+            self._batch.drop_rows(set(aborted), self.device)
 
     def _finish(self, r: GenRequest, reason: dict) -> None:
         if r.done:  # a request answers once, whatever path reaches it again
@@ -376,91 +328,23 @@ class BatchEngine:
             r.on_finish(r)
 
     def _admit(self, new: list[GenRequest]) -> None:
-        """Prefill the new prompts together, sample their first token, and merge them into the batch.
-        A prompt that several requests share (a GRPO group's samples) is prefilled once and its KV cache
-        copied to each of them, as SGLang's radix cache would reuse it."""
+        """Prefill the new prompts together, sample their first token, and merge them into the batch."""
+        self.stats["prefill_batches"] += 1
         try:
-            cache, mask, next_pos, tokens, logprobs = self._prefill(new)
+            p = prefill(self.model, new, self.tokenizer.pad_token_id or 0, self.device)
+            tokens, logprobs = self._sample(new, p.logits)
         except Exception as e:  # the running batch is untouched
             raise _PrefillFailed(str(e)) from e
-        self._merge(new, cache, mask, next_pos, tokens)
+        self.stats["prefill_tokens"] += p.prompt_tokens
+        self._batch.merge(new, p, tokens)
+        self.stats["peak_running_requests"] = max(self.stats["peak_running_requests"], len(self._batch))
         self._append_tokens(tokens, logprobs, first_row=len(self._batch) - len(new))
-
-    def _prefill(self, new: list[GenRequest]):
-        """(KV cache, mask, next positions, first tokens, their logprobs) of the new prompts, without the batch."""
-        from transformers import DynamicCache
-
-        self.stats["prefill_batches"] += 1
-        first_of: dict[tuple[int, ...], int] = {}
-        row_of = [first_of.setdefault(tuple(r.input_ids), len(first_of)) for r in new]
-        prompts = [list(p) for p in first_of]
-        lengths = [len(p) for p in prompts]
-        width = max(lengths)
-        pad = self.tokenizer.pad_token_id or 0
-        ids = torch.tensor([[pad] * (width - n) + p for p, n in zip(prompts, lengths)], device=self.device)
-        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        want_input_logprobs = any(r.return_logprob and r.logprob_start_len >= 0 for r in new)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=DynamicCache(), use_cache=True,
-                         logits_to_keep=0 if want_input_logprobs else 1)
-        logits, cache = out.logits.float(), out.past_key_values
-        self.stats["prefill_tokens"] += sum(lengths)
-        if len(prompts) < len(new):
-            seen: set[int] = set()
-            for r, row in zip(new, row_of):
-                r.cached_tokens = len(r.input_ids) if row in seen else 0
-                seen.add(row)
-            rows = torch.tensor(row_of, device=self.device)
-            ids, mask, positions, logits = ids[rows], mask[rows], positions[rows], logits[rows]
-            cache = DynamicCache(ddp_cache_data=[(layer.keys[rows], layer.values[rows]) for layer in cache.layers])
-        if want_input_logprobs:
-            self._record_input_logprobs(new, logits, ids, [len(r.input_ids) for r in new], width)
-        tokens, logprobs = self._sample(new, logits[:, -1])
-        return cache, mask, positions[:, -1] + 1, tokens, logprobs
-
-    def _record_input_logprobs(self, new, logits, ids, lengths, width) -> None:
-        for row, (r, n) in enumerate(zip(new, lengths)):
-            if not (r.return_logprob and r.logprob_start_len >= 0):
-                continue
-            temp = 1.0 if r.params.greedy else float(r.params.temperature)
-            lp = torch.log_softmax(logits[row, width - n:-1] / temp, dim=-1)
-            target = ids[row, width - n + 1:]
-            values = lp.gather(-1, target[:, None]).squeeze(-1).tolist()
-            r.input_logprobs = ([None] + values)[r.logprob_start_len:]
-
-    def _merge(self, new, cache, mask, next_pos, tokens) -> None:
-        from transformers import DynamicCache
-
-        b = self._batch
-        if not len(b):
-            b.requests, b.cache, b.mask, b.next_pos, b.next_tokens = list(new), cache, mask, next_pos, tokens
-        else:
-            width = max(b.mask.shape[1], mask.shape[1])
-            layers = []
-            for old_layer, new_layer in zip(b.cache.layers, cache.layers):
-                layers.append(tuple(
-                    torch.cat([_left_pad(a, width, 2), _left_pad(c, width, 2)], dim=0)
-                    for a, c in ((old_layer.keys, new_layer.keys), (old_layer.values, new_layer.values))
-                ))
-            # built whole before any is assigned: a failure midway leaves the batch as it was
-            merged = (DynamicCache(ddp_cache_data=layers),
-                      torch.cat([_left_pad(b.mask, width, 1), _left_pad(mask, width, 1)], dim=0),
-                      torch.cat([b.next_pos, next_pos]), torch.cat([b.next_tokens, tokens]))
-            b.cache, b.mask, b.next_pos, b.next_tokens = merged
-            b.requests = b.requests + list(new)
-        self.stats["peak_running_requests"] = max(self.stats["peak_running_requests"], len(b))
 
     def _decode(self) -> None:
         b = self._batch
-        ones = b.mask.new_ones((len(b), 1))
-        mask = torch.cat([b.mask, ones], dim=1)
-        out = self.model(input_ids=b.next_tokens[:, None], attention_mask=mask, position_ids=b.next_pos[:, None],
-                         past_key_values=b.cache, use_cache=True, logits_to_keep=1)
+        logits = b.forward(self.model)
         self.stats["decode_steps"] += 1
-        b.cache, b.mask = out.past_key_values, mask
-        b.next_pos = b.next_pos + 1
-        tokens, logprobs = self._sample(b.requests, out.logits[:, -1].float())
+        tokens, logprobs = self._sample(b.requests, logits)
         b.next_tokens = tokens
         self._append_tokens(tokens, logprobs, first_row=0)
 
@@ -482,7 +366,7 @@ class BatchEngine:
                 self._finish(r, reason)
                 done.add(row)
         if done:
-            self._drop_rows(done)
+            self._batch.drop_rows(done, self.device)
 
     def _stop_reason(self, r: GenRequest, tok: int) -> Optional[dict]:
         p = r.params
@@ -496,24 +380,6 @@ class BatchEngine:
         if len(r.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": len(r.output_ids)}
         return None
-
-    def _drop_rows(self, rows: set[int]) -> None:
-        b = self._batch
-        keep = [i for i in range(len(b)) if i not in rows]
-        b.requests = [b.requests[i] for i in keep]
-        if not keep:
-            self._batch = _Batch()
-            return
-        index = torch.tensor(keep, device=self.device)
-        b.mask, b.next_pos, b.next_tokens = b.mask[index], b.next_pos[index], b.next_tokens[index]
-        b.cache.batch_select_indices(index)
-        # Drop columns that are padding in every remaining row: they cost attention compute each step.
-        first_real = int(b.mask.any(0).nonzero()[0])
-        if first_real > 0:
-            b.mask = b.mask[:, first_real:]
-            for layer in b.cache.layers:
-                layer.keys = layer.keys[:, :, first_real:]
-                layer.values = layer.values[:, :, first_real:]
 
     def _sample(self, requests: list[GenRequest], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return sample_next_tokens(logits, [r.params for r in requests], [r.generator for r in requests],

@@ -1,4 +1,4 @@
-"""Checks of the OpenAI request fields that `openai_api.py` takes without using them, and of the token budget
+"""Checks of the OpenAI request fields that `openai_requests.py` takes without using them, and of the token budget
 fields: a wrong-typed value is refused with HTTP 400 naming the field (as OpenAI refuses it), never taken silently.
 """
 
@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from areal_pipeline.http_json import RequestRejected, shown
+from areal_pipeline.http_json import shown
+from areal_pipeline.inference.openai_errors import OpenAIError
 
 
-def _refused(message: str, param: str) -> RequestRejected:
-    from areal_pipeline.inference.openai_api import OpenAIError  # openai_api imports this module
-
+def _refused(message: str, param: str) -> OpenAIError:
     return OpenAIError(message, param)
 
 

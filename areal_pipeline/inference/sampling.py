@@ -1,4 +1,4 @@
-"""Sampling: what a request's `sampling_params` hold, and the next token of every row of a decode step.
+"""Sampling: the next token of every row of a decode step, under each row's `SamplingParams` (types.py).
 
 The logprob returned with a token is that of the full distribution at the request's temperature
 (`log_softmax(logits / T)`), taken before top-k / top-p / min-p filtering: what a trainer's teacher-forced
@@ -7,84 +7,11 @@ forward pass at the same temperature computes (the trainer's contract).
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from areal_pipeline.http_json import RequestRejected, check_bool, check_int, check_number, shown
-
-GREEDY_TEMPERATURE = 1e-6
-RequestError = RequestRejected  # a request the server rejects with HTTP 400 (and a message)
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    n: int = 1
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    sampling_seed: Optional[int] = None
-
-    # Accepted for compatibility only at their neutral value: RL rollouts never change them, and
-    # silently ignoring another value would make logprobs disagree with the trainer.
-    _NEUTRAL = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                "min_new_tokens": 0}
-
-    @classmethod
-    def from_json(cls, data: Any) -> "SamplingParams":
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise RequestError(f"sampling_params must be a JSON object, got {shown(data)}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in data:
-            if key not in names:
-                raise RequestError(f"unknown field '{key}' in sampling_params; valid: {', '.join(sorted(names))}")
-        data = {k: v for k, v in data.items() if v is not None or k == "sampling_seed"}
-        if isinstance(data.get("stop"), str):
-            data["stop"] = [data["stop"]]
-        params = cls(**data)
-        params.validate()
-        return params
-
-    def validate(self) -> None:
-        check_int("max_new_tokens", self.max_new_tokens, minimum=0)
-        if check_number("temperature", self.temperature) < 0:
-            raise RequestError(f"'temperature' must be non-negative, got {shown(self.temperature)}")
-        if not 0 < check_number("top_p", self.top_p) <= 1:
-            raise RequestError(f"'top_p' must be in (0, 1], got {shown(self.top_p)}")
-        if type(self.top_k) is not int or self.top_k == 0 or self.top_k < -1:
-            raise RequestError(f"'top_k' must be -1 (whole vocabulary) or at least 1, got {shown(self.top_k)}")
-        if not 0 <= check_number("min_p", self.min_p) <= 1:
-            raise RequestError(f"'min_p' must be in [0, 1], got {shown(self.min_p)}")
-        if not (isinstance(self.stop, list) and all(type(s) is str and s for s in self.stop)):
-            raise RequestError(f"'stop' must be a non-empty string or a list of them, got {shown(self.stop)}")
-        if not (isinstance(self.stop_token_ids, list) and all(type(t) is int for t in self.stop_token_ids)):
-            raise RequestError(f"'stop_token_ids' must be a list of integers, got {shown(self.stop_token_ids)}")
-        check_bool("ignore_eos", self.ignore_eos)
-        check_bool("skip_special_tokens", self.skip_special_tokens)
-        if self.sampling_seed is not None:  # the range torch.Generator.manual_seed takes
-            check_int("sampling_seed", self.sampling_seed, minimum=-(1 << 63), maximum=(1 << 64) - 1)
-        for name, neutral in self._NEUTRAL.items():
-            value = getattr(self, name)
-            if type(value) not in (int, float) or value != neutral:
-                raise RequestError(f"{name}={shown(value)} is not supported by the CPU server (only {neutral!r})")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
+from areal_pipeline.inference.types import SamplingParams
 
 
 def sample_next_tokens(logits: torch.Tensor, params: list[SamplingParams],

@@ -31,9 +31,11 @@ from areal_pipeline.http_json import (
     read_json_object,
     shown,
 )
-from areal_pipeline.inference.engine import BatchEngine, GenRequest, RequestError, SamplingParams
+from areal_pipeline.inference.engine import BatchEngine, RequestError
+from areal_pipeline.inference.kv_batch import GenRequest
 from areal_pipeline.inference.openai_api import OpenAIRoutes
 from areal_pipeline.inference.server_args import DEFAULT_MAX_BODY_BYTES, build_arg_parser
+from areal_pipeline.inference.types import SamplingParams
 from areal_pipeline.inference.weight_routes import WeightRoutes
 from areal_pipeline.placement import gpu_uuid
 from areal_pipeline.utils import exit_when_parent_dies, get_logger

@@ -3,7 +3,7 @@
 
     engine = RemoteVLLMEngine(["127.0.0.1:8000"])
     await engine.wait_healthy(300)
-    resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=gconfig))
+    resp = await engine.agenerate(ModelRequest(input_ids=ids, sampling=SamplingParams.from_config(gconfig)))
     await engine.update_weights(checkpoint_dir, version=1)  # pause -> reload -> re-tie -> version -> resume
     await engine.close()
 
@@ -21,16 +21,13 @@ shared loop of `RemoteSGLangEngine.agenerate_group` re-sends prompt + tokens so 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import Any, Optional
 
 from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEngine, _Sample, _Segment
 from areal_pipeline.inference.types import ModelRequest
-
-# SGLang's names of the sampling parameters a workflow may put in `extra_sampling_params`, as vLLM names them
-_SGLANG_TO_VLLM = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
-_SEED_RANGE = 1 << 63  # vLLM's seed is a signed 64-bit integer; the pipeline's episode seeds may exceed it
 
 
 class RemoteVLLMEngine(RemoteSGLangEngine):
@@ -48,23 +45,8 @@ class RemoteVLLMEngine(RemoteSGLangEngine):
     # -- generation -------------------------------------------------------------------------------
 
     def _vllm_payload(self, req: ModelRequest, generated: list[int]) -> dict:
-        g = req.gconfig
-        params: dict[str, Any] = {
-            "max_tokens": g.max_new_tokens - len(generated),
-            "temperature": 0.0 if g.greedy else g.temperature,
-            "top_p": g.top_p,
-            "top_k": g.top_k,
-            "stop": list(g.stop),
-            "stop_token_ids": list(g.stop_token_ids),
-            "logprobs": 0,  # the sampled token's own logprob
-        }
-        for key, value in req.extra_sampling_params.items():
-            key = _SGLANG_TO_VLLM.get(key, key)
-            if key == "seed":
-                if not self.seeded or value is None:
-                    continue
-                value %= _SEED_RANGE
-            params[key] = value
+        sampling = dataclasses.replace(req.sampling, max_new_tokens=req.sampling.max_new_tokens - len(generated))
+        params = {**sampling.vllm(self.seeded), "logprobs": 0}  # logprobs 0: the sampled token's own
         # A fresh id each round: vLLM refuses an id still registered, and an aborted request may linger a moment
         return {"request_id": f"{req.rid or 'areal'}-{uuid.uuid4().hex[:12]}",
                 "token_ids": list(req.input_ids) + list(generated), "sampling_params": params}

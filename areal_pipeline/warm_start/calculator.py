@@ -2,7 +2,7 @@
 workflow records for that agent.
 
 An episode is the agent's prompt (the arithmetic question with the calculator declared as a tool, through the chat
-template: the tiny model's writes tools in Qwen2.5's format, `openai_api.chat_prompt_ids`), then model turns: a call
+template: the tiny model's writes tools in Qwen2.5's format, `openai_tools.chat_prompt_ids`), then model turns: a call
 `<tool_call>\\n{"name": "calculator", "arguments": {"expression": "7*8"}}\\n</tool_call><|im_end|>`, the ids the
 template writes after it for the calculator's result (`openai_agent.ids_after_reply`, as the workflow splices them;
 labels -100 there and on the prompt) and the answer `56<|im_end|>`; or the answer at once. The mix (`BEHAVIOURS`) is a
@@ -49,7 +49,8 @@ def curriculum(tokenizer, tiny: Any, seed: int) -> Sampler:
     unseen)."""
     from areal_pipeline.config import DatasetConfig
     from areal_pipeline.data.datasets import load_records
-    from areal_pipeline.inference.openai_api import chat_prompt_ids, parse_messages
+    from areal_pipeline.inference.openai_requests import parse_messages
+    from areal_pipeline.inference.openai_tools import chat_prompt_ids
     from areal_pipeline.workflows.openai_recording import ids_after_reply
 
     dataset = DatasetConfig(arithmetic_operators=OPERATORS, arithmetic_max_operand=9)

@@ -13,7 +13,7 @@ from the working directory, or `path/to/file.py:agent`). `data` is the data set 
 process (an httpx transport: no socket, no proxy process): each `/v1/chat/completions` or `/v1/completions` request
 becomes token ids, is generated through the run's inference client (`RemoteSGLangEngine.agenerate_group`: a weight
 update interrupts it, it resumes under the new weights, and every token keeps the policy version that produced it)
-and is answered in OpenAI's format by `inference/openai_api.py` (chat template, sampling fields, Qwen `<tool_call>`
+and is answered in OpenAI's format by `inference/openai_*.py` (chat template, sampling fields, Qwen `<tool_call>`
 parser, errors); `/v1/models` names the served model. Every choice of every request is recorded with its exact
 prompt ids, generated ids, logprobs and versions.
 

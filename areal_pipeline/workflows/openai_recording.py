@@ -3,7 +3,7 @@ through the run's inference client, and recorded token by token (see openai_agen
 
 `recording_client(episode)` is an `openai.AsyncOpenAI` whose HTTP transport hands each request to its episode
 (`RecordingEpisode`): `/v1/chat/completions` and `/v1/completions` become token ids (continuing an earlier completion's
-own ids where the conversation extends it), are generated, answered in OpenAI's format (inference/openai_api.py) and
+own ids where the conversation extends it), are generated, answered in OpenAI's format (inference/openai_*.py) and
 recorded; `trajectories(returned)` turns the records into trajectories once the agent returns its reward.
 """
 
@@ -18,25 +18,19 @@ from typing import TYPE_CHECKING, Any, Optional
 import httpx2  # openai's HTTP client library (openai >= 3): the in-process transport plugs into it
 from openai import AsyncOpenAI
 
-from areal_pipeline.config import GenerationConfig
 from areal_pipeline.data.trajectory import NO_VERSION, Trajectory
 from areal_pipeline.inference.client import InferenceServerError
-from areal_pipeline.inference.openai_api import (
-    ChatRequest,
+from areal_pipeline.inference.openai_errors import OpenAIError, error_body
+from areal_pipeline.inference.openai_replies import (
     Generation,
-    OpenAIError,
-    Sampling,
     chat_completion_reply,
-    chat_prompt_ids,
     completion_reply,
-    error_body,
     generated_text,
     models_reply,
-    parse_chat_request,
-    parse_completion_request,
-    tool_call_text,
 )
-from areal_pipeline.inference.types import ModelRequest, ModelResponse
+from areal_pipeline.inference.openai_requests import ChatRequest, parse_chat_request, parse_completion_request
+from areal_pipeline.inference.openai_tools import chat_prompt_ids, tool_call_text
+from areal_pipeline.inference.types import ModelRequest, ModelResponse, SamplingParams
 from areal_pipeline.utils import get_logger
 from areal_pipeline.workflows.openai_agent import discounted_rewards
 from areal_pipeline.workflows.rlvr import sample_seed
@@ -69,7 +63,7 @@ class RecordedCompletion:
     completion_id: str  # the reply's id (shared by its choices)
     response: ModelResponse  # prompt ids, generated ids, logprobs, versions, stop reason
     text: str  # the generated text as the agent got it (before tool calls were parsed out)
-    messages: Optional[list[dict[str, Any]]] = None  # chat: the request's messages (openai_api.parse_messages form)
+    messages: Optional[list[dict[str, Any]]] = None  # chat: the request's messages (openai_requests.parse_messages form)
     reply: Optional[dict[str, Any]] = None  # chat: this choice's assistant message, in the same form
     tools: Optional[list[dict[str, Any]]] = None
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -149,7 +143,7 @@ class RecordingEpisode:
     def models(self) -> dict[str, Any]:
         return models_reply(self.workflow.model_name)
 
-    def _with_defaults(self, body: dict, sampling: Sampling) -> Sampling:
+    def _with_defaults(self, body: dict, sampling: SamplingParams) -> SamplingParams:
         """The request's sampling with `rollout.gconfig`'s values where the agent set none, and always its
         temperature (greedy in evaluation)."""
         g = self.workflow.gconfig
@@ -159,13 +153,13 @@ class RecordingEpisode:
 
         return dataclasses.replace(
             sampling,
-            max_tokens=sampling.max_tokens if given("max_tokens", "max_completion_tokens") else g.max_new_tokens,
+            max_new_tokens=sampling.max_new_tokens if given("max_tokens", "max_completion_tokens") else g.max_new_tokens,
             # the trainer recomputes logprobs at the config's temperature: an agent's own would make them disagree
             temperature=0.0 if g.greedy else g.temperature,
             top_p=sampling.top_p if given("top_p") else g.top_p,
             top_k=sampling.top_k if given("top_k") else g.top_k,
-            stop=sampling.stop if given("stop") else list(g.stop),
-            stop_token_ids=sampling.stop_token_ids if given("stop_token_ids") else list(g.stop_token_ids))
+            stop=sampling.stop if given("stop") else tuple(g.stop),
+            stop_token_ids=sampling.stop_token_ids if given("stop_token_ids") else tuple(g.stop_token_ids))
 
     def _chat_prompt(self, request: ChatRequest) -> list[int]:
         earlier = self._conversation_parent(request)
@@ -201,22 +195,16 @@ class RecordingEpisode:
         eos = self.tokenizer.eos_token_id
         return earlier.ids + ([] if earlier.response.output_tokens[-1:] == [eos] else [eos]) + after
 
-    async def _generate(self, prompt_ids: list[int], sampling: Sampling, n: int) -> list[ModelResponse]:
-        gconfig = GenerationConfig(n_samples=1, max_new_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                                   top_p=sampling.top_p, top_k=sampling.top_k, stop=list(sampling.stop),
-                                   stop_token_ids=list(sampling.stop_token_ids))
+    async def _generate(self, prompt_ids: list[int], sampling: SamplingParams, n: int) -> list[ModelResponse]:
         requests = []
         for choice in range(n):
-            if sampling.seed is not None:
-                seed = {"sampling_seed": (sampling.seed + choice) % (1 << 63)}
+            if sampling.sampling_seed is not None:  # the agent's own seed
+                seeded = sampling.for_choice(choice)
             else:
-                seed = sample_seed(self.data, self.sample_idx, self.samples_drawn)
+                seeded = dataclasses.replace(sampling, **sample_seed(self.data, self.sample_idx, self.samples_drawn))
             self.samples_drawn += 1
-            extra = {"min_p": sampling.min_p, "ignore_eos": sampling.ignore_eos,
-                     "skip_special_tokens": sampling.skip_special_tokens, **seed}
             rid = self.rid if choice == 0 and not self.rid_in_use else uuid.uuid4().hex
-            requests.append(ModelRequest(rid=rid, input_ids=list(prompt_ids), gconfig=gconfig,
-                                         extra_sampling_params=extra))
+            requests.append(ModelRequest(rid=rid, input_ids=list(prompt_ids), sampling=seeded))
         sticky = requests[0].rid == self.rid
         self.rid_in_use |= sticky
         try:

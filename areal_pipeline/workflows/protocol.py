@@ -29,9 +29,10 @@ it once per rollout with `from_config` and calls `arun_episode` once per prompt,
     question        the question alone, without the system prompt or template
     sampling_seed   optional: seeds the episode's generations (`rlvr.sample_seed`), so a rerun reproduces its shards
 
-`engine` (inference/client.py) generates: `await engine.agenerate(ModelRequest(rid, input_ids, gconfig))` returns a
-`ModelResponse` whose output tokens, logprobs and policy versions go into the trajectory unchanged; requests of one
-episode share a `rid` (one server keeps its prefix cached); `agenerate_group(requests)` sends a group in one call.
+`engine` (inference/client.py) generates: `await engine.agenerate(ModelRequest(rid, input_ids, sampling))` (the
+sampling: `SamplingParams.from_config(cfg.rollout.gconfig)`, inference/types.py) returns a `ModelResponse` whose
+output tokens, logprobs and policy versions go into the trajectory unchanged; requests of one episode share a `rid`
+(one server keeps its prefix cached); `agenerate_group(requests)` sends a group in one call.
 
 An episode returns `list[Trajectory]` (data/trajectory.py), usually `rollout.gconfig.n_samples` of them: the exact
 ids the model was conditioned on and generated (`SequenceBuilder` grows them turn by turn), `loss_mask` 1 on

@@ -35,8 +35,8 @@ class ReMaxWorkflow(RLVRWorkflow):
         requests = self.group_requests(data)
         # With greedy sampling (evaluation) the samples are their own baseline.
         if not self.gconfig.greedy:
-            greedy = dataclasses.replace(requests[0].gconfig, greedy=True)
-            requests.append(ModelRequest(rid=uuid.uuid4().hex, input_ids=requests[0].input_ids, gconfig=greedy))
+            greedy = dataclasses.replace(requests[0].sampling, temperature=0.0, sampling_seed=None)
+            requests.append(ModelRequest(rid=uuid.uuid4().hex, input_ids=requests[0].input_ids, sampling=greedy))
         responses, texts, rewards = await self.generate_and_score(engine, data, requests)
         n = self.gconfig.n_samples
         greedy_text, greedy_reward = (texts[n], rewards[n]) if len(texts) > n else (texts[0], rewards[0])

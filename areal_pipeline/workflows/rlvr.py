@@ -13,7 +13,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
 from areal_pipeline.data.trajectory import NO_VERSION, Trajectory
-from areal_pipeline.inference.types import ModelRequest, ModelResponse
+from areal_pipeline.inference.types import ModelRequest, ModelResponse, SamplingParams
 
 if TYPE_CHECKING:
     from areal_pipeline.config import GenerationConfig
@@ -84,9 +84,9 @@ class RLVRWorkflow:
     def group_requests(self, data: dict[str, Any]) -> list[ModelRequest]:
         """One request per sample of the prompt's group, each its own trajectory (rid) and seed."""
         input_ids = chat_prompt_ids(self.tokenizer, data["messages"])
-        single = dataclasses.replace(self.gconfig, n_samples=1)
-        return [ModelRequest(rid=uuid.uuid4().hex, input_ids=input_ids, gconfig=single,
-                             extra_sampling_params=sample_seed(data, i))
+        single = SamplingParams.from_config(self.gconfig)
+        return [ModelRequest(rid=uuid.uuid4().hex, input_ids=input_ids,
+                             sampling=dataclasses.replace(single, **sample_seed(data, i)))
                 for i in range(self.gconfig.n_samples)]
 
     async def generate_and_score(self, engine, data: dict[str, Any], requests: list[ModelRequest]):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
 from areal_pipeline.config import RetrievalConfig, at_least, one_of
 from areal_pipeline.data.trajectory import SequenceBuilder, Trajectory
-from areal_pipeline.inference.types import ModelRequest
+from areal_pipeline.inference.types import ModelRequest, SamplingParams
 from areal_pipeline.workflows.rlvr import chat_prompt_ids, sample_seed
 from areal_pipeline.workflows.turns import turn_record
 
@@ -140,7 +140,7 @@ class SearchAgentWorkflow:
         self.prompt, self.information = prompt, information
         self.reward_fn = reward_fn
         self.gconfig = gconfig
-        self.single = dataclasses.replace(gconfig, n_samples=1)
+        self.single = SamplingParams.from_config(gconfig)
         self.stop = list(dict.fromkeys([*gconfig.stop, *STOP_STRINGS]))
         self.tokenizer = tokenizer
         self.retrieval = retrieval
@@ -195,8 +195,8 @@ class SearchAgentWorkflow:
                 stop_reason = "length"
                 break
             resp = await engine.agenerate(ModelRequest(
-                rid=rid, input_ids=list(seq.input_ids), gconfig=dataclasses.replace(self.single, max_new_tokens=budget),
-                extra_sampling_params={"stop": self.stop, **sample_seed(data, sample_idx, turn)}))
+                rid=rid, input_ids=list(seq.input_ids), sampling=dataclasses.replace(
+                    self.single, max_new_tokens=budget, stop=self.stop, **sample_seed(data, sample_idx, turn))))
             seq.add_model_turn(resp)
             server = resp.server
             text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)

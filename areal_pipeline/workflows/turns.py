@@ -16,7 +16,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from areal_pipeline.data.trajectory import SequenceBuilder, Trajectory
-from areal_pipeline.inference.types import ModelRequest, ModelResponse
+from areal_pipeline.inference.types import ModelRequest, ModelResponse, SamplingParams
 from areal_pipeline.workflows.rlvr import chat_prompt_ids, sample_seed
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class FeedbackTurnsWorkflow:
             raise ValueError(f"agent.max_turns must be at least 1, got {max_turns}")
         self.reward_fn = reward_fn
         self.gconfig = gconfig
-        self.single = dataclasses.replace(gconfig, n_samples=1)
+        self.single = SamplingParams.from_config(gconfig)
         self.tokenizer = tokenizer
         self.reward_pool = reward_pool
         self.max_turns = max_turns
@@ -123,8 +123,8 @@ class FeedbackTurnsWorkflow:
         messages = list(data["messages"])
         turns: list[dict[str, Any]] = []
         for turn in range(self.max_turns):
-            resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(seq.input_ids), gconfig=self.single,
-                                                       extra_sampling_params=sample_seed(data, sample_idx, turn)))
+            sampling = dataclasses.replace(self.single, **sample_seed(data, sample_idx, turn))
+            resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(seq.input_ids), sampling=sampling))
             seq.add_model_turn(resp)
             text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
             score = await self.reward_pool.ascore(self.reward_fn, text, data["answer"])
