@@ -210,7 +210,7 @@ class RecordingEpisode:
             if sampling.seed is not None:
                 seed = {"sampling_seed": (sampling.seed + choice) % (1 << 63)}
             else:
-                seed = sample_seed(self.data, self.sample_idx, self.samples_drawn)
+                seed = sample_seed(self.data, self.samples_drawn)
             self.samples_drawn += 1
             extra = {"min_p": sampling.min_p, "ignore_eos": sampling.ignore_eos,
                      "skip_special_tokens": sampling.skip_special_tokens, **seed}
