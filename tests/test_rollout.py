@@ -159,3 +159,27 @@ def test_a_failing_episode_fails_its_group_and_cancels_the_others():
 
     with pytest.raises(TypeError, match="Nothing.arun_episode returned dict, not a Trajectory or a list of them"):
         asyncio.run(run_group(Nothing(), _BatchCounting(), {"prompt_id": "a"}, 1))
+
+
+def test_a_refused_request_fails_only_its_own_episode_of_a_batched_call():
+    """The server refuses a batch for one bad request in it: the episodes' requests go again one episode at a time,
+    and only the episode that sent it sees the error (an OpenAI agent handles it as BadRequestError)."""
+    class Refusing(_BatchCounting):
+        async def agenerate_group(self, reqs):
+            if any(r.rid.endswith("/1") for r in reqs):
+                self.batches.append([r.rid for r in reqs])
+                raise ValueError("context length exceeded")
+            return await super().agenerate_group(reqs)
+
+    class Careful(_Episodes):
+        async def arun_episode(self, engine, data):
+            try:
+                return await super().arun_episode(engine, data)
+            except ValueError:
+                return []  # this episode trains nothing
+
+    engine = Refusing()
+    group = asyncio.run(run_group(Careful(), engine, {"prompt_id": "a"}, 3))
+    assert [t.sample_idx for t in group] == [0, 2]
+    assert engine.batches[0] == ["a/0", "a/1", "a/2"] and sorted(engine.batches[1:]) == [["a/0"], ["a/1"], ["a/2"]]
+    assert len(engine.batches) == 4

@@ -118,7 +118,12 @@ class GroupEngine:
             for _, future in waiting:
                 future.cancel()
             raise
-        except Exception as error:  # each episode of the call fails with it, as its own call would have
+        except Exception as error:
+            if len(waiting) > 1:
+                # A request the server refuses (a conversation outgrowing the context) fails the batched call for
+                # every episode in it: each episode's requests go again on their own, so only its episode sees it.
+                await asyncio.gather(*(self._send([entry]) for entry in waiting))
+                return
             for _, future in waiting:
                 if not future.done():
                     future.set_exception(error)
