@@ -211,7 +211,7 @@ def _agent_section_class() -> type:
 
 @dataclass
 class RolloutConfig:
-    # the agent that plays the episodes: rlvr | reflection | multi_turn | remax | search_agent | openai_agent, or a
+    # the agent that plays the episodes: rlvr | reflection | multi_turn | search_agent | openai_agent, or a
     # class of your own as "module:MyWorkflow" / "path/to/file.py:MyWorkflow" (areal_pipeline/workflows/protocol.py)
     workflow: str = "rlvr"
     batch_size: int = 16  # prompts per iteration
@@ -245,6 +245,9 @@ class PPOConfig:
     """The algorithm: reward shaping, advantages and the policy loss (AReaL's PPOActorConfig names)."""
 
     loss: str = "ppo"  # ppo | reinforce | "module:attr", a loss builder of your own (training/loss_registry.py)
+    # rewards -> advantages: grpo | remax | "module:attr", an advantage builder of your own
+    # (training/advantage_registry.py)
+    advantage: str = "grpo"
     ppo_n_minibatches: int = 1  # an iteration's batch is split into this many minibatches, an optimizer step each
     eps_clip: float = 0.2  # the ratio is clipped to [1 - eps_clip, 1 + eps_clip]
     eps_clip_higher: Optional[float] = None  # the upper clip, 1 + eps_clip_higher, when it differs (DAPO's clip-higher)
@@ -622,6 +625,20 @@ _LOSS = Rule("ppo, reinforce, or 'module:attr' naming an importable loss builder
              _loss_builder_exists)
 
 
+def _advantage_builder_exists(name: str) -> bool:
+    from areal_pipeline.training.advantage_registry import advantage_builder
+
+    try:
+        advantage_builder(name)
+    except ValueError:
+        return False
+    return True
+
+
+_ADVANTAGE = Rule("grpo, remax, or 'module:attr' naming an importable advantage builder "
+                  "(training/advantage_registry.py)", _advantage_builder_exists)
+
+
 def _workflow_loads(name: str) -> bool:
     from areal_pipeline.workflows import workflow_class
 
@@ -632,7 +649,7 @@ def _workflow_loads(name: str) -> bool:
     return True
 
 
-_WORKFLOW = Rule("rlvr, reflection, multi_turn, remax, search_agent, openai_agent, or 'module:Class' / "
+_WORKFLOW = Rule("rlvr, reflection, multi_turn, search_agent, openai_agent, or 'module:Class' / "
                  "'path/to/file.py:Class' naming a workflow class of your own (workflows/protocol.py)",
                  _workflow_loads)
 _POSITIVE = above(0)
@@ -699,7 +716,7 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                     "max_concurrent_rollouts": _COUNT, "reward_timeout": _POSITIVE, "reward_workers": _COUNT,
                     "shard_rows": _COUNT},
     NormConfig: {"mean_level": _NORM_LEVEL, "std_level": _NORM_LEVEL, "eps": _POSITIVE},
-    PPOConfig: {"loss": _LOSS, "ppo_n_minibatches": _COUNT, "eps_clip": within(0, 1, open_low=True),
+    PPOConfig: {"loss": _LOSS, "advantage": _ADVANTAGE, "ppo_n_minibatches": _COUNT, "eps_clip": within(0, 1, open_low=True),
                 "eps_clip_higher": _POSITIVE, "c_clip": above(1), "importance_sampling_level": one_of("token", "sequence"),
                 "behav_imp_weight_cap": at_least(1), "reward_bias": _FINITE, "reward_scaling": _FINITE,
                 "reward_clip": _POSITIVE, "kl_ctl": _NON_NEGATIVE, "kl_estimator": one_of("k1", "k2", "k3"),
@@ -763,13 +780,15 @@ def _vllm_serves_the_embedded_model(cfg: ExperimentConfig, key: Key) -> Iterator
 
 
 def _selected_workflows_own_rules(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
-    """What the selected workflow requires of the rest of the config (its optional `config_problems`, such as
-    remax's REINFORCE loss or openai_agent's named agent)."""
+    """What the selected workflow and advantage require of the rest of the config (their optional `config_problems`,
+    such as openai_agent's named agent or remax's REINFORCE loss)."""
+    from areal_pipeline.training.advantage_registry import advantage_config_problems
     from areal_pipeline.workflows import workflow_class
 
     config_problems = getattr(workflow_class(cfg.rollout.workflow), "config_problems", None)
     if config_problems is not None:
         yield from config_problems(cfg, key)
+    yield from advantage_config_problems(cfg, key)
 
 
 def _evaluation_has_prompts(cfg: ExperimentConfig, key: Key) -> Iterator[str]:

@@ -155,15 +155,15 @@ class Pipeline(PolicyVersions):
             return self._collect_async(k, served)
         self.sync_servers(k - 1)
         batch = self._episodes(k)
-        workflow = self._workflow()
+        workflow, baseline = self._workflow(), self._baseline_workflow()
 
         async def run():
             async with self._engine() as engine:
                 return await rollout_to_shards(
                     workflow, engine, batch, out, run_id=self.cfg.run_id, iteration=k,
                     max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
-                    samples_per_episode=self.cfg.rollout.gconfig.n_samples, rows_per_shard=self.cfg.rollout.shard_rows,
-                    progress=progress, extra_manifest={"policy_version": k - 1})
+                    n_samples=self.cfg.rollout.gconfig.n_samples, rows_per_shard=self.cfg.rollout.shard_rows,
+                    baseline=baseline, progress=progress, extra_manifest={"policy_version": k - 1})
         stats = run_async(run())["stats"]
         return {**stats, "cached": False}
 
@@ -178,6 +178,20 @@ class Pipeline(PolicyVersions):
 
         return build_workflow(self.cfg, self.tokenizer, self.reward_pool, **self._tool_kwargs())
 
+    def _baseline_workflow(self):
+        """The workflow of the baseline episode the rollout adds per prompt, where `ppo.advantage` asks for one (the
+        greedy completion ReMax subtracts): the run's workflow, decoding greedily; else None."""
+        import dataclasses
+
+        from areal_pipeline.training.advantage_registry import make_advantage
+        from areal_pipeline.workflows import build_workflow
+
+        if not make_advantage(self.cfg.ppo).greedy_baseline:
+            return None
+        greedy = dataclasses.replace(self.cfg.rollout.gconfig, n_samples=1, greedy=True)
+        cfg = dataclasses.replace(self.cfg, rollout=dataclasses.replace(self.cfg.rollout, gconfig=greedy))
+        return build_workflow(cfg, self.tokenizer, self.reward_pool, **self._tool_kwargs())
+
     def _collect_async(self, k: int, served_version: int) -> dict[str, Any]:
         """Asynchronous mode: iteration k's episodes from the background executor (started on first use,
         from this iteration on), written as the iteration's shards."""
@@ -189,7 +203,7 @@ class Pipeline(PolicyVersions):
                 eta=self.cfg.rollout.max_head_offpolicyness, version=served_version, batch_for=self._episodes,
                 workflow=self._workflow(), engine_factory=self._engine,
                 max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
-                samples_per_episode=self.cfg.rollout.gconfig.n_samples)
+                n_samples=self.cfg.rollout.gconfig.n_samples, baseline=self._baseline_workflow())
             self._async_rollout.start()
         started = time.perf_counter()
         try:
@@ -315,6 +329,8 @@ class Pipeline(PolicyVersions):
             "eval_pass_at_1": evaluation.get("pass_at_1") if evaluation else None,
             "eval_reward": evaluation.get("reward_mean") if evaluation else None,
             **{f"time_{name}": round(s, 4) for name, s in self.step_seconds.get(k, {}).items()},
+            # the mean reward of the baseline episodes, where the advantage asks for them (ReMax's greedy ones)
+            **({"baseline_reward": rollout["baseline_reward"]} if "baseline_reward" in rollout else {}),
             **{key: value for key, value in rollout.items() if key.startswith("agent/")},  # the workflow's facts
         }
         write_json(self.paths.metrics(k), record)

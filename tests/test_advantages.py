@@ -258,3 +258,77 @@ def test_compute_batch_lays_ragged_rows_out_as_compute_advantages_sees_them():
     chunked, _ = compute_batch(pa.concat_tables([rollout.slice(0, 1), rollout.slice(1)]), cfg)
     for name in ("advantages", "returns", "token_rewards", "kl", "task_reward"):
         assert chunked.column(name).to_pylist() == table.column(name).to_pylist(), name
+
+
+# ---------------------------------------------------------------------------------------------- ppo.advantage
+
+
+def _rows(rewards, group_ids, width=3, **extra):
+    """Rows of one prompt token and `width - 1` generated ones."""
+    n = len(rewards)
+    mask = torch.tensor([[0.0] + [1.0] * (width - 1)] * n)
+    return {"rewards": torch.tensor(rewards), "loss_mask": mask, "logprobs": -0.5 * mask,
+            "group_ids": torch.tensor(group_ids), "no_eos": torch.zeros(n, dtype=torch.bool), **extra}
+
+
+def test_the_default_advantage_is_grpo_and_remax_subtracts_the_greedy_reward():
+    from areal_pipeline.training.advantage_registry import ADVANTAGES, Advantage, make_advantage
+
+    assert list(ADVANTAGES) == ["grpo", "remax"] and PPOConfig().advantage == "grpo"
+    batch = _rows([1.0, 0.0, 0.0, 0.0], [0, 0, 1, 1])
+    grpo = make_advantage(PPOConfig())
+    assert isinstance(grpo, Advantage) and not grpo.greedy_baseline
+    close(grpo.fn(batch)["advantages"], compute_advantages(batch, PPOConfig())["advantages"].tolist())
+
+    raw = PPOConfig(advantage="remax", loss="reinforce", reward_bias=5.0, reward_scaling=3.0,
+                    adv_norm=NormConfig(mean_level="none", std_level="none"))
+    remax = make_advantage(raw)
+    assert remax.greedy_baseline
+    out = remax.fn({**batch, "baseline_rewards": torch.tensor([1.0, 1.0, 0.0, 1.0])})
+    # reward - its prompt's greedy reward on every generated token, unshaped: 0, -1, 0, -1
+    close(out["advantages"], [[0, 0, 0], [0, -1, -1], [0, 0, 0], [0, -1, -1]])
+    close(out["task_rewards"], [1.0, 0.0, 0.0, 0.0])  # the raw rewards
+    # the configured advantage normalisation still applies (batch mean -0.5, std over the 8 generated tokens)
+    normed = make_advantage(PPOConfig(advantage="remax")).fn({**batch, "baseline_rewards": torch.ones(4)})
+    close(normed["advantages"][:, 1:], normalize_advantages(
+        torch.tensor([[0.0, 0.0]] + [[-1.0, -1.0]] * 3), torch.ones(4, 2), PPOConfig().adv_norm).tolist())
+    with pytest.raises(ValueError, match="ppo.advantage=remax needs each trajectory's baseline_reward"):
+        remax.fn(batch)
+    with pytest.raises(ValueError, match="ppo.advantage=remax takes one reward per trajectory"):
+        remax.fn({**batch, "baseline_rewards": torch.ones(4), "token_returns": torch.ones(4, 3)})
+
+
+def test_an_advantage_of_your_own_from_a_file(tmp_path):
+    from areal_pipeline.config import ConfigError, load_config
+    from areal_pipeline.data.shards import read_table, write_shards
+    from areal_pipeline.data.trajectory import Trajectory
+    from areal_pipeline.training.advantage_registry import make_advantage
+    from areal_pipeline.training.ppo import compute_batch
+
+    (tmp_path / "mine.py").write_text(
+        "from areal_pipeline.training.advantage_registry import Advantage\n"
+        "from areal_pipeline.training.advantages import compute_advantages\n\n"
+        "def doubled(ppo_cfg):\n"
+        "    def fn(batch):\n"
+        "        out = compute_advantages(batch, ppo_cfg)\n"
+        "        return {**out, 'advantages': 2 * out['advantages']}\n"
+        "    return Advantage(fn)\n\n"
+        "def no_advantage(ppo_cfg):\n"
+        "    return 'not an Advantage'\n\n"
+        "def forgetful(ppo_cfg):\n"
+        "    return Advantage(lambda batch: {**batch, 'advantages': batch['loss_mask']})\n")
+    cfg = load_config(None, [f"ppo.advantage={tmp_path / 'mine.py'}:doubled"])
+    trajectories = [Trajectory(prompt_id="p", group_id="p", sample_idx=i, input_ids=[1, 2, 3], loss_mask=[0, 1, 1],
+                               logprobs=[0.0, -0.5, -0.5], versions=[-1, 0, 0], reward=r, stop_reason="stop")
+                    for i, r in enumerate([1.0, 0.0])]
+    write_shards(trajectories, tmp_path / "rollout", run_id="r", iteration=1)
+    rollout = read_table(tmp_path / "rollout")
+    mine, _ = compute_batch(rollout, cfg.ppo)
+    grpo, _ = compute_batch(rollout, load_config().ppo)
+    assert mine.column("advantages").to_pylist() == [[2 * a for a in row] for row in grpo.column("advantages").to_pylist()]
+    with pytest.raises(ConfigError, match=r"ppo.advantage='.*mine.py:nothing': must be grpo, remax, or 'module:attr'"):
+        load_config(None, [f"ppo.advantage={tmp_path / 'mine.py'}:nothing"])
+    with pytest.raises(TypeError, match=r"its builder returned str, not an advantage_registry.Advantage"):
+        make_advantage(load_config(None, [f"ppo.advantage={tmp_path / 'mine.py'}:no_advantage"]).ppo)
+    with pytest.raises(ValueError, match=r"returned no returns, token_rewards, kl, task_rewards"):
+        compute_batch(rollout, load_config(None, [f"ppo.advantage={tmp_path / 'mine.py'}:forgetful"]).ppo)

@@ -116,7 +116,7 @@ def test_a_failed_iteration_cancels_its_episodes_and_a_retry_starts_afresh(tiny_
 
     executor = AsyncRolloutExecutor(first_iteration=1, last_iteration=2, eta=0, version=0,
                                     batch_for=lambda k: [{"n": n} for n in range(4)], workflow=FailingWorkflow(),
-                                    engine_factory=no_engine, max_concurrent_rollouts=8, samples_per_episode=1)
+                                    engine_factory=no_engine, max_concurrent_rollouts=8, n_samples=1)
     caplog.set_level(logging.ERROR, logger="asyncio")
     executor.start()
     with pytest.raises(ValueError, match="reward server gone"):

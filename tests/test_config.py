@@ -264,9 +264,15 @@ def test_the_search_warm_start_runs_only_in_the_format_it_was_written_in():
 
 def test_remax_refuses_the_ppo_loss():
     """ReMax's unnormalised +-1 advantages are for the REINFORCE loss: PPO's clipping would cut them."""
-    with pytest.raises(ConfigError, match=r"ppo.loss='ppo': must be reinforce .* with rollout.workflow=remax"):
+    with pytest.raises(ConfigError, match=r"ppo.loss='ppo': must be reinforce .* with ppo.advantage=remax"):
         load_config("configs/remax.yaml", ["ppo.loss=ppo"])
-    assert load_config("configs/remax.yaml", []).ppo.loss == "reinforce"
+    cfg = load_config("configs/remax.yaml", [])
+    assert (cfg.ppo.loss, cfg.ppo.advantage, cfg.rollout.workflow) == ("reinforce", "remax", "rlvr")
+    with pytest.raises(ConfigError, match=r"ppo.loss='ppo': must be reinforce .* with ppo.advantage=remax"):
+        load_config(None, ["ppo.advantage=remax"])  # whatever the workflow
+    with pytest.raises(ConfigError, match=r"ppo.advantage='gae': must be grpo, remax, or 'module:attr' naming an "
+                                          r"importable advantage builder"):
+        load_config(None, ["ppo.advantage=gae"])
 
 
 def test_config_command_prints_what_a_key_means():

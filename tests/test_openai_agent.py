@@ -30,6 +30,7 @@ from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEn
 from areal_pipeline.inference.openai_requests import parse_messages
 from areal_pipeline.inference.openai_tools import chat_prompt_ids, parse_tool_calls
 from areal_pipeline.model import load_model, load_tokenizer
+from areal_pipeline.rollout.group import run_group
 from areal_pipeline.utils import find_free_port
 from areal_pipeline.workflows.openai_agent import AgentError, OpenAIAgentWorkflow, discounted_rewards, load_agent
 from conftest import start_cpu_server
@@ -41,10 +42,11 @@ RECORD = {"prompt_id": "p0", "messages": QUESTION, "answer": "42", "question": "
 
 
 def run_episode(workflow: OpenAIAgentWorkflow, address: str, record: dict = RECORD, recording: bool = True):
+    """The prompt's group of `gconfig.n_samples` agent runs, as the rollout plays it (rollout/group.py)."""
     async def go():
         async with RemoteSGLangEngine([address]) as real:
             engine = RecordingEngine(real) if recording else real
-            return await workflow.arun_episode(engine, record), engine
+            return await run_group(workflow, engine, record, workflow.gconfig.n_samples), engine
     return asyncio.run(go())
 
 

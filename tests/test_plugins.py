@@ -103,8 +103,8 @@ class HintedWorkflow:
         question = data["messages"][-1]
         parts = [self.hint, question["content"]] if self.position == "before" else [question["content"], self.hint]
         hinted = {**data, "messages": [*data["messages"][:-1], {**question, "content": " ".join(parts)}]}
-        return [dataclasses.replace(t, metadata={**t.metadata, "hint": self.hint})
-                for t in await self.single_turn.arun_episode(engine, hinted)]
+        t = await self.single_turn.arun_episode(engine, hinted)  # one episode: the rollout plays the group
+        return dataclasses.replace(t, metadata={**t.metadata, "hint": self.hint})
 '''
 
 

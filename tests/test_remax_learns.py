@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from areal_pipeline.data.shards import read_trajectories
+from areal_pipeline.run_dir import RunPaths
 from _learning_helpers import EVALUATE_EVERY_ITERATION, base_model, first_and_last, first_and_last_pass_at_1, short_run
 
 
@@ -22,16 +24,21 @@ def remax_base_model(model_cache) -> str:
 # first update, 1.0 after the last; evaluating every iteration adds ~0.2 s of evaluation an iteration.
 @pytest.mark.parametrize("seed", [1])  # by hand also 2 and 3 (above)
 def test_remax_raises_the_sampled_reward_and_test_pass_at_1(remax_base_model, tmp_path, seed):
-    _, records = short_run("remax.yaml", tmp_path, f"model.path={remax_base_model}", f"seed={seed}",
-                           "total_iterations=20", EVALUATE_EVERY_ITERATION)
+    cfg, records = short_run("remax.yaml", tmp_path, f"model.path={remax_base_model}", f"seed={seed}",
+                             "total_iterations=20", EVALUATE_EVERY_ITERATION)
     curves = {key: [round(r[key], 2) for r in records]
-              for key in ("reward_mean", "agent/reward_greedy", "eval_pass_at_1")}
-    # reward_mean is the sampled completions' reward (the greedy baseline's is agent/reward_greedy)
-    assert all(r["reward_mean"] == pytest.approx(r["agent/reward_sampled"]) for r in records), curves
+              for key in ("reward_mean", "baseline_reward", "eval_pass_at_1")}
+    # reward_mean is the sampled completions' reward: the greedy baselines are not among the trajectories, each
+    # sampled one carries its prompt's baseline reward (baseline_reward's mean)
+    for r in records:
+        trajectories = read_trajectories(RunPaths(cfg.run_dir).rollout(r["iteration"]))
+        assert len(trajectories) == cfg.rollout.batch_size * cfg.rollout.gconfig.n_samples
+        assert r["reward_mean"] == pytest.approx(sum(t.reward for t in trajectories) / len(trajectories))
+        assert r["baseline_reward"] == pytest.approx(sum(t.baseline_reward for t in trajectories) / len(trajectories))
     first, _ = first_and_last(records, "reward_mean", 3)
     _, last = first_and_last(records, "reward_mean", 5)
     assert last > first + 0.12, curves
-    greedy_first, greedy_last = first_and_last(records, "agent/reward_greedy", 3)
+    greedy_first, greedy_last = first_and_last(records, "baseline_reward", 3)
     assert greedy_last > greedy_first + 0.2, curves
     # the README's headline, on questions the run never trained on
     pass_first, pass_last = first_and_last_pass_at_1(records)

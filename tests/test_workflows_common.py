@@ -3,6 +3,7 @@ registry; and the helpers the other test_workflows_* files use to check trajecto
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Callable
@@ -16,6 +17,7 @@ from areal_pipeline.config import ConfigError, load_config
 from areal_pipeline.data.shards import read_table, read_trajectories, write_shards
 from areal_pipeline.data.trajectory import NO_VERSION, SequenceBuilder, Trajectory
 from areal_pipeline.inference.types import ModelRequest, ModelResponse
+from areal_pipeline.rollout.group import run_group
 from areal_pipeline.training.advantages import normalize_advantages
 from areal_pipeline.training.ppo import compute_batch, pad
 from areal_pipeline.workflows import WORKFLOWS, build_workflow
@@ -31,6 +33,11 @@ class InlinePool:
 
     async def ascore_many(self, fn, calls) -> list[float]:
         return [float(fn(*args)) for args in calls]
+
+
+def play(workflow, engine, data: dict, n_samples: int = 1, baseline=None) -> list[Trajectory]:
+    """One prompt's group of episodes as the rollout plays it (rollout/group.py), from outside an event loop."""
+    return asyncio.run(run_group(workflow, engine, data, n_samples, baseline))
 
 
 class ScriptedEngine:
@@ -226,23 +233,22 @@ def test_registry_builds_every_workflow_with_its_reward(tiny_model_dir, tmp_path
     tokenizer = load_tokenizer(tiny_model_dir)
     built = {}
     for name in WORKFLOWS:
-        # the config refuses remax with the PPO loss, and an OpenAI agent workflow without its agent
-        needs = {"remax": ["ppo.loss=reinforce"], "openai_agent": [f"rollout.agent.entry={EXAMPLE_AGENT}"]}
+        # the config refuses an OpenAI agent workflow without its agent
+        needs = {"openai_agent": [f"rollout.agent.entry={EXAMPLE_AGENT}"]}
         cfg = load_config(None, [f"rollout.workflow={name}", f"output_dir={tmp_path}", *needs.get(name, [])])
         built[name] = build_workflow(cfg, tokenizer, InlinePool())
     assert [type(w).__name__ for w in built.values()] == [
-        "RLVRWorkflow", "ReflectionWorkflow", "MultiTurnWorkflow", "ReMaxWorkflow", "SearchAgentWorkflow",
-        "OpenAIAgentWorkflow"]
+        "RLVRWorkflow", "ReflectionWorkflow", "MultiTurnWorkflow", "SearchAgentWorkflow", "OpenAIAgentWorkflow"]
     # the pooled reward travels by reference; the pool's workers load it
     assert all(str(built[n].reward_fn) == "areal_pipeline.rewards.math:math_reward"
-               and built[n].reward_fn.load() is math_reward for n in ("rlvr", "reflection", "multi_turn", "remax"))
+               and built[n].reward_fn.load() is math_reward for n in ("rlvr", "reflection", "multi_turn"))
     assert built["search_agent"].reward_fn is f1_reward
     assert type(built["search_agent"].retrieval).__name__ == "LocalRetrievalClient"  # no server address given
     cfg = load_config(None, ["rollout.workflow=search_agent", "rollout.agent.reward=exact_match",
                              f"output_dir={tmp_path}"])
     remote = build_workflow(cfg, tokenizer, InlinePool(), tool_addresses={"retrieval": "127.0.0.1:1"})
     assert remote.reward_fn is exact_match_reward and remote.retrieval.address == "127.0.0.1:1"
-    with pytest.raises(ValueError, match="unknown workflow 'agent'; valid: rlvr, reflection, multi_turn, remax, "
+    with pytest.raises(ValueError, match="unknown workflow 'agent'; valid: rlvr, reflection, multi_turn, "
                                          "search_agent, openai_agent"):
         build_workflow(load_config(None, ["rollout.workflow=agent"]), tokenizer, InlinePool())
     with pytest.raises(ConfigError, match="rollout.agent.reward='bleu': must be one of f1, exact_match"):

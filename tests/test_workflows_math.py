@@ -4,6 +4,7 @@ token-level invariants (the tiny model writes random bytes, so checks go by stru
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -14,19 +15,21 @@ from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.model import load_model, load_tokenizer
 from areal_pipeline.rewards import math_reward
 from areal_pipeline.rewards.pool import RewardPool
+from areal_pipeline.rollout.executor import run_episodes
+from areal_pipeline.rollout.group import run_group
 from areal_pipeline.training.ppo import compute_batch, read_batch, write_batch
 from areal_pipeline.workflows import build_workflow
 from areal_pipeline.workflows.multi_turn import CORRECT_MESSAGE, WRONG_MESSAGE, MultiTurnWorkflow, per_version_log
 from areal_pipeline.workflows.reflection import REFLECTION_MESSAGE, ReflectionWorkflow
 from areal_pipeline.workflows.turns import user_turn_ids
-from areal_pipeline.workflows.remax import ReMaxWorkflow
-from areal_pipeline.workflows.rlvr import chat_prompt_ids
+from areal_pipeline.workflows.rlvr import RLVRWorkflow, chat_prompt_ids
 from test_workflows_common import (
     InlinePool,
     RecordingEngine,
     ScriptedEngine,
     assert_logprobs_match_model,
     assert_token_invariants,
+    play,
 )
 
 DATA = {"prompt_id": "p0", "answer": "7",
@@ -76,7 +79,7 @@ def test_reflection_retries_until_right_and_discounts(tokenizer):
     engine = ScriptedEngine(lambda req, turn: outputs[turn])
     workflow = ReflectionWorkflow(math_reward, GenerationConfig(n_samples=1, max_new_tokens=16), tokenizer,
                                   InlinePool(), max_turns=4, turn_discount=0.5)
-    (t,) = asyncio.run(workflow.arun_episode(engine, DATA))
+    t = asyncio.run(workflow.arun_episode(engine, DATA))
     prompt = chat_prompt_ids(tokenizer, DATA["messages"])
     env = workflow.closing_ids + workflow.message_ids
     # an EOS is inserted after "5" (the turn did not end with one), not after "6<eos>"
@@ -97,7 +100,7 @@ def test_reflection_group_ends_after_max_turns(tokenizer):
     engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, "no idea"), stop_reason="length")
     workflow = ReflectionWorkflow(math_reward, GenerationConfig(n_samples=3, max_new_tokens=16), tokenizer,
                                   InlinePool(), max_turns=2)
-    trajectories = asyncio.run(workflow.arun_episode(engine, DATA))
+    trajectories = play(workflow, engine, DATA, 3)
     assert [t.sample_idx for t in trajectories] == [0, 1, 2] and len(engine.calls) == 6
     assert len({req.rid for req, _ in engine.calls}) == 3  # one rid per episode, shared by its turns
     for t in trajectories:
@@ -114,7 +117,7 @@ def test_multi_turn_per_turn_rewards_and_discounted_returns(tokenizer):
     engine = ScriptedEngine(lambda req, turn: outputs[turn])
     workflow = MultiTurnWorkflow(math_reward, GenerationConfig(n_samples=1, max_new_tokens=16), tokenizer,
                                  InlinePool(), max_turns=3, turn_level_discount=0.9)
-    (t,) = asyncio.run(workflow.arun_episode(engine, DATA))
+    t = asyncio.run(workflow.arun_episode(engine, DATA))
     turns = t.metadata["turns"]
     assert [x["success"] for x in turns] == [False, False, True]
     assert [x["reward"] for x in turns] == [-1.0, -1.0, 1.0]
@@ -142,7 +145,7 @@ def test_multi_turn_can_keep_going_after_a_right_answer_as_math_multi_turn_agent
     engine = ScriptedEngine(lambda req, turn: outputs[turn])
     workflow = MultiTurnWorkflow(math_reward, GenerationConfig(n_samples=1, max_new_tokens=16), tokenizer,
                                  InlinePool(), max_turns=3, turn_level_discount=0.5, stop_on_success=False)
-    (t,) = asyncio.run(workflow.arun_episode(engine, DATA))
+    t = asyncio.run(workflow.arun_episode(engine, DATA))
     turns = t.metadata["turns"]
     assert [x["success"] for x in turns] == [True, False, True] and t.num_turns == 3
     # G2 = 1, G1 = -1 + 0.5 * 1 = -0.5, G0 = 1 + 0.5 * -0.5 = 0.75
@@ -162,7 +165,7 @@ def test_multi_turn_can_keep_going_after_a_right_answer_as_math_multi_turn_agent
     workflow = MultiTurnWorkflow(math_reward, GenerationConfig(n_samples=1, max_new_tokens=16), tokenizer,
                                  InlinePool(), max_turns=3, turn_level_discount=0.5, stop_on_success=False,
                                  correct_message="Yes.", wrong_message="No.")
-    (t,) = asyncio.run(workflow.arun_episode(ScriptedEngine(lambda req, turn: outputs[turn]), DATA))
+    t = asyncio.run(workflow.arun_episode(ScriptedEngine(lambda req, turn: outputs[turn]), DATA))
     assert t.reward == 0.5 and t.num_turns == 3
     assert [m["content"] for m in t.messages[2:]] == ["5", "No.", "7", "Yes.", "7"]
 
@@ -172,7 +175,7 @@ def test_multi_turn_reward_bias_and_scaling(tokenizer):
     workflow = MultiTurnWorkflow(math_reward, GenerationConfig(n_samples=2, max_new_tokens=16), tokenizer,
                                  InlinePool(), max_turns=2, turn_level_discount=0.9, reward_bias=0.5,
                                  reward_scaling=2.0)
-    for t in asyncio.run(workflow.arun_episode(engine, DATA)):
+    for t in play(workflow, engine, DATA, 2):
         # wrong: ((0 - 0.5) * 2 - 0.5) * 2 = -3; G1 = -3, G0 = -3 + 0.9 * -3 = -5.7
         assert [x["return"] for x in t.metadata["turns"]] == pytest.approx([-5.7, -3.0])
         assert t.reward == 0.0
@@ -185,7 +188,7 @@ def test_per_version_log_reads_every_finished_rollout(tokenizer, tmp_path):
     for iteration, version in ((1, 0), (2, 1)):
         engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, "7" if turn else "5"))
         engine.VERSION = version
-        write_shards(asyncio.run(workflow.arun_episode(engine, DATA)), tmp_path / f"iter_{iteration}" / "rollout",
+        write_shards(play(workflow, engine, DATA, 2), tmp_path / f"iter_{iteration}" / "rollout",
                      run_id="r", iteration=iteration)
     (tmp_path / "iter_3" / "rollout").mkdir(parents=True)  # unfinished: no manifest
     log = per_version_log(tmp_path)
@@ -218,7 +221,7 @@ def test_multi_turn_workflows_against_a_real_server(name, all_turns, cpu_server,
             workflow = build_workflow(cfg, tokenizer, pool)
             async with RemoteSGLangEngine([cpu_server]) as real:
                 engine = RecordingEngine(real)
-                groups = await asyncio.gather(*(workflow.arun_episode(engine, r) for r in records))
+                groups = await asyncio.gather(*(run_group(workflow, engine, r, 3) for r in records))
         return workflow, engine, groups
 
     workflow, engine, groups = asyncio.run(go())
@@ -264,29 +267,42 @@ def test_multi_turn_workflows_against_a_real_server(name, all_turns, cpu_server,
 # ---------------------------------------------------------------------------------------------- ReMax
 
 
-def test_remax_advantage_is_sampled_minus_greedy_reward(tokenizer):
-    by_seed = {0: "7", 1009: "3"}  # rlvr.sample_seed: sample i of an episode seeded 0 gets seed 1009 * i
+def _greedy(workflow_cfg: GenerationConfig) -> GenerationConfig:
+    return dataclasses.replace(workflow_cfg, n_samples=1, greedy=True)
+
+
+def test_remax_advantage_is_sampled_minus_greedy_reward(tokenizer, tmp_path):
+    """ReMax is the ordinary single-turn workflow plus an advantage that asks the rollout for a greedy baseline
+    episode: its reward reaches each sampled trajectory, and the advantage is the difference."""
+    by_seed = {0: "7", 1009: "3"}  # group.episode_data: episode i of a prompt seeded 0 gets seed 1009 * i
 
     def respond(req, turn):
         return _enc(tokenizer, "7" if req.sampling.greedy else by_seed[req.sampling.sampling_seed])
 
     engine = ScriptedEngine(respond)
-    workflow = ReMaxWorkflow(math_reward, GenerationConfig(n_samples=2, max_new_tokens=8), tokenizer, InlinePool())
-    data = {**DATA, "sampling_seed": 0}
-    t0, t1 = asyncio.run(workflow.arun_episode(engine, data))
+    gconfig = GenerationConfig(n_samples=2, max_new_tokens=8)
+    workflow = RLVRWorkflow(math_reward, gconfig, tokenizer, InlinePool())
+    baseline = RLVRWorkflow(math_reward, _greedy(gconfig), tokenizer, InlinePool())
+    t0, t1 = play(workflow, engine, {**DATA, "sampling_seed": 0}, 2, baseline)
     greedy = [req for req, _ in engine.calls if req.sampling.greedy]
     assert len(engine.calls) == 3 and len(greedy) == 1 and greedy[0].sampling.sampling_seed is None
     assert all(req.input_ids == chat_prompt_ids(tokenizer, DATA["messages"]) for req, _ in engine.calls)
-    assert (t0.reward, t1.reward) == (1.0, 0.0)  # each sample keeps its own reward
-    for t, advantage in ((t0, 0.0), (t1, -1.0)):
-        assert t.metadata["reward_greedy"] == 1.0 and t.metadata["greedy_text"] == "7"
-        assert t.metadata["advantage"] == advantage and t.metadata["reward_sampled"] == t.reward
-        assert t.token_returns == [advantage if m else 0.0 for m in t.loss_mask]
+    assert (t0.reward, t1.reward) == (1.0, 0.0)  # each sample keeps its own reward; the baseline is not kept
+    assert (t0.sample_idx, t1.sample_idx) == (0, 1) and t0.baseline_reward == t1.baseline_reward == 1.0
+    write_shards([t0, t1], tmp_path / "rollout", run_id="r", iteration=1)
+    ppo = load_config("configs/remax.yaml").ppo
+    table, stats = compute_batch(read_table(tmp_path / "rollout"), ppo)
+    for t, row, advantage in zip((t0, t1), table.column("advantages").to_pylist(), (0.0, -1.0)):
+        assert row == [advantage if m else 0.0 for m in t.loss_mask]
+    assert table.column("task_reward").to_pylist() == [1.0, 0.0] and stats["advantage_min"] == -1.0
 
-    evaluation = ReMaxWorkflow(math_reward, GenerationConfig(n_samples=1, greedy=True), tokenizer, InlinePool())
+    # without the advantage asking for one (evaluation, GRPO) no baseline episode runs
     engine.calls.clear()
-    (t,) = asyncio.run(evaluation.arun_episode(engine, DATA))
-    assert len(engine.calls) == 1 and t.reward == 1.0 and t.metadata["advantage"] == 0.0
+    (t,) = play(baseline, engine, DATA)
+    assert len(engine.calls) == 1 and t.reward == 1.0 and t.baseline_reward is None
+    write_shards([t], tmp_path / "plain", run_id="r", iteration=1)
+    with pytest.raises(ValueError, match="ppo.advantage=remax needs each trajectory's baseline_reward"):
+        compute_batch(read_table(tmp_path / "plain"), ppo)
 
 
 def test_remax_trains_with_reinforce_on_its_advantages(cpu_server, tiny_model_dir, tmp_path):
@@ -300,14 +316,16 @@ def test_remax_trains_with_reinforce_on_its_advantages(cpu_server, tiny_model_di
 
     async def go():
         with RewardPool(timeout=30) as pool:
-            workflow = ReMaxWorkflow(_digits, cfg.rollout.gconfig, tokenizer, pool)
+            workflow = RLVRWorkflow(_digits, cfg.rollout.gconfig, tokenizer, pool)
+            baseline = RLVRWorkflow(_digits, _greedy(cfg.rollout.gconfig), tokenizer, pool)
             async with RemoteSGLangEngine([cpu_server]) as engine:
-                return [t for r in records for t in await workflow.arun_episode(engine, r)]
+                return await run_episodes(workflow, engine, records, max_concurrent_rollouts=8,
+                                          n_samples=cfg.rollout.gconfig.n_samples, baseline=baseline, progress=False)
 
     trajectories = asyncio.run(go())
     # n_samples sampled completions a prompt; the greedy baselines are not trained
     assert len(trajectories) == len(records) * cfg.rollout.gconfig.n_samples
-    advantages = [t.metadata["reward_sampled"] - t.metadata["reward_greedy"] for t in trajectories]
+    advantages = [t.reward - t.baseline_reward for t in trajectories]
     assert any(advantages), "the stub reward should separate some samples from their baseline"
     rollout, batch_dir = tmp_path / "rollout", tmp_path / "batch"
     write_shards(trajectories, rollout, run_id="r", iteration=1)
@@ -345,6 +363,6 @@ def test_chat_prompt_ids_are_remembered_within_a_bounded_cache(tokenizer):
         assert chat_prompt_ids(tokenizer, messages) == render(messages)
     info = rlvr._templated_ids.cache_info()
     assert (info.hits, info.currsize, info.maxsize) == (1, 3, rlvr.PROMPT_CACHE_SIZE)  # rendered once each, bounded
-    requests = workflow.group_requests({"messages": prompts[2], "sampling_seed": 5})
+    requests = [workflow.request({"messages": prompts[2], "sampling_seed": 5}) for _ in range(2)]
     assert [r.input_ids for r in requests] == [render(prompts[2])] * 2
-    assert rlvr._templated_ids.cache_info().hits == 2  # the group's prompt came from the cache
+    assert rlvr._templated_ids.cache_info().hits == 3  # each episode's prompt came from the cache

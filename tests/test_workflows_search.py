@@ -17,6 +17,7 @@ from areal_pipeline.data.shards import read_trajectories, verify_shards
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.inference.types import ModelRequest, ModelResponse
 from areal_pipeline.model import load_model, load_tokenizer
+from areal_pipeline.rollout.group import run_group
 from areal_pipeline.rewards import exact_match_reward, f1_reward
 from areal_pipeline.tools.retrieval_client import RetrievalClient
 from areal_pipeline.tools.retrieval_server import launch_retrieval_server
@@ -40,6 +41,7 @@ from test_workflows_common import (
     ScriptedEngine,
     assert_logprobs_match_model,
     assert_token_invariants,
+    play,
 )
 
 # A two-hop question over the generated knowledge base, and the pages that answer it.
@@ -110,7 +112,7 @@ def test_two_searches_then_the_answer(tokenizer, retrieval):
     script = {0: f"<think>who is it</think><search>{PERSON}</search>", 1: f"<search>{CITY}</search>",
               2: f"<think>found it</think><answer>{QUESTION['answer'][0]}</answer>"}
     engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, script[turn]))
-    (t,) = asyncio.run(_workflow(tokenizer, retrieval).arun_episode(engine, {**DATA, "sampling_seed": 5}))
+    t = asyncio.run(_workflow(tokenizer, retrieval).arun_episode(engine, {**DATA, "sampling_seed": 5}))
     assert (t.reward, t.stop_reason, t.num_turns) == (1.0, "stop", 3)
     assert t.metadata["queries"] == [PERSON, CITY] and t.metadata["prediction"] == QUESTION["answer"][0]
     prompt = chat_prompt_ids(tokenizer, search_prompt(DATA))
@@ -129,17 +131,17 @@ def test_two_searches_then_the_answer(tokenizer, retrieval):
 
 def test_partial_answers_and_exact_match(tokenizer, retrieval):
     engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, f"<answer>capital {QUESTION['answer'][0]}</answer>"))
-    (f1,) = asyncio.run(_workflow(tokenizer, retrieval).arun_episode(engine, DATA))
-    (em,) = asyncio.run(_workflow(tokenizer, retrieval, reward=exact_match_reward).arun_episode(engine, DATA))
+    f1 = asyncio.run(_workflow(tokenizer, retrieval).arun_episode(engine, DATA))
+    em = asyncio.run(_workflow(tokenizer, retrieval, reward=exact_match_reward).arun_episode(engine, DATA))
     assert f1.reward == pytest.approx(2 / 3) and em.reward == 0.0
     silent = ScriptedEngine(lambda req, turn: _enc(tokenizer, "I do not know") + [tokenizer.eos_token_id])
-    (t,) = asyncio.run(_workflow(tokenizer, retrieval).arun_episode(silent, DATA))
+    t = asyncio.run(_workflow(tokenizer, retrieval).arun_episode(silent, DATA))
     assert (t.reward, t.stop_reason, t.num_turns, t.metadata["prediction"]) == (0.0, "stop", 1, None)
 
 
 def test_max_turns_ends_the_episode_without_a_last_retrieval(tokenizer, retrieval):
     engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, f"<search>{PERSON} {turn}</search>"))
-    (t,) = asyncio.run(_workflow(tokenizer, retrieval, max_turns=3).arun_episode(engine, DATA))
+    t = asyncio.run(_workflow(tokenizer, retrieval, max_turns=3).arun_episode(engine, DATA))
     assert (t.reward, t.stop_reason, t.num_turns) == (0.0, "max_turns", 3)
     assert t.metadata["queries"] == [f"{PERSON} 0", f"{PERSON} 1", f"{PERSON} 2"]
     assert t.input_ids[-len(_enc(tokenizer, "</search>")):] == _enc(tokenizer, "</search>")  # no results appended
@@ -150,7 +152,7 @@ def test_max_tokens_bounds_the_whole_episode(tokenizer, retrieval):
     prompt = chat_prompt_ids(tokenizer, search_prompt(DATA))
     budget = len(prompt) + 400
     engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, f"<search>{PERSON}</search>"))
-    (t,) = asyncio.run(_workflow(tokenizer, retrieval, max_turns=10, max_tokens=budget).arun_episode(engine, DATA))
+    t = asyncio.run(_workflow(tokenizer, retrieval, max_turns=10, max_tokens=budget).arun_episode(engine, DATA))
     assert t.stop_reason == "length" and len(t.input_ids) <= budget and t.num_turns >= 2
     for req, _ in engine.calls:
         assert len(req.input_ids) + req.sampling.max_new_tokens <= budget
@@ -162,7 +164,7 @@ def test_a_failing_retrieval_ends_the_episode_not_the_batch(tokenizer, tmp_path)
                                                     "rollout.agent.retrieval.request_retries=1"])
     workflow = build_workflow(cfg, tokenizer, InlinePool(), tool_addresses={"retrieval": dead})
     engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, f"<search>{PERSON}</search>"))
-    trajectories = asyncio.run(workflow.arun_episode(engine, DATA))
+    trajectories = play(workflow, engine, DATA, cfg.rollout.gconfig.n_samples)
     assert len(trajectories) == 2
     for t in trajectories:
         assert (t.reward, t.stop_reason, t.num_turns) == (0.0, "retrieval_error", 1)
@@ -188,6 +190,9 @@ class _ScriptedFirstTurn:
         return ModelResponse(input_tokens=list(req.input_ids), output_tokens=list(self.tokens), output_logprobs=logp,
                              output_versions=[0] * len(self.tokens), stop_reason="stop", latency=0.0)
 
+    async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        return [await self.agenerate(req) for req in reqs]
+
 
 def test_search_episodes_against_a_real_server(cpu_server, tiny_model_dir, tokenizer, retrieval, tmp_path):
     model = load_model(tiny_model_dir)
@@ -199,7 +204,8 @@ def test_search_episodes_against_a_real_server(cpu_server, tiny_model_dir, token
     async def go(first_turn):
         async with RemoteSGLangEngine([cpu_server]) as real:
             engine = RecordingEngine(_ScriptedFirstTurn(real, model, first_turn) if first_turn else real)
-            groups = await asyncio.gather(*(workflow.arun_episode(engine, r) for r in records))
+            groups = await asyncio.gather(*(run_group(workflow, engine, r, cfg.rollout.gconfig.n_samples)
+                                            for r in records))
         return engine, [t for g in groups for t in g]
 
     prompt = search_prompt_ids(tokenizer, search_prompt(DATA, cfg.rollout.agent.prompt), cfg.rollout.agent.prompt)
@@ -249,7 +255,7 @@ class _CutEngine(ScriptedEngine):
 def test_a_turn_cut_off_by_length_goes_on_while_the_budget_lasts(tokenizer, retrieval):
     text = f"<think>a long thought</think><search> {PERSON} </search>"
     engine = _CutEngine(tokenizer, text)
-    (t,) = asyncio.run(_workflow(tokenizer, retrieval, max_turns=8, max_new_tokens=16).arun_episode(engine, DATA))
+    t = asyncio.run(_workflow(tokenizer, retrieval, max_turns=8, max_new_tokens=16).arun_episode(engine, DATA))
     cuts = -(-len(_enc(tokenizer, text)) // 16)
     assert [r["action"] for r in t.metadata["turns"][:cuts]] == [None] * (cuts - 1) + ["search"]
     assert t.metadata["queries"] == [PERSON] and t.metadata["searched"] == 1.0 and t.metadata["num_searches"] == 1
@@ -257,7 +263,7 @@ def test_a_turn_cut_off_by_length_goes_on_while_the_budget_lasts(tokenizer, retr
     assert_token_invariants(t, engine.calls, chat_prompt_ids(tokenizer, search_prompt(DATA)))
     # no tag ever: the episode ends at max_turns, not at the first cut
     silent = _CutEngine(tokenizer, "no tags at all, and on and on and on")
-    (t,) = asyncio.run(_workflow(tokenizer, retrieval, max_turns=3, max_new_tokens=4).arun_episode(silent, DATA))
+    t = asyncio.run(_workflow(tokenizer, retrieval, max_turns=3, max_new_tokens=4).arun_episode(silent, DATA))
     assert (t.num_turns, t.stop_reason, t.metadata["searched"]) == (3, "max_turns", 0.0)
 
 
@@ -270,7 +276,7 @@ def test_cut_off_turns_go_on_against_a_real_server(cpu_server, tiny_model_dir, t
     async def go():
         async with RemoteSGLangEngine([cpu_server]) as real:
             engine = RecordingEngine(real)
-            return engine, await workflow.arun_episode(engine, {**DATA, "sampling_seed": 3})
+            return engine, await run_group(workflow, engine, {**DATA, "sampling_seed": 3}, cfg.rollout.gconfig.n_samples)
 
     engine, trajectories = asyncio.run(go())
     prompt = search_prompt_ids(tokenizer, search_prompt(DATA, "question"), "question")
@@ -297,9 +303,10 @@ def test_tutorial_prompt_and_information_against_a_real_server(cpu_server, tiny_
         # the project's server) refuse a prompt plus budget that does, so the client cuts the last turn's budget
         async with RemoteSGLangEngine([cpu_server], context_length=cfg.inference.context_length) as real:
             engine = RecordingEngine(_ScriptedFirstTurn(real, model, _enc(tokenizer, f" <search> {CITY} </search>")))
-            return engine, await workflow.arun_episode(engine, DATA)
+            return engine, await run_group(workflow, engine, DATA, cfg.rollout.gconfig.n_samples)
 
     engine, trajectories = asyncio.run(go())
+    assert len(trajectories) == 2
     prompt = _enc(tokenizer, TUTORIAL_PROMPT.format(question=DATA["question"]))  # raw text: no chat template
     assert tokenizer.decode(prompt).endswith("Assistant:\n<think>") and "<|im_start|>" not in tokenizer.decode(prompt)
     docs = asyncio.run(RetrievalClient(retrieval).retrieve([CITY], 1))[0]
@@ -329,7 +336,8 @@ def test_a_running_retrieval_server_is_used_not_started(tokenizer, retrieval, tm
     assert workflow.retrieval.address == retrieval
     engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, [f"<search>{PERSON}</search>",
                                                                f"<answer>{CITY}</answer>"][turn]))
-    trajectories = asyncio.run(workflow.arun_episode(engine, DATA))
+    trajectories = play(workflow, engine, DATA, cfg.rollout.gconfig.n_samples)
+    assert len(trajectories) == cfg.rollout.gconfig.n_samples
     assert all(f"Doc 1 (Title: {PERSON})" in t.text for t in trajectories)
 
     dead = f"127.0.0.1:{find_free_port()}"

@@ -29,10 +29,13 @@ class Trajectory:
     messages: list[dict[str, str]] = field(default_factory=list)
     text: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
-    # Per-token returns set by the workflow itself (per-turn rewards, ReMax's baseline-subtracted reward).
-    # When present the trainer uses them as the advantages before normalisation instead of spreading
-    # `reward` over the tokens; None for the usual one-reward-per-trajectory case.
+    # Per-token returns set by the workflow itself (multi_turn's discounted per-turn rewards). When present the
+    # advantage uses them before normalisation instead of spreading `reward` over the tokens; None for the usual
+    # one-reward-per-trajectory case.
     token_returns: Optional[list[float]] = None
+    # The reward of the prompt's baseline episode, set by the rollout where the advantage asks for one (ReMax's
+    # greedy completion: `advantage_registry.Advantage.greedy_baseline`); None otherwise.
+    baseline_reward: Optional[float] = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)

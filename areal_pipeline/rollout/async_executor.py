@@ -1,11 +1,12 @@
 """Asynchronous rollout (AReaL's idea: rollouts never wait for training), with bounded staleness.
 
 A background thread runs its own event loop and keeps generating episodes, iteration after iteration. The
-episodes of iteration k (the prompts `select_batch` gives it, as in synchronous mode) are admitted only while
+episodes of iteration k (the groups of the prompts `select_batch` gives it, as in synchronous mode) are admitted
+only while
 
     k - 1 <= version + max_head_offpolicyness          (AReaL: floor((started - 1) / batch_size) <= version + eta)
 
-where `version` is the policy version the servers serve, and at most `max_concurrent_rollouts` trajectories
+where `version` is the policy version the servers serve, and at most `max_concurrent_rollouts` episodes
 are in flight. So with eta = 1, iteration k + 1 is being generated while iteration k's update runs. A weight
 update pauses the servers: in-flight generations come back with partial tokens and the client continues them
 under the new weights, each token tagged with the version that produced it; the staleness of an iteration
@@ -23,6 +24,7 @@ import threading
 from typing import Any, Callable, Optional
 
 from areal_pipeline.data.trajectory import Trajectory
+from areal_pipeline.rollout.group import run_group
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -31,7 +33,8 @@ logger = get_logger(__name__)
 class AsyncRolloutExecutor:
     def __init__(self, *, first_iteration: int, last_iteration: int, eta: int, version: int,
                  batch_for: Callable[[int], list[dict[str, Any]]], workflow, engine_factory,
-                 max_concurrent_rollouts: int, samples_per_episode: int):
+                 max_concurrent_rollouts: int, n_samples: int, baseline=None):
+        """`n_samples` episodes a prompt and `baseline` as `executor.run_episodes` runs them."""
         self.first_iteration = first_iteration
         self.last_iteration = last_iteration
         self.eta = eta
@@ -39,7 +42,8 @@ class AsyncRolloutExecutor:
         self.workflow = workflow
         self.engine_factory = engine_factory
         self.max_concurrent_rollouts = max_concurrent_rollouts
-        self.samples_per_episode = samples_per_episode
+        self.n_samples = n_samples
+        self.baseline = baseline
         self._version = version
         self._loop = asyncio.new_event_loop()
         self._batches: dict[int, concurrent.futures.Future] = {
@@ -103,7 +107,7 @@ class AsyncRolloutExecutor:
             self._loop.close()
 
     async def _produce(self) -> None:
-        in_flight = asyncio.Semaphore(max(1, self.max_concurrent_rollouts // max(1, self.samples_per_episode)))
+        in_flight = asyncio.Semaphore(max(1, self.max_concurrent_rollouts // max(1, self.n_samples)))
         iterations = []
         async with self.engine_factory() as engine:
             for k in range(self.first_iteration, self.last_iteration + 1):
@@ -116,10 +120,10 @@ class AsyncRolloutExecutor:
             await asyncio.gather(*iterations)
 
     async def _iteration(self, k: int, engine, in_flight: asyncio.Semaphore) -> None:
-        async def episode(data):
+        async def group(data):
             async with in_flight:
-                return await self.workflow.arun_episode(engine, data)
-        episodes = [asyncio.ensure_future(episode(d)) for d in self.batch_for(k)]
+                return await run_group(self.workflow, engine, data, self.n_samples, self.baseline)
+        episodes = [asyncio.ensure_future(group(d)) for d in self.batch_for(k)]
         try:
             groups = await asyncio.gather(*episodes)
             self._batches[k].set_result([t for group in groups for t in group])

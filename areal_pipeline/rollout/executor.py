@@ -1,4 +1,4 @@
-"""Run a batch of agent episodes concurrently against the inference servers and write them as shards."""
+"""Run a batch of prompts' groups of episodes concurrently against the inference servers and write them as shards."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from areal_pipeline.data.shards import write_shards
 from areal_pipeline.data.trajectory import Trajectory
+from areal_pipeline.rollout.group import run_group
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -49,16 +50,16 @@ def _epoch_order(seed: int, epoch: int, size: int) -> tuple[int, ...]:
 
 
 async def run_episodes(workflow, engine, records: list[dict[str, Any]], *, max_concurrent_rollouts: int,
-                       samples_per_episode: int = 1, progress: bool = True) -> list[Trajectory]:
-    """Run `workflow.arun_episode` for every record, with at most `max_concurrent_rollouts` trajectories
-    in flight; return the trajectories in record order."""
-    episodes_at_once = max(1, max_concurrent_rollouts // max(1, samples_per_episode))
-    gate = asyncio.Semaphore(episodes_at_once)
-    bar = tqdm(total=len(records), desc="rollout", unit="episode", disable=not progress, leave=False)
+                       n_samples: int = 1, baseline: Any = None, progress: bool = True) -> list[Trajectory]:
+    """Each record's group of `n_samples` episodes (group.run_group; with `baseline`, the baseline workflow's episode
+    beside them), with at most `max_concurrent_rollouts` episodes in flight, whole groups at a time; return the
+    trajectories in record order, each group's in episode order."""
+    gate = asyncio.Semaphore(max(1, max_concurrent_rollouts // max(1, n_samples)))
+    bar = tqdm(total=len(records), desc="rollout", unit="group", disable=not progress, leave=False)
 
     async def one(data):
         async with gate:
-            trajectories = await workflow.arun_episode(engine, data)
+            trajectories = await run_group(workflow, engine, data, n_samples, baseline)
         bar.update(1)
         return trajectories
 
@@ -87,8 +88,15 @@ def rollout_stats(trajectories: list[Trajectory], seconds: float) -> dict[str, f
         "generated_tokens": generated,
         "rollout_seconds": seconds,
         "rollout_tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+        **baseline_stats(trajectories),
         **agent_stats(trajectories),
     }
+
+
+def baseline_stats(trajectories: list[Trajectory]) -> dict[str, float]:
+    """The mean reward of the baseline episodes (ReMax's greedy completions), where the rollout ran them."""
+    baselines = [t.baseline_reward for t in trajectories if t.baseline_reward is not None]
+    return {"baseline_reward": sum(baselines) / len(baselines)} if baselines else {}
 
 
 NOT_AGENT_METADATA = ("answer", "latency")  # the reference answer and the server's timing are no agent facts
@@ -106,12 +114,12 @@ def agent_stats(trajectories: list[Trajectory]) -> dict[str, float]:
 
 
 async def rollout_to_shards(workflow, engine, records, out_dir: Path, *, run_id: str, iteration: int,
-                            max_concurrent_rollouts: int, samples_per_episode: int, rows_per_shard: int,
+                            max_concurrent_rollouts: int, n_samples: int, rows_per_shard: int, baseline: Any = None,
                             progress: bool = True, extra_manifest: Optional[dict] = None) -> dict[str, Any]:
     """One iteration's rollout: episodes -> Parquet shards (manifest last). Returns the manifest."""
     started = time.perf_counter()
     trajectories = await run_episodes(workflow, engine, records, max_concurrent_rollouts=max_concurrent_rollouts,
-                                      samples_per_episode=samples_per_episode, progress=progress)
+                                      n_samples=n_samples, baseline=baseline, progress=progress)
     return write_rollout_shards(trajectories, out_dir, run_id=run_id, iteration=iteration,
                                 seconds=time.perf_counter() - started, rows_per_shard=rows_per_shard,
                                 extra_manifest=extra_manifest)

@@ -2,7 +2,8 @@
 
 `try_workflow` starts what the config's workflow needs (its inference servers with the config's model, and
 the retrieval server for the search agent), runs `n` episodes on the first `n` prompts of an iteration's
-batch (each yields `rollout.gconfig.n_samples` trajectories), stops the servers and returns the trajectories.
+batch (each a group of `rollout.gconfig.n_samples` episodes, with the baseline episode the config's advantage asks
+for), stops the servers and returns the trajectories.
 Nothing is cached or written but the servers' logs: every call rolls out afresh. `format_episode` decodes one
 trajectory for people: the prompt, each turn with its role (tool results marked), the reward.
 
@@ -54,13 +55,14 @@ def try_workflow(cfg, n: int = 4, *, iteration: int = 1, records: Optional[list[
             with run_lock(cfg.run_dir):  # the run's weights directory is written by the push
                 pipeline.services.start_trainer()  # it loads the run's checkpoint of that version
                 pipeline.sync_servers(iteration - 1)
-        workflow = pipeline._workflow()
+        workflow, baseline = pipeline._workflow(), pipeline._baseline_workflow()
 
         async def run():
             async with pipeline._engine() as engine:
                 return await run_episodes(workflow, engine, episodes,
                                           max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts,
-                                          samples_per_episode=cfg.rollout.gconfig.n_samples, progress=progress)
+                                          n_samples=cfg.rollout.gconfig.n_samples, baseline=baseline,
+                                          progress=progress)
         return run_async(run())
     finally:
         pipeline.close()
@@ -77,7 +79,7 @@ def tokenizer_for(cfg):
 def episode_turns(t: Trajectory, tokenizer=None) -> list[tuple[str, str]]:
     """(role, text) for the prompt's messages and then each turn after it. A workflow that records every turn
     as a message (reflection, multi_turn) is shown from its messages (the environment's feedback is a `user`
-    turn); one that records the completion as one message (rlvr, remax, search_agent) is split at the
+    turn); one that records the completion as one message (rlvr, search_agent) is split at the
     trajectory's model / environment token boundaries, and an environment segment is a `tool` turn."""
     first = next((i for i, m in enumerate(t.messages) if m["role"] == "assistant"), len(t.messages))
     turns = [(m["role"], m["content"]) for m in t.messages[:first]]
@@ -102,7 +104,7 @@ QUIET_METADATA = ("latency", "server")  # the server's timing and address: no fa
 
 def format_episode(t: Trajectory, tokenizer=None, index: Optional[int] = None) -> str:
     """One trajectory (of episode `index`) as text: a header (prompt id, sample, reward, stop reason, turns), the prompt and each
-    turn with its role, tool results marked, then the workflow's facts (the answer, ReMax's greedy baseline...)."""
+    turn with its role, tool results marked, then the workflow's facts (the answer...) and the baseline's reward."""
     head = f"episode {index}, " if index is not None else ""
     lines = [f"=== {head}sample {t.sample_idx} (prompt {t.prompt_id}): reward {t.reward:g}, "
              f"stop {t.stop_reason or '-'}, {t.num_turns} turn(s), {t.num_generated} generated tokens"]
@@ -112,6 +114,8 @@ def format_episode(t: Trajectory, tokenizer=None, index: Optional[int] = None) -
         lines.append(f"  {marks.get(role, f'[{role}]')} {body}")
     facts = {k: v for k, v in t.metadata.items() if k not in QUIET_METADATA and len(repr(v)) <= 120
              and (isinstance(v, (bool, int, float, str)) or k == "answer")}  # the reference answer(s) too
+    if t.baseline_reward is not None:  # the reward of the prompt's baseline episode (ReMax's greedy one)
+        facts["baseline_reward"] = t.baseline_reward
     if facts:
         lines.append("  facts: " + ", ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v!r}"
                                             for k, v in facts.items()))

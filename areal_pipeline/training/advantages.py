@@ -12,10 +12,15 @@ The pipeline, for one iteration's batch:
     r_tok  = -kl_ctl * kl, plus r on each row's last generated token
     A, R   = GAE(r_tok, values) over generated tokens only
     A      = normalize_advantages(A)
+
+A workflow's own per-token returns (`token_returns`, multi_turn's discounted per-turn rewards) and ReMax's
+baseline-subtracted reward take the place of the shaped reward and its GAE (`returns_as_advantages`). Which of these
+a run uses is `ppo.advantage` (advantage_registry.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -192,8 +197,11 @@ def compute_advantages(batch: dict[str, Tensor], cfg: PPOConfig) -> dict[str, Te
     """Add `advantages`, `returns`, `token_rewards`, `kl` ([B, T]) and `task_rewards` ([B]).
 
     Reads `rewards` [B], `loss_mask` [B, T], `logprobs` [B, T] (behaviour policy) and, when
-    present, `ref_logprobs` [B, T], `values` [B, T], `group_ids` [B], `no_eos` [B].
+    present, `ref_logprobs` [B, T], `values` [B, T], `group_ids` [B], `no_eos` [B], and `token_returns`
+    [B, T], which take the place of the shaped rewards (`returns_as_advantages`).
     """
+    if batch.get("token_returns") is not None:
+        return returns_as_advantages(batch, batch["token_returns"], cfg)
     loss_mask = batch["loss_mask"].float()
     group_ids = batch.get("group_ids")
 
@@ -219,6 +227,38 @@ def compute_advantages(batch: dict[str, Tensor], cfg: PPOConfig) -> dict[str, Te
         "kl": kl,
         "task_rewards": task,
     }
+
+
+_NO_NORM = NormConfig(mean_level="none", std_level="none")
+
+
+def returns_as_advantages(batch: dict[str, Tensor], token_returns: Tensor, cfg: PPOConfig) -> dict[str, Tensor]:
+    """`compute_advantages` for returns already shaped and discounted per token ([B, T]): the trajectory reward gets
+    no transform, normalisation or GAE; only the KL penalty (if any) still goes through GAE, and `cfg.adv_norm`
+    applies to the sum. `task_rewards` are the raw rewards."""
+    unshaped = dataclasses.replace(cfg, reward_bias=0.0, reward_scaling=1.0, reward_norm=_NO_NORM, adv_norm=_NO_NORM)
+    plain = {key: value for key, value in batch.items() if key != "token_returns"}
+    out = compute_advantages({**plain, "rewards": torch.zeros_like(batch["rewards"])}, unshaped)
+    returns = token_returns * out["loss_mask"]
+    out["advantages"] = normalize_advantages(out["advantages"] + returns, out["loss_mask"], cfg.adv_norm,
+                                             batch.get("group_ids"))
+    out["returns"] = out["returns"] + returns
+    out["rewards"] = out["task_rewards"] = batch["rewards"]
+    return out
+
+
+def remax_advantages(batch: dict[str, Tensor], cfg: PPOConfig) -> dict[str, Tensor]:
+    """ReMax: `rewards - baseline_rewards` (the prompt's greedy completion's reward) on every generated token, as
+    returns (`returns_as_advantages`): unshaped, undiscounted; `cfg.adv_norm` still applies."""
+    if batch.get("token_returns") is not None:
+        raise ValueError("ppo.advantage=remax takes one reward per trajectory, but the workflow gave per-turn returns "
+                         "(token_returns): use it with a single-reward workflow (rlvr), or ppo.advantage=grpo")
+    baseline = batch.get("baseline_rewards")
+    if baseline is None:
+        raise ValueError("ppo.advantage=remax needs each trajectory's baseline_reward (the rollout's greedy episode of "
+                         "its prompt), and this rollout has none: it was not rolled out with ppo.advantage=remax")
+    advantage = batch["rewards"].float() - baseline.float()
+    return returns_as_advantages(batch, advantage[:, None] * batch["loss_mask"].float(), cfg)
 
 
 def advantage_stats(batch: dict[str, Tensor]) -> dict[str, float]:

@@ -2,12 +2,12 @@
 
 Batch shards are the rollout's trajectory columns plus per-token `advantages`, `returns`, `token_rewards`,
 `kl` and, when the trainer recomputed them, `prox_logprobs` / `ref_logprobs`; and per-trajectory
-`task_reward` (the transformed, normalised reward; the raw one for rows with `token_returns`).
+`task_reward` (the transformed, normalised reward; the raw one where the advantage took returns instead). The
+advantages are `ppo.advantage`'s (advantage_registry.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from areal_pipeline.config import NormConfig
 from areal_pipeline.data.shards import read_table, write_table
-from areal_pipeline.training.advantages import advantage_stats, compute_advantages, normalize_advantages
+from areal_pipeline.training.advantage_registry import make_advantage
+from areal_pipeline.training.advantages import advantage_stats
 from areal_pipeline.training.loss_registry import Loss
 from areal_pipeline.training.losses import ppo_actor_loss, reinforce_loss
 from areal_pipeline.training.packing import MicroBatch
@@ -61,10 +61,10 @@ class _RaggedLayout:
 
 def compute_batch(rollout: pa.Table, ppo_cfg, extra_token_columns: Optional[dict[str, list[list[float]]]] = None,
                   eos_stop_reason: str = "stop") -> tuple[pa.Table, dict[str, float]]:
-    """Advantages for one iteration's rollout table; returns the batch table and its stats.
+    """Advantages for one iteration's rollout table, by `ppo_cfg.advantage`; returns the batch table and its stats.
 
-    Rows with `token_returns` (set by workflows with per-turn rewards, or ReMax) take those returns as
-    their advantages before normalisation, in place of the shaped and discounted trajectory reward.
+    The advantage gets the rollout as tensors: besides rewards, masks, logprobs and groups, a workflow's per-turn
+    `token_returns` and the rollout's `baseline_rewards`, each where every trajectory has one.
     """
     extra = extra_token_columns or {}
     layout = _RaggedLayout(pc.list_value_length(rollout.column("input_ids")).to_numpy(zero_copy_only=False))
@@ -80,15 +80,16 @@ def compute_batch(rollout: pa.Table, ppo_cfg, extra_token_columns: Optional[dict
     }
     if "ref_logprobs" in extra:
         batch["ref_logprobs"] = pad(extra["ref_logprobs"], width)
-    token_returns = rollout.column("token_returns").to_pylist() if "token_returns" in rollout.column_names else []
-    given = [r is not None for r in token_returns]
-    if any(given):
-        if not all(given):
-            raise ValueError(f"the rollout mixes trajectories with token_returns ({sum(given)}) and without "
-                             f"({len(given) - sum(given)}); one workflow must produce all of a batch")
-        out = _advantages_from_token_returns(batch, pad(token_returns, width), ppo_cfg)
-    else:
-        out = compute_advantages(batch, ppo_cfg)
+    token_returns = _given_by_every_row(rollout, "token_returns")
+    if token_returns is not None:
+        batch["token_returns"] = pad(token_returns, width)
+    baselines = _given_by_every_row(rollout, "baseline_reward")
+    if baselines is not None:
+        batch["baseline_rewards"] = torch.tensor(baselines, dtype=torch.float32)
+    out = make_advantage(ppo_cfg).fn(batch)
+    missing = [name for name in (*TOKEN_COLUMNS_OUT, "task_rewards") if name not in out]
+    if missing:
+        raise ValueError(f"advantage '{ppo_cfg.advantage}' returned no {', '.join(missing)} (advantage_registry.py)")
     table = rollout
     for name in TOKEN_COLUMNS_OUT:
         table = table.append_column(name, layout.unpad(out[name]))
@@ -98,23 +99,14 @@ def compute_batch(rollout: pa.Table, ppo_cfg, extra_token_columns: Optional[dict
     return table, advantage_stats(out)
 
 
-_NO_NORM = NormConfig(mean_level="none", std_level="none")
-
-
-def _advantages_from_token_returns(batch: dict[str, torch.Tensor], token_returns: torch.Tensor,
-                                   ppo_cfg) -> dict[str, torch.Tensor]:
-    # The workflow has already shaped and discounted its rewards, so the trajectory reward gets no
-    # transform or normalisation and no GAE: only the KL penalty (if any) still goes through GAE, and
-    # the configured advantage normalisation applies to the sum.
-    unshaped = dataclasses.replace(ppo_cfg, reward_bias=0.0, reward_scaling=1.0, reward_norm=_NO_NORM,
-                                   adv_norm=_NO_NORM)
-    out = compute_advantages({**batch, "rewards": torch.zeros_like(batch["rewards"])}, unshaped)
-    returns = token_returns * out["loss_mask"]
-    out["advantages"] = normalize_advantages(out["advantages"] + returns, out["loss_mask"], ppo_cfg.adv_norm,
-                                             batch["group_ids"])
-    out["returns"] = out["returns"] + returns
-    out["rewards"] = out["task_rewards"] = batch["rewards"]
-    return out
+def _given_by_every_row(rollout: pa.Table, name: str) -> Optional[list]:
+    """Column `name` where every trajectory has a value, None where none has; a mix is an error."""
+    values = rollout.column(name).to_pylist() if name in rollout.column_names else []
+    given = sum(value is not None for value in values)
+    if 0 < given < len(values):
+        raise ValueError(f"the rollout mixes trajectories with {name} ({given}) and without ({len(values) - given}); "
+                         "one rollout must produce all of a batch")
+    return values if given else None
 
 
 def write_batch(rollout_dir: Path, out_dir: Path, ppo_cfg, *, run_id: str, iteration: int,

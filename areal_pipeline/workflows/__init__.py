@@ -16,7 +16,6 @@ WORKFLOWS: dict[str, str] = {
     "rlvr": "areal_pipeline.workflows.rlvr:RLVRWorkflow",
     "reflection": "areal_pipeline.workflows.reflection:ReflectionWorkflow",
     "multi_turn": "areal_pipeline.workflows.multi_turn:MultiTurnWorkflow",
-    "remax": "areal_pipeline.workflows.remax:ReMaxWorkflow",
     "search_agent": "areal_pipeline.workflows.search_agent:SearchAgentWorkflow",
     "openai_agent": "areal_pipeline.workflows.openai_agent:OpenAIAgentWorkflow",
 }

@@ -18,7 +18,7 @@ from areal_pipeline.workflows.search_agent import SearchAgentConfig
 
 @dataclass
 class AgentConfig(OpenAIAgentConfig, SearchAgentConfig, MultiTurnConfig, ReflectionConfig):
-    """Settings of the multi-turn and tool-using workflows (rlvr and remax take none)."""
+    """Settings of the multi-turn and tool-using workflows (rlvr takes none)."""
 
     # Fields come in the reverse order of the bases (reflection's first), as one section listed them before.
     # A key two workflows declare (max_turns, turn_discount) has one default, which both must agree on.

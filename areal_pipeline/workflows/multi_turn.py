@@ -124,7 +124,7 @@ def per_version_log(run_dir: str | Path) -> list[dict[str, Any]]:
     One row per turn: iteration, version (the policy version that began the turn; version_end where an
     update landed mid-turn), prompt_id, sample_idx, turn, answer (the turn's text) and whatever the
     workflow recorded for it (reward; success and return for multi_turn). Single-turn trajectories
-    (rlvr, remax) give one row each, with the trajectory's reward.
+    (rlvr) give one row each, with the trajectory's reward.
     """
     rows = []
     for iteration, t in _finished_trajectories(run_dir):

@@ -40,8 +40,9 @@ in order, `R_i = r_i + agent.turn_discount * R_{i+1}`. A trajectory takes its la
 
 `rollout.gconfig` gives each request's defaults (max_new_tokens, top_p, top_k, stop), which what the agent's request
 sets overrides; the temperature is always the config's (`gconfig.temperature`, 0 for a greedy config: evaluation),
-since the trainer recomputes logprobs at that temperature. `gconfig.n_samples` agents run per prompt (the GRPO group,
-`group_id` = the prompt), and each request is seeded from the rollout's episode seed unless the agent gives `seed`.
+since the trainer recomputes logprobs at that temperature. An episode is one run of the agent; the rollout runs
+`gconfig.n_samples` of them per prompt (the GRPO group, `group_id` = the prompt), and each request is seeded from the
+episode's seed unless the agent gives `seed`.
 
 Failures: an agent that raises fails the rollout with its error and the prompt it was on, as any workflow's error
 does. A failure of the inference servers reaches the rollout as itself (a transient fault, retried by the node),
@@ -51,7 +52,6 @@ as `openai.BadRequestError`, for it to handle.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import dataclasses
 import functools
@@ -164,13 +164,11 @@ class OpenAIAgentWorkflow:
                    "(rollout.workflow=openai_agent runs it)")
 
     async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
-        runs = await asyncio.gather(*(self._run_agent(engine, data, i) for i in range(self.gconfig.n_samples)))
-        return [t for trajectories in runs for t in trajectories]
-
-    async def _run_agent(self, engine, data: dict[str, Any], sample_idx: int) -> list[Trajectory]:
+        """One run of the agent: the trajectories of its conversations (`agent.export_style`)."""
         # the openai SDK and its HTTP library: imported once episodes run, not whenever a config loads
         from areal_pipeline.workflows.openai_recording import RecordingEpisode, recording_client
 
+        sample_idx = data.get("sample_idx", 0)
         episode = RecordingEpisode(self, engine, data, sample_idx)
         client = recording_client(episode)
         try:

@@ -201,7 +201,7 @@ class RecordingEpisode:
             if sampling.sampling_seed is not None:  # the agent's own seed
                 seeded = sampling.for_choice(choice)
             else:
-                seeded = dataclasses.replace(sampling, **sample_seed(self.data, self.sample_idx, self.samples_drawn))
+                seeded = dataclasses.replace(sampling, **sample_seed(self.data, self.samples_drawn))
             self.samples_drawn += 1
             rid = self.rid if choice == 0 and not self.rid_in_use else uuid.uuid4().hex
             requests.append(ModelRequest(rid=rid, input_ids=list(prompt_ids), sampling=seeded))

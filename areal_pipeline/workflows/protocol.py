@@ -2,7 +2,9 @@
 
 A workflow is one class, named by `rollout.workflow`: a registered name (`workflows.WORKFLOWS`) or a class of your
 own, "module:MyWorkflow" (importable from the working directory) or "path/to/file.py:MyWorkflow". The run builds
-it once per rollout with `from_config` and calls `arun_episode` once per prompt, many prompts concurrently.
+it once per rollout with `from_config`; `arun_episode` plays ONE episode. The rollout (rollout/group.py) owns the
+group: it plays `rollout.gconfig.n_samples` episodes per prompt at once, many prompts concurrently, and sets each
+trajectory's `group_id` (the prompt) and `sample_idx` (the episode's index in the group).
 
     @dataclass
     class MyConfig:                                 # rollout.agent.* when rollout.workflow names MyWorkflow
@@ -20,25 +22,28 @@ it once per rollout with `from_config` and calls `arun_episode` once per prompt,
 
         async def arun_episode(self, engine, data):
             ...                                     # engine.agenerate(ModelRequest(...)) per turn
-            return [trajectory, ...]
+            return trajectory                       # or a list, when one episode makes several
 
 `data`, one record of the data set (data/datasets.py) plus what the rollout adds:
     prompt_id       stable id of the prompt; trajectories of one prompt share it as `group_id` (the GRPO group)
     messages        the prompt as chat messages [{"role", "content"}]
     answer          the reference answer (a string, or a list of accepted strings for search QA)
     question        the question alone, without the system prompt or template
-    sampling_seed   optional: seeds the episode's generations (`rlvr.sample_seed`), so a rerun reproduces its shards
+    sample_idx      the episode's index in its group, 0 .. n_samples - 1
+    sampling_seed   optional: the episode's own seed, for its generations (`rlvr.sample_seed(data, turn)`), so a
+                    rerun reproduces its shards
 
 `engine` (inference/client.py) generates: `await engine.agenerate(ModelRequest(rid, input_ids, sampling))` (the
-sampling: `SamplingParams.from_config(cfg.rollout.gconfig)`, inference/types.py) returns a `ModelResponse` whose
-output tokens, logprobs and policy versions go into the trajectory unchanged; requests of one episode share a `rid`
-(one server keeps its prefix cached); `agenerate_group(requests)` sends a group in one call.
+sampling: `SamplingParams.from_config(cfg.rollout.gconfig)`, inference/types.py) returns a `ModelResponse` whose output tokens, logprobs and policy versions go into the
+trajectory unchanged; requests of one episode share a `rid` (one server keeps its prefix cached); `agenerate_group(requests)` sends several in one call.
+The requests a group's episodes make in the same turn of the event loop go to the server together.
 
-An episode returns `list[Trajectory]` (data/trajectory.py), usually `rollout.gconfig.n_samples` of them: the exact
-ids the model was conditioned on and generated (`SequenceBuilder` grows them turn by turn), `loss_mask` 1 on
-generated tokens, their logprobs and versions, the reward, and `metadata`, whose numeric values are averaged into
-the iteration's metrics as `agent/<key>`. `token_returns`, when set, replaces the reward per token in the
-advantages step (multi_turn's discounted returns, ReMax's baseline-subtracted reward).
+An episode returns a `Trajectory` (data/trajectory.py), or a list of them where one episode makes several (an OpenAI
+agent's separate conversations): the exact ids the model was conditioned on and generated (`SequenceBuilder` grows
+them turn by turn), `loss_mask` 1 on generated tokens, their logprobs and versions, the reward, and `metadata`, whose
+numeric values are averaged into the iteration's metrics as `agent/<key>`. `token_returns`, when set, replaces the
+reward per token in the advantages step (multi_turn's discounted per-turn returns). How rewards become advantages is
+the algorithm's, not the workflow's: `ppo.advantage` (training/advantage_registry.py).
 """
 
 from __future__ import annotations
@@ -70,8 +75,8 @@ class RolloutWorkflow(Protocol):
         of `tools` to the host:port of its running server (empty when none was started, e.g. in tests)."""
         ...
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> list["Trajectory"]:
-        """One prompt's episodes (the group of `rollout.gconfig.n_samples`), as trajectories."""
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> "Trajectory | list[Trajectory]":
+        """One episode of the prompt `data`, as its trajectory (or its trajectories)."""
         ...
 
 

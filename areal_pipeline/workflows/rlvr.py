@@ -1,7 +1,8 @@
-"""Single-turn RL with verifiable rewards (AReaL's RLVRWorkflow): a group of n samples per prompt.
+"""Single-turn RL with verifiable rewards (AReaL's RLVRWorkflow): one completion of the prompt, scored.
 
-The n samples of one prompt are generated as concurrent requests (GRPO's group), each scored by the
-reward function in the reward pool, and returned as one trajectory each.
+An episode is one generation, scored by the reward function in the reward pool, as one trajectory. The rollout plays
+`rollout.gconfig.n_samples` of them per prompt at once (GRPO's group; rollout/group.py), their first requests sent to
+the server together.
 """
 
 from __future__ import annotations
@@ -37,21 +38,20 @@ def _templated_ids(tokenizer, messages_json: str) -> tuple[int, ...]:
                                                return_dict=False))
 
 
-def sample_seed(data: dict[str, Any], sample_idx: int, turn: int = 0) -> dict[str, int]:
-    """`sampling_seed` for one generation, when the rollout gave the episode a seed: the same iteration then
-    samples the same tokens however the server batches it (so a rerun reproduces its shards)."""
+def sample_seed(data: dict[str, Any], turn: int = 0) -> dict[str, int]:
+    """`sampling_seed` for generation `turn` of an episode, when the rollout gave the episode a seed: the same
+    iteration then samples the same tokens however the server batches it (so a rerun reproduces its shards)."""
     if data.get("sampling_seed") is None:
         return {}
-    return {"sampling_seed": (int(data["sampling_seed"]) + 1009 * sample_idx + 7919 * turn) % (1 << 31)}
+    return {"sampling_seed": (int(data["sampling_seed"]) + 7919 * turn) % (1 << 31)}
 
 
-def single_turn_trajectory(data: dict[str, Any], sample_idx: int, resp: ModelResponse, reward: float,
-                           completion: str) -> Trajectory:
+def single_turn_trajectory(data: dict[str, Any], resp: ModelResponse, reward: float, completion: str) -> Trajectory:
     prompt_len = resp.input_len
     return Trajectory(
         prompt_id=data["prompt_id"],
         group_id=data["prompt_id"],
-        sample_idx=sample_idx,
+        sample_idx=data.get("sample_idx", 0),
         input_ids=resp.input_tokens + resp.output_tokens,
         loss_mask=[0] * prompt_len + [1] * resp.output_len,
         logprobs=[0.0] * prompt_len + resp.output_logprobs,
@@ -74,6 +74,7 @@ class RLVRWorkflow:
                  reward_pool: "RewardPool"):
         self.reward_fn = reward_fn
         self.gconfig = gconfig
+        self.sampling = SamplingParams.from_config(gconfig)
         self.tokenizer = tokenizer
         self.reward_pool = reward_pool
 
@@ -81,23 +82,13 @@ class RLVRWorkflow:
     def from_config(cls, cfg, tokenizer, reward_pool, *, reward_fn, tool_addresses):
         return cls(reward_fn, cfg.rollout.gconfig, tokenizer, reward_pool)
 
-    def group_requests(self, data: dict[str, Any]) -> list[ModelRequest]:
-        """One request per sample of the prompt's group, each its own trajectory (rid) and seed."""
-        input_ids = chat_prompt_ids(self.tokenizer, data["messages"])
-        single = SamplingParams.from_config(self.gconfig)
-        return [ModelRequest(rid=uuid.uuid4().hex, input_ids=input_ids,
-                             sampling=dataclasses.replace(single, **sample_seed(data, i)))
-                for i in range(self.gconfig.n_samples)]
+    def request(self, data: dict[str, Any]) -> ModelRequest:
+        """The episode's one generation: its own trajectory (rid) and seed."""
+        return ModelRequest(rid=uuid.uuid4().hex, input_ids=chat_prompt_ids(self.tokenizer, data["messages"]),
+                            sampling=dataclasses.replace(self.sampling, **sample_seed(data)))
 
-    async def generate_and_score(self, engine, data: dict[str, Any], requests: list[ModelRequest]):
-        """Responses, decoded completions and their rewards (scored in the reward pool)."""
-        # the group in one call: one HTTP request per round instead of one per sample
-        responses = await engine.agenerate_group(requests)
-        completions = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in responses]
-        rewards = await self.reward_pool.ascore_many(self.reward_fn, [(c, data["answer"]) for c in completions])
-        return responses, completions, rewards
-
-    async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
-        responses, completions, rewards = await self.generate_and_score(engine, data, self.group_requests(data))
-        return [single_turn_trajectory(data, i, resp, reward, completion)
-                for i, (resp, reward, completion) in enumerate(zip(responses, rewards, completions))]
+    async def arun_episode(self, engine, data: dict[str, Any]) -> Trajectory:
+        resp = await engine.agenerate(self.request(data))
+        completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+        reward = await self.reward_pool.ascore(self.reward_fn, completion, data["answer"])
+        return single_turn_trajectory(data, resp, reward, completion)

@@ -16,7 +16,6 @@ message in metadata["error"]) rather than failing the batch.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import uuid
 from pathlib import Path
@@ -171,17 +170,11 @@ class SearchAgentWorkflow:
                    retrieval, max_turns=agent.max_turns, max_tokens=agent.max_tokens, topk=r.topk,
                    max_query_chars=r.max_query_chars, prompt=agent.prompt, information=agent.information)
 
-    async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
-        messages = search_prompt(data, self.prompt)
-        prompt_ids = search_prompt_ids(self.tokenizer, messages, self.prompt)
-        return list(await asyncio.gather(*(self._episode(engine, data, messages, prompt_ids, i)
-                                           for i in range(self.gconfig.n_samples))))
-
-    async def _episode(self, engine, data: dict[str, Any], messages: list[dict[str, str]], prompt_ids: list[int],
-                       sample_idx: int) -> Trajectory:
+    async def arun_episode(self, engine, data: dict[str, Any]) -> Trajectory:
         from areal_pipeline.tools.retrieval_client import RetrievalError  # aiohttp: imported once episodes run
 
-        seq = SequenceBuilder(prompt_ids)
+        messages = search_prompt(data, self.prompt)
+        seq = SequenceBuilder(search_prompt_ids(self.tokenizer, messages, self.prompt))
         rid = uuid.uuid4().hex
         turns: list[dict[str, Any]] = []
         queries: list[str] = []
@@ -196,7 +189,7 @@ class SearchAgentWorkflow:
                 break
             resp = await engine.agenerate(ModelRequest(
                 rid=rid, input_ids=list(seq.input_ids), sampling=dataclasses.replace(
-                    self.single, max_new_tokens=budget, stop=self.stop, **sample_seed(data, sample_idx, turn))))
+                    self.single, max_new_tokens=budget, stop=self.stop, **sample_seed(data, turn))))
             seq.add_model_turn(resp)
             server = resp.server
             text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
@@ -236,7 +229,7 @@ class SearchAgentWorkflow:
         return seq.trajectory(
             prompt_id=data["prompt_id"],
             group_id=data["prompt_id"],
-            sample_idx=sample_idx,
+            sample_idx=data.get("sample_idx", 0),
             reward=reward,
             stop_reason=stop_reason,
             messages=messages + [{"role": "assistant", "content": completion}],

@@ -5,12 +5,11 @@ An episode: the model answers; the reward function scores the answer (in the rew
 there and while turns remain, the environment appends a user message and the model answers again. The message's
 token ids come from the chat template once, as a difference of templated prefixes, and are added to the ids the
 model actually produced: the conversation is never re-tokenized, so the trained sequence is exactly the one the model
-was conditioned on. A group of `gconfig.n_samples` episodes per prompt runs concurrently, for GRPO.
+was conditioned on. The rollout plays `gconfig.n_samples` episodes per prompt at once (GRPO's group).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -112,18 +111,13 @@ class FeedbackTurnsWorkflow:
         raise NotImplementedError
 
     # ----- the loop -----------------------------------------------------------------------------------------------
-    async def arun_episode(self, engine, data: dict[str, Any]) -> list[Trajectory]:
-        prompt_ids = chat_prompt_ids(self.tokenizer, data["messages"])
-        return list(await asyncio.gather(*(self._episode(engine, data, prompt_ids, i)
-                                           for i in range(self.gconfig.n_samples))))
-
-    async def _episode(self, engine, data: dict[str, Any], prompt_ids: list[int], sample_idx: int) -> Trajectory:
-        seq = SequenceBuilder(prompt_ids)
+    async def arun_episode(self, engine, data: dict[str, Any]) -> Trajectory:
+        seq = SequenceBuilder(chat_prompt_ids(self.tokenizer, data["messages"]))
         rid = uuid.uuid4().hex  # every turn on the same server, which keeps the prefix cached
         messages = list(data["messages"])
         turns: list[dict[str, Any]] = []
         for turn in range(self.max_turns):
-            sampling = dataclasses.replace(self.single, **sample_seed(data, sample_idx, turn))
+            sampling = dataclasses.replace(self.single, **sample_seed(data, turn))
             resp = await engine.agenerate(ModelRequest(rid=rid, input_ids=list(seq.input_ids), sampling=sampling))
             seq.add_model_turn(resp)
             text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
@@ -140,7 +134,7 @@ class FeedbackTurnsWorkflow:
         return seq.trajectory(
             prompt_id=data["prompt_id"],
             group_id=data["prompt_id"],
-            sample_idx=sample_idx,
+            sample_idx=data.get("sample_idx", 0),
             reward=outcome.reward,
             stop_reason=resp.stop_reason,
             messages=messages,
