@@ -5,8 +5,9 @@ otherwise sit between two iterations' nodes (bench/RESULTS.md has what they cost
 iteration k+1 starts while iteration k's ppo_update runs, and its first node waits until k's last node is done;
 iteration k reports while k+1 works. At most two iterations are in flight. In asynchronous mode (eta > 0)
 iteration k+1's first steps (rollout, reference logprobs, advantages: `Pipeline.ahead_nodes`) also run during
-k's update, and its first step after them is the node that waits. Where one flow run holds several iterations (`iterations_per_flow_run`), its iterations
-overlap inside it the same way, and the next flow run starts during its last iteration's update.
+k's update, and its first step after them is the node that waits. Where one flow run holds several iterations
+(`iterations_per_flow_run`), its iterations overlap inside it the same way, and the next flow run starts during
+its last iteration's update.
 
 `run_iterations` starts the flow runs (`run_group` the iterations inside one); `turn(run, k)` is iteration k's
 place among them: its `node(name, call)` runs a node once the nodes it must follow have, and `report(...)` keeps
@@ -52,7 +53,6 @@ class Handoff:
         self.failed = failed
         for event in (self.next_may_start, self.nodes_done, self.reported):
             event.set()
-
 
 
 class PreviousIterationFailed(Exception):
