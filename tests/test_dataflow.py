@@ -88,3 +88,26 @@ def test_the_logprob_nodes_give_the_weights_of_the_trainers_own_passes(prefect_a
 
     expected, got = final_weights(tmp_path / "inside", 2), final_weights(run_dir, 2)
     assert expected.keys() == got.keys() and all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_proximal_logprobs_that_do_not_fit_the_batch_are_refused(tmp_path):
+    """The trainer trains on a proximal_logprobs file only where it holds a value per token of every sequence;
+    otherwise (or where it is no Parquet file) IntegrityError, which the trainer answers as a corrupt file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import pytest
+
+    from areal_pipeline.checksums import IntegrityError
+    from areal_pipeline.training.ppo import read_logprobs
+
+    path = tmp_path / "prox_logprobs.parquet"
+    pq.write_table(pa.table({"logprobs": pa.array([[-0.5, -1.25, 0.0], [-2.0, -0.125]], pa.list_(pa.float32()))}),
+                   path)
+    assert read_logprobs(path, [[1, 2, 3], [4, 5]]) == [[-0.5, -1.25, 0.0], [-2.0, -0.125]]
+    with pytest.raises(IntegrityError, match="do not match the 2 sequences"):
+        read_logprobs(path, [[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(IntegrityError, match="do not match the 3 sequences"):
+        read_logprobs(path, [[1, 2, 3], [4, 5], [6]])
+    path.write_bytes(b"not parquet")
+    with pytest.raises(IntegrityError, match="unreadable logprobs"):
+        read_logprobs(path, [[1, 2, 3], [4, 5]])
