@@ -18,7 +18,7 @@ from areal_pipeline.data.shards import read_manifest
 from areal_pipeline.steps import proximal_logprobs_path, ref_logprobs_path, timed
 
 
-def _rows(path: Path) -> Optional[int]:
+def logprobs_rows(path: Path) -> Optional[int]:
     """The rows of a finished logprobs file, None where there is none (or it cannot be read)."""
     import pyarrow.parquet as pq
 
@@ -32,7 +32,7 @@ class LogprobSteps:
     def _logprobs(self, shards: Path, out: Path, model: str, version: Optional[int]) -> dict[str, Any]:
         """`model`'s logprobs of the tokens of `shards` -> `out` (the actor at `version`), unless `out` holds them."""
         rows = read_manifest(shards)["num_rows"]
-        if _rows(out) == rows:
+        if logprobs_rows(out) == rows:
             return {"path": str(out), "rows": rows, "cached": True}
         started = time.perf_counter()
         with self._trainer_lock:

@@ -24,6 +24,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import opaque, quote
 
 from areal_pipeline.data.shards import shards_intact
+from areal_pipeline.logprob_steps import logprobs_rows
 from areal_pipeline.steps import STEPS, Step
 from areal_pipeline.utils import deadline
 from tasks import runs
@@ -53,7 +54,8 @@ def output_cache_key(output: Callable[[Any, int], Path]) -> Callable[[Any, dict]
         k = _plain(parameters["k"])
         path = output(run.pipeline.paths, k)
         record = path / "manifest.json" if path.is_dir() else path
-        if not record.is_file() or (path.is_dir() and not shards_intact(path)):
+        if not record.is_file() or (path.is_dir() and not shards_intact(path)) or (
+                path.suffix == ".parquet" and logprobs_rows(path) is None):  # a logprobs file that cannot be read
             return None
         digest = hashlib.sha256(record.read_bytes()).hexdigest()[:16]
         return f"{context.task.name}-{run.run_id}-{k}-{digest}"
