@@ -1,6 +1,8 @@
 """One RL iteration as steps that any orchestrator can call: the Prefect tasks wrap them one to one, and a
-plain loop (`run_plain`) calls the same functions. Beside it: the run's directory and lock (run_dir.py), its
-processes (services.py), the restoring of policy versions (policy_versions.py), evaluation (evaluation.py).
+plain loop (`run_plain`) calls the same functions, in the order and with the inputs of the table in steps.py
+(each step takes the records of the steps before it that it needs). Beside it: the run's directory and lock
+(run_dir.py), its processes (services.py), the restoring of policy versions (policy_versions.py), the reference
+and proximal logprob passes (logprob_steps.py), evaluation (evaluation.py).
 
 Every step is idempotent and backed by its output on disk: it first looks for its complete output (a
 manifest or record written last, atomically) and returns that instead of redoing the work. State that lives
@@ -39,12 +41,15 @@ from areal_pipeline.data.shards import keep_if_intact, read_manifest
 from areal_pipeline.evaluation import evaluate_policy
 from areal_pipeline.inference.backend import engine_for
 from areal_pipeline.inference.client import RemoteSGLangEngine
+from areal_pipeline.logprob_steps import LogprobSteps
 from areal_pipeline.model import load_tokenizer, resolve_model_path
 from areal_pipeline.policy_versions import PolicyVersions
 from areal_pipeline.rewards.pool import RewardPool
 from areal_pipeline.rollout.executor import episode_seed, rollout_to_shards, select_batch, write_rollout_shards
 from areal_pipeline.run_dir import RunPaths, read_json, run_lock, write_json
 from areal_pipeline.services import Services
+from areal_pipeline.steps import STEPS, Step, due_steps, run_steps, timed
+from areal_pipeline.training.loss_registry import make_loss
 from areal_pipeline.training.ppo import write_batch
 from areal_pipeline.utils import (atomic_write_text, get_logger, import_in_background, raise_if_deadline_passed,
                                   run_async, time_left)
@@ -52,29 +57,8 @@ from areal_pipeline.utils import (atomic_write_text, get_logger, import_in_backg
 logger = get_logger(__name__)
 
 
-NODES = ("rollout", "advantages", "ppo_update", "broadcast_weights", "checkpoint", "evaluate")
-# Asynchronous mode (eta > 0): iteration k+1's first nodes run while iteration k's ppo_update runs. Its episodes
-# come from the background executor, within the staleness bound, and its advantages need no new weights.
-AHEAD_NODES = ("rollout", "advantages")
-def _timed(step):
-    """Record how long the library work of a node took (`Pipeline.step_seconds[k][name]`), apart from any
-    orchestration around it."""
-    import functools
 
-    @functools.wraps(step)
-    def run(self, k: int, *args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return step(self, k, *args, **kwargs)
-        except BaseException:
-            self.services.distrust()
-            raise
-        finally:
-            self.step_seconds.setdefault(k, {})[step.__name__] = time.perf_counter() - started
-    return run
-
-
-class Pipeline(PolicyVersions):
+class Pipeline(PolicyVersions, LogprobSteps):
     def __init__(self, cfg: ExperimentConfig, log_dir: Optional[Path] = None):
         self.cfg = cfg
         self.paths = RunPaths(cfg.run_dir)
@@ -89,6 +73,8 @@ class Pipeline(PolicyVersions):
         self._trainer_lock = threading.RLock()
         self._metrics_lines: Optional[dict[int, str]] = None  # metrics.jsonl's lines by iteration
         self._metrics_lock = threading.Lock()
+        # the loss's columns of policy k - 1's own logprobs; with one minibatch the update's forward gives them
+        self.proximal_columns = make_loss(cfg.ppo).policy_columns if cfg.ppo.ppo_n_minibatches > 1 else ()
 
     # ----- set-up ----------------------------------------------------------------------------------
     def prepare_dataset(self) -> dict[str, Any]:
@@ -144,12 +130,12 @@ class Pipeline(PolicyVersions):
         return engine_for(self.services.addresses, self.cfg.inference)  # the backend's protocol
 
     # ----- the DAG's nodes -------------------------------------------------------------------------
-    @_timed
+    @timed
     def rollout(self, k: int, progress: bool = False) -> dict[str, Any]:
         out = self.paths.rollout(k)
         # A corrupt earlier output is cleared and generated again: episodes are seeded, so the tokens are the same.
         if keep_if_intact(out):
-            return {**read_manifest(out)["stats"], "cached": True}
+            return _shards_record(out, read_manifest(out), cached=True)
         if self.cfg.rollout.max_head_offpolicyness > 0:
             served = self.sync_servers(k - 1 - self.cfg.rollout.max_head_offpolicyness, or_newer=True)["version"]
             return self._collect_async(k, served)
@@ -164,8 +150,7 @@ class Pipeline(PolicyVersions):
                     max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
                     n_samples=self.cfg.rollout.gconfig.n_samples, rows_per_shard=self.cfg.rollout.shard_rows,
                     baseline=baseline, progress=progress, extra_manifest={"policy_version": k - 1})
-        stats = run_async(run())["stats"]
-        return {**stats, "cached": False}
+        return _shards_record(out, run_async(run()), cached=False)
 
     def _episodes(self, k: int) -> list[dict[str, Any]]:
         """Iteration k's episodes: its prompts (a pure function of k), each with its sampling seed."""
@@ -221,59 +206,64 @@ class Pipeline(PolicyVersions):
                                         seconds=time.perf_counter() - started,
                                         rows_per_shard=self.cfg.rollout.shard_rows,
                                         extra_manifest={"policy_version": k - 1})
-        return {**manifest["stats"], "cached": False}
+        return _shards_record(self.paths.rollout(k), manifest, cached=False)
 
     def _tool_kwargs(self) -> dict[str, Any]:
         tools = {name: p.address for name, p in self.services.tools.items()}
         return {"tool_addresses": tools} if tools else {}
 
-    @_timed
-    def advantages(self, k: int) -> dict[str, Any]:
+    @timed
+    def advantages(self, k: int, episodes: Optional[dict] = None, ref: Optional[dict] = None) -> dict[str, Any]:
+        """`episodes`: the rollout step's record (its shards); `ref`: the ref_logprobs step's, where KL is on."""
         out = self.paths.batch(k)
         if keep_if_intact(out):  # a corrupt earlier output is cleared and computed again
-            return {**read_manifest(out)["stats"], "cached": True}
-        return self._write_batch(k)
+            return _shards_record(out, read_manifest(out), cached=True)
+        return self._write_batch(k, episodes, ref)
 
-    def _write_batch(self, k: int) -> dict[str, Any]:
+    def _write_batch(self, k: int, episodes: Optional[dict] = None, ref: Optional[dict] = None) -> dict[str, Any]:
         """Iteration k's rollout shards -> its batch shards (the rollout's are checked as they are read)."""
         out = self.paths.batch(k)
+        rollout = Path(episodes["shards"]) if episodes else self.paths.rollout(k)
         started = time.perf_counter()
         extra = None
         if self.cfg.ppo.kl_ctl != 0:
-            ref_path = self.paths.iteration(k) / "ref_logprobs.parquet"
-            with self._trainer_lock:
-                client = self.services.ensure_trainer_alive()
-                client.call("compute_logp", shard_dir=str(self.paths.rollout(k)), out_path=str(ref_path), model="ref")
             import pyarrow.parquet as pq
 
-            extra = {"ref_logprobs": pq.read_table(ref_path).column("logprobs").to_pylist()}
-        manifest = write_batch(self.paths.rollout(k), out, self.cfg.ppo, run_id=self.cfg.run_id, iteration=k,
+            ref = ref or self._reference_logprobs(k, episodes)  # e.g. a batch computed again to replay an update
+            extra = {"ref_logprobs": pq.read_table(ref["path"]).column("logprobs").to_pylist()}
+        manifest = write_batch(rollout, out, self.cfg.ppo, run_id=self.cfg.run_id, iteration=k,
                                extra_token_columns=extra, rows_per_shard=self.cfg.rollout.shard_rows)
-        return {**manifest["stats"], "seconds": time.perf_counter() - started, "cached": False}
+        return {**_shards_record(out, manifest, cached=False), "seconds": time.perf_counter() - started}
 
-    @_timed
-    def ppo_update(self, k: int) -> dict[str, Any]:
+    @timed
+    def ppo_update(self, k: int, batch: Optional[dict] = None, proximal: Optional[dict] = None) -> dict[str, Any]:
+        """`batch`: the advantages step's record; `proximal`: the proximal_logprobs step's, where it runs."""
         record = read_json(self.paths.update(k))
         if record is not None:
             return {**record, "cached": True}
         with self._trainer_lock:
-            reply = self._update_from_batch(self.ensure_trainer_version(k - 1), k)
+            reply = self._update_from_batch(self.ensure_trainer_version(k - 1), k,
+                                            proximal["path"] if proximal else None)
         return {**write_json(self.paths.update(k), {"version": reply["version"], **reply["stats"]}), "cached": False}
 
-    @_timed
-    def broadcast_weights(self, k: int) -> dict[str, Any]:
+    @timed
+    def broadcast_weights(self, k: int, update: Optional[dict] = None) -> dict[str, Any]:
+        """`update`: the ppo_update step's record (the version the servers get)."""
+        if update is not None and update.get("version") != k:
+            raise ValueError(f"broadcast_weights of iteration {k} was handed the update to version "
+                             f"{update.get('version')}")
         return self.sync_servers(k)
 
     @property
     def ahead_nodes(self) -> tuple[str, ...]:
-        """The nodes of iteration k+1 that need not wait for iteration k's last node: in asynchronous mode
-        AHEAD_NODES, which run during iteration k's ppo_update."""
-        return AHEAD_NODES if self.cfg.rollout.max_head_offpolicyness > 0 else ()
+        """The steps of iteration k+1 that need not wait for iteration k's last step: in asynchronous mode those
+        marked `ahead` in steps.py, which run during iteration k's ppo_update."""
+        return tuple(s.name for s in STEPS if s.ahead) if self.cfg.rollout.max_head_offpolicyness > 0 else ()
 
     def due_nodes(self, k: int) -> list[str]:
-        """The nodes iteration k runs: checkpoint and evaluate only on the iterations that save or evaluate."""
-        due = {"checkpoint": self.wants_checkpoint(k), "evaluate": self.wants_evaluation(k)}
-        return [name for name in NODES if due.get(name, True)]
+        """The steps iteration k runs (steps.py): e.g. checkpoint and evaluate only on the iterations that save or
+        evaluate."""
+        return [step.name for step in due_steps(self, k)]
 
     def wants_checkpoint(self, k: int) -> bool:
         return k % self.cfg.save_freq == 0 or k == self.cfg.total_iterations
@@ -281,8 +271,8 @@ class Pipeline(PolicyVersions):
     def wants_evaluation(self, k: int) -> bool:
         return self.cfg.eval_freq > 0 and (k % self.cfg.eval_freq == 0 or k == self.cfg.total_iterations)
 
-    @_timed
-    def checkpoint(self, k: int) -> dict[str, Any]:
+    @timed
+    def checkpoint(self, k: int, served: Optional[dict] = None) -> dict[str, Any]:
         if not self.wants_checkpoint(k):
             return {"saved": False}
         path = self.paths.checkpoint(k)
@@ -300,8 +290,8 @@ class Pipeline(PolicyVersions):
             shutil.rmtree(self.paths.checkpoint(old), ignore_errors=True)
         return {"saved": True, "path": str(path), "seconds": time.perf_counter() - started, "cached": False}
 
-    @_timed
-    def evaluate(self, k: int) -> Optional[dict[str, Any]]:
+    @timed
+    def evaluate(self, k: int, served: Optional[dict] = None) -> Optional[dict[str, Any]]:
         if not self.wants_evaluation(k):
             return None
         record = read_json(self.paths.evaluation(k))
@@ -344,28 +334,30 @@ class Pipeline(PolicyVersions):
         return record
 
     def run_iteration(self, k: int) -> dict[str, Any]:
-        """The plain (orchestrator-free) iteration: the same nodes in the same order."""
-        return self.record_metrics(k, self._run_nodes(k, NODES))
+        """The plain (orchestrator-free) iteration: the same steps in the same order, with the same inputs."""
+        return self.record_metrics(k, self._run_steps(k, due_steps(self, k)))
 
     def run_iterations(self, first: int, last: int) -> list[dict[str, Any]]:
         """The plain loop over iterations first..last. As in the train flow, iteration k's metrics are recorded
         (in order, in a thread) while the next iteration runs, and in asynchronous mode iteration k+1's
-        AHEAD_NODES run (in a thread) while iteration k updates."""
-        rest = [name for name in NODES if name not in self.ahead_nodes]
+        `ahead_nodes` run (in a thread) while iteration k updates."""
+        def part(k: int, ahead: bool) -> list[Step]:
+            return [step for step in due_steps(self, k) if (step.name in self.ahead_nodes) == ahead]
+
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-iteration") as ahead_pool, \
                 ThreadPoolExecutor(max_workers=1, thread_name_prefix="report") as report_pool:
             reports: list[Future] = []
             ahead: Optional[Future] = None
             for k in range(first, last + 1):
-                nodes = ahead.result() if ahead is not None else self._run_nodes(k, self.ahead_nodes)
+                outputs = ahead.result() if ahead is not None else self._run_steps(k, part(k, True))
                 if self.ahead_nodes and k < last:
-                    ahead = ahead_pool.submit(self._run_nodes, k + 1, self.ahead_nodes)
-                nodes.update(self._run_nodes(k, rest))
-                reports.append(report_pool.submit(self.record_metrics, k, nodes))
+                    ahead = ahead_pool.submit(self._run_steps, k + 1, part(k + 1, True))
+                self._run_steps(k, part(k, False), outputs)
+                reports.append(report_pool.submit(self.record_metrics, k, outputs))
             return [report.result() for report in reports]
 
-    def _run_nodes(self, k: int, names) -> dict[str, Any]:
-        return {name: getattr(self, name)(k) for name in names}
+    def _run_steps(self, k: int, steps: list[Step], outputs: Optional[dict] = None) -> dict[str, Any]:
+        return run_steps(lambda step, inputs: getattr(self, step.name)(k, *inputs), steps, outputs)
 
     def start(self) -> None:
         save_config(self.cfg, self.paths.run_dir / "config.yaml")
@@ -398,6 +390,11 @@ def run_together(steps: list[Callable[[], Any]]) -> list[Any]:
     with ThreadPoolExecutor(max_workers=len(steps), thread_name_prefix="start") as pool:
         futures = [pool.submit(step) for step in steps]
     return [future.result() for future in futures]
+
+
+def _shards_record(out: Path, manifest: dict, cached: bool) -> dict[str, Any]:
+    """A step's record of the shards it wrote (or found): where they are, how many rows, and their stats."""
+    return {**manifest["stats"], "shards": str(out), "rows": manifest["num_rows"], "cached": cached}
 
 
 def _staleness(k: int, rollout_stats: dict) -> int:

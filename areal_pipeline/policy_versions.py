@@ -87,17 +87,23 @@ class PolicyVersions:
         """Whether update k can be replayed: its batch shards, or the rollout shards they come from, were written."""
         return has_manifest(self.paths.batch(k)) or has_manifest(self.paths.rollout(k))
 
-    def _update_from_batch(self, client: TrainerClient, k: int) -> dict:
-        """The trainer's update k on iteration k's batch shards (its reply). A batch that is missing, or that the
-        trainer refuses as corrupt (it checks every shard before training on any), is first computed again from
-        the rollout shards: an update never runs on a corrupt batch."""
+    def _update_from_batch(self, client: TrainerClient, k: int, proximal: Optional[str] = None) -> dict:
+        """The trainer's update k on iteration k's batch shards (its reply), with `proximal` the proximal_logprobs
+        step's file where it ran (otherwise the trainer computes them itself: the same numbers). A batch that is
+        missing, or that the trainer refuses as corrupt (it checks every shard before training on any), is first
+        computed again from the rollout shards: an update never runs on a corrupt batch (nor on a corrupt
+        logprobs file: the trainer then computes them)."""
         batch = self.paths.batch(k)
         if has_manifest(batch):
             try:
-                return client.call("train", batch_dir=str(batch), iteration=k)
+                return client.call("train", batch_dir=str(batch), iteration=k,
+                                   **({"policy_logprobs": proximal} if proximal else {}))
             except TrainerError as error:
                 if error.code != "corrupt_file":
                     raise
+                if proximal is not None and error.details.get("file") == proximal:
+                    logger.warning("not updating on corrupt proximal logprobs (%s): the trainer computes them", error)
+                    return client.call("train", batch_dir=str(batch), iteration=k)
                 logger.warning("not updating on a corrupt batch (%s): computing iteration %d's batch again from "
                                "its rollout shards", error, k)
         try:

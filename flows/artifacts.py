@@ -4,10 +4,8 @@ and progress."""
 from __future__ import annotations
 
 import base64
-import math
 import re
 import time
-import weakref
 from typing import Any, Optional
 from uuid import UUID
 
@@ -17,6 +15,7 @@ from prefect.artifacts import (create_markdown_artifact, create_progress_artifac
 from areal_pipeline.data.shards import read_table
 from areal_pipeline.metrics import plot_reward_curve, read_metrics, summarize
 from areal_pipeline.pipeline import Pipeline
+from tasks.runs import LiveRun
 
 SAMPLES_SHOWN = 4
 PROGRESS_INTERVAL_S = 2.0
@@ -32,22 +31,17 @@ def _fmt(value: Any) -> Any:
     return round(value, 4) if isinstance(value, float) else value
 
 
-# a run's pipeline -> when its iteration artifacts were last published (gone with the pipeline: a later run of the
-# same id in this process starts afresh)
-_LAST_PUBLISHED: "weakref.WeakKeyDictionary[Pipeline, float]" = weakref.WeakKeyDictionary()
-
-
-def publish_iteration(pipeline: Pipeline, k: int, record: dict[str, Any]) -> bool:
+def publish_iteration(run: LiveRun, k: int, record: dict[str, Any]) -> bool:
     """Iteration k's metrics table and samples (two artifacts, keyed by run: the UI shows the newest and keeps the
     history). Where iterations take less than ITERATION_ARTIFACTS_INTERVAL_S, each would cost the API more than
     a person can read: then they are published at most that often, and always for a run's last iteration and
     for an iteration with a checkpoint. Returns whether they were."""
-    run_id, now = pipeline.cfg.run_id, time.monotonic()
-    due = (now - _LAST_PUBLISHED.get(pipeline, -math.inf) >= ITERATION_ARTIFACTS_INTERVAL_S
+    pipeline, run_id, now = run.pipeline, run.run_id, time.monotonic()
+    due = (now - run.artifacts_published_at >= ITERATION_ARTIFACTS_INTERVAL_S
            or k == pipeline.cfg.total_iterations or pipeline.wants_checkpoint(k))
     if not due:
         return False
-    _LAST_PUBLISHED[pipeline] = now
+    run.artifacts_published_at = now
     create_table_artifact(key=artifact_key(run_id, "metrics"),
                           table=[{"metric": name, "value": _fmt(v)} for name, v in record.items()],
                           description=f"{run_id} iteration {k}: metrics")

@@ -23,7 +23,8 @@ from typing import Any, Iterator, Optional
 from areal_pipeline.metrics import read_metrics, summarize
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.utils import get_logger
-from flows import events
+from flows.events import RunEvents
+from tasks.runs import LiveRun
 
 logger = get_logger(__name__)
 
@@ -106,16 +107,6 @@ class RunControl:
                 self._changed.wait(0.5)
 
 
-_CONTROLS: dict[str, RunControl] = {}
-
-
-def hold_while_paused(run_id: str) -> None:
-    """Called before an iteration starts: waits while run `run_id`'s train flow run is paused in Prefect."""
-    control = _CONTROLS.get(run_id)
-    if control is not None and control.paused:
-        control.hold_while_paused()
-
-
 def _current_flow_run_id() -> Optional[str]:
     from prefect.context import FlowRunContext
 
@@ -124,14 +115,14 @@ def _current_flow_run_id() -> Optional[str]:
 
 
 @contextlib.contextmanager
-def watch(pipeline: Pipeline, first: int, last: int, config: dict[str, Any]) -> Iterator[RunControl]:
+def watch(run: LiveRun, first: int, last: int, config: dict[str, Any]) -> Iterator[RunControl]:
     """The train flow's iterations, watched: run events (started, then finished or failed) and Prefect's cancel
-    and pause. An error that a cancellation caused is swallowed here: the flow then returns
-    `cancelled_state(control)`."""
-    run_id = pipeline.cfg.run_id
+    and pause (`run.events`, `run.control` for the block). An error that a cancellation caused is swallowed here:
+    the flow then returns `cancelled_state(control)`."""
+    pipeline, run_id = run.pipeline, run.run_id
     flow_run_id = _current_flow_run_id()
-    run_events = events.start(run_id, flow_run_id, read_metrics(pipeline.paths.metrics_jsonl))
-    control = _CONTROLS[run_id] = RunControl(pipeline, flow_run_id)
+    run_events = run.events = RunEvents(run_id, flow_run_id, read_metrics(pipeline.paths.metrics_jsonl))
+    control = run.control = RunControl(pipeline, flow_run_id)
     run_events.started(first, last, config)
     control.start()
     try:
@@ -146,8 +137,7 @@ def watch(pipeline: Pipeline, first: int, last: int, config: dict[str, Any]) -> 
         run_events.finished(summarize(read_metrics(pipeline.paths.metrics_jsonl)))
     finally:
         control.stop()
-        _CONTROLS.pop(run_id, None)
-        events.stop(run_id)
+        run.control = run.events = None
 
 
 def cancelled_state(control: RunControl):

@@ -146,25 +146,6 @@ def _finite(record: dict[str, Any]) -> dict[str, Any]:
     return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
 
 
-_RUNS: dict[str, RunEvents] = {}
-
-
-def start(run_id: str, flow_run_id: Optional[str], history: list[dict[str, Any]]) -> RunEvents:
-    _RUNS[run_id] = RunEvents(run_id, flow_run_id, history)
-    return _RUNS[run_id]
-
-
-def stop(run_id: str) -> None:
-    _RUNS.pop(run_id, None)
-
-
-def iteration_completed(run_id: str, k: int, record: dict[str, Any]) -> None:
-    """Iteration k's event, from the iteration's child flow run (in iteration order: after its metrics)."""
-    events = _RUNS.get(run_id)
-    if events is not None:
-        events.iteration_completed(k, record)
-
-
 # In-process listeners of the same events (the command line's progress line): objects with a `run_id` and the
 # methods started(first, last), iteration(k, record), finished(), failed().
 _LISTENERS: list[Any] = []

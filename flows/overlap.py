@@ -4,13 +4,14 @@ Starting and finishing a flow run are synchronous API calls (create, states, met
 otherwise sit between two iterations' nodes (bench/RESULTS.md has what they cost). So the flow run of
 iteration k+1 starts while iteration k's ppo_update runs, and its first node waits until k's last node is done;
 iteration k reports while k+1 works. At most two iterations are in flight. In asynchronous mode (eta > 0)
-iteration k+1's rollout and advantages also run during k's update (`Pipeline.ahead_nodes`), and its own update
-is the node that waits. Where one flow run holds several iterations (`iterations_per_flow_run`), its iterations
-overlap inside it the same way, and the next flow run starts during its last iteration's update.
+iteration k+1's first steps (rollout, reference logprobs, advantages: `Pipeline.ahead_nodes`) also run during
+k's update, and its first step after them is the node that waits. Where one flow run holds several iterations
+(`iterations_per_flow_run`), its iterations overlap inside it the same way, and the next flow run starts during
+its last iteration's update.
 
-`run_iterations` starts the flow runs (`run_group` the iterations inside one); `turn(run_id, k, pipeline)` is
-iteration k's place among them: its `node(task)` runs a node once the nodes it must follow have, and
-`report(...)` keeps the reports in order.
+`run_iterations` starts the flow runs (`run_group` the iterations inside one); `turn(run, k)` is iteration k's
+place among them: its `node(name, call)` runs a node once the nodes it must follow have, and `report(...)` keeps
+the reports in order. What they share lives on the run's record (`tasks.runs.LiveRun`).
 """
 
 from __future__ import annotations
@@ -27,13 +28,12 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from areal_pipeline import shutdown
 from areal_pipeline.pipeline import Pipeline
+from areal_pipeline.steps import LONGEST
 from areal_pipeline.utils import atomic_write_text
-from flows import artifacts, control
+from flows import artifacts
+from tasks.runs import LiveRun
 
 T = TypeVar("T")
-
-# The node during which the next iteration's run may start its bookkeeping: the longest one.
-NEXT_RUN_STARTS_DURING = "ppo_update"
 
 
 @dataclass
@@ -55,9 +55,6 @@ class Handoff:
             event.set()
 
 
-_HANDOFFS: dict[tuple[str, int], Handoff] = {}
-
-
 class PreviousIterationFailed(Exception):
     """Iteration k - 1 failed: iteration k runs no node that needs its policy."""
 
@@ -65,27 +62,24 @@ class PreviousIterationFailed(Exception):
 class Turn:
     """Iteration k's place among the iteration runs of its train run (see the module's docstring)."""
 
-    def __init__(self, run_id: str, k: int, pipeline: Pipeline):
-        self.run_id, self.k = run_id, k
-        self.handoff, self.previous = _HANDOFFS.get((run_id, k)), _HANDOFFS.get((run_id, k - 1))
-        self.due = pipeline.due_nodes(k)
-        # the first node that needs iteration k - 1 to be done: the rollout, or in asynchronous mode the update
-        self.waits_before = next(name for name in self.due if name not in pipeline.ahead_nodes)
-        self.results: dict[str, Any] = {}
+    def __init__(self, run: LiveRun, k: int):
+        self.k = k
+        self.handoff, self.previous = run.handoffs.get(k), run.handoffs.get(k - 1)
+        self.ahead = run.pipeline.ahead_nodes
+        self.waited = self.previous is None
 
-    def node(self, task, after=None):
-        """Run the node `task(run_id, k)` (a Prefect task whose name is the node's), after the node whose state
-        is `after` (the edge the UI draws); its state, once it completed (its error is raised)."""
-        name = task.name
-        if name == self.waits_before and self.previous is not None:
+    def node(self, name: str, call: Callable[[], T]) -> T:
+        """`call()`, which runs node `name`, once the nodes it must follow have run: the first node that needs
+        iteration k - 1 to be done (the rollout, or in asynchronous mode the first after the `ahead` ones) waits
+        for it. Returns what `call` does."""
+        if not self.waited and name not in self.ahead:
+            self.waited = True
             self.previous.nodes_done.wait()
             if self.previous.failed:
                 raise PreviousIterationFailed(f"iteration {self.k - 1} failed, so iteration {self.k} did not finish")
-        if name == NEXT_RUN_STARTS_DURING and self.handoff is not None:
+        if name == LONGEST and self.handoff is not None:
             self.handoff.next_may_start.set()
-        state = task(self.run_id, self.k, wait_for=[after] if after is not None else None, return_state=True)
-        self.results[name] = state.result()
-        return state
+        return call()
 
     def report(self, publish: Callable[[], T]) -> T:
         """`publish()` once iteration k - 1 has published its own (metrics.jsonl and artifacts stay in order)."""
@@ -99,14 +93,16 @@ class Turn:
 
 
 @contextlib.contextmanager
-def turn(run_id: str, k: int, pipeline: Pipeline) -> Iterator[Turn]:
+def turn(run: LiveRun, k: int) -> Iterator[Turn]:
     """Iteration k's turn for its nodes; when the block ends (done or failed), iteration k + 1 may go on."""
-    current = Turn(run_id, k, pipeline)
+    current = Turn(run, k)
+    failed = True
     try:
         yield current
+        failed = False
     finally:
         if current.handoff is not None:
-            current.handoff.failed = len(current.results) < len(current.due)
+            current.handoff.failed = failed
             current.handoff.nodes_done_at = time.perf_counter()
             current.handoff.next_may_start.set()
             current.handoff.nodes_done.set()
@@ -171,37 +167,30 @@ def stop_what_the_process_started(flow, flow_run, state) -> None:
 STOP_HOOKS = {"on_crashed": [stop_what_the_process_started], "on_cancellation": [stop_what_the_process_started]}
 
 
-_PROGRESS: dict[str, artifacts.Progress] = {}
-
-
-def run_iterations(call: Callable[[int, int], Any], pipeline: Pipeline, first: int, last: int, per_run: int,
+def run_iterations(call: Callable[[int, int], Any], run: LiveRun, first: int, last: int, per_run: int,
                    progress: artifacts.Progress) -> None:
     """Iterations first..last in units of `per_run` consecutive iterations, `call(k, until)` running iterations
     k..until (a flow run of the `iteration` flow), each unit started while the last iteration of the unit before
     it updates."""
-    run_id = pipeline.cfg.run_id
     units = [(k, min(k + per_run - 1, last)) for k in range(first, last + 1, per_run)]
-    _PROGRESS[run_id] = progress
+    run.progress = progress
     try:
-        _run_units(call, pipeline, units, progress)
+        _run_units(call, run, units)
     finally:
         progress.update(None)
-        del _PROGRESS[run_id]
-        for key in [key for key in _HANDOFFS if key[0] == run_id]:
-            del _HANDOFFS[key]
+        run.progress = None
+        run.handoffs.clear()
 
 
-def run_group(body: Callable[[int], Any], pipeline: Pipeline, first: int, last: int) -> None:
+def run_group(body: Callable[[int], Any], run: LiveRun, first: int, last: int) -> None:
     """Inside one flow run: iterations first..last, `body(k)` each, overlapping as separate runs do."""
-    _run_units(lambda k, _: body(k), pipeline, [(k, k) for k in range(first, last + 1)],
-               _PROGRESS[pipeline.cfg.run_id])
+    _run_units(lambda k, _: body(k), run, [(k, k) for k in range(first, last + 1)])
 
 
-def _run_units(call: Callable[[int, int], Any], pipeline: Pipeline, units: list[tuple[int, int]],
-               progress: artifacts.Progress) -> None:
+def _run_units(call: Callable[[int, int], Any], run: LiveRun, units: list[tuple[int, int]]) -> None:
     """`call(k, until)` for each unit of iterations, in a pool of two threads: unit u + 1 starts once the last
     iteration of unit u reaches its update (or u ended), and no unit starts after one failed."""
-    run_id = pipeline.cfg.run_id
+    run_id, pipeline = run.run_id, run.pipeline
     in_flight: list[tuple[tuple[int, int], Future]] = []
     failure: Optional[BaseException] = None
 
@@ -213,15 +202,16 @@ def _run_units(call: Callable[[int, int], Any], pipeline: Pipeline, units: list[
         except BaseException as error:  # the later unit in flight sees the failure and does not run its nodes
             failure = failure or error
         for i in range(k, until + 1):
-            _account(pipeline, i, failed=failure is not None, progress=progress)
+            _account(run, i, failed=failure is not None)
 
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{run_id}-iteration") as pool:
         try:
             for k, until in units:
-                control.hold_while_paused(run_id)  # paused in Prefect: start nothing new until resumed
+                if run.control is not None:  # paused in Prefect: start nothing new until resumed
+                    run.control.hold_while_paused()
                 for i in range(k, until + 1):
-                    _HANDOFFS.setdefault((run_id, i), Handoff())
-                last_of_unit = _HANDOFFS[(run_id, until)]
+                    run.handoffs.setdefault(i, Handoff())
+                last_of_unit = run.handoffs[until]
                 # a flow run started here needs the parent's flow run context (and the heartbeat setting)
                 future = pool.submit(contextvars.copy_context().run, call, k, until)
                 in_flight.append(((k, until), future))
@@ -244,10 +234,10 @@ def _run_units(call: Callable[[int, int], Any], pipeline: Pipeline, units: list[
         raise failure
 
 
-def _account(pipeline: Pipeline, k: int, failed: bool, progress: artifacts.Progress) -> None:
+def _account(run: LiveRun, k: int, failed: bool) -> None:
     """Once iteration k's unit ended: its orchestration record and the progress, once (a group's iterations are
     accounted inside its flow run, and again, as a no-op, by the unit of the train run)."""
-    handoff = _HANDOFFS[(pipeline.cfg.run_id, k)]
+    handoff, progress = run.handoffs[k], run.progress
     if handoff.accounted:
         return
     handoff.accounted = True
@@ -260,9 +250,9 @@ def _account(pipeline: Pipeline, k: int, failed: bool, progress: artifacts.Progr
         return
     if handoff.failed:
         return
-    before = _HANDOFFS.get((pipeline.cfg.run_id, k - 1))
+    before = run.handoffs.get(k - 1)
     # the period since the previous iteration's nodes ended, or since this one's launch when that one did not
     # run here
     started = before.nodes_done_at if before is not None and before.nodes_done_at else handoff.launched_at
-    record_orchestration(pipeline, k, handoff.nodes_done_at - started)
+    record_orchestration(run.pipeline, k, handoff.nodes_done_at - started)
     progress.update(k)

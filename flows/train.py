@@ -1,7 +1,9 @@
 """The `train` flow: set-up nodes, then one child flow run `<run>/iter-<k>` per RL iteration (or per
-`iterations_per_flow_run` iterations, `<run>/iter-<k>..<k+n-1>`).
+`iterations_per_flow_run` iterations, `<run>/iter-<k>..<k+n-1>`), whose nodes are the steps of
+`areal_pipeline.steps` in their order, each handed the outputs of the steps before it that it needs:
 
-    rollout -> advantages -> ppo_update -> broadcast_weights -> checkpoint -> evaluate (every eval_freq)
+    rollout -> [ref_logprobs] -> advantages -> [proximal_logprobs] -> ppo_update -> broadcast_weights
+            -> checkpoint (every save_freq) and evaluate (every eval_freq)
 
 Running `train` again with the same run id (or retrying a failed flow run from the UI/CLI) skips every
 finished node: each node's output is complete on disk and its Prefect cache key is derived from it, so the run
@@ -22,14 +24,15 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 from prefect.states import Cancelled
 
 import tasks
-from areal_pipeline.config import save_config, to_dict
+from areal_pipeline.config import resolve_run_config, save_config, to_dict
 from areal_pipeline.metrics import write_tensorboard
-from areal_pipeline.config import resolve_run_config
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.run_dir import newest_completed_iteration, run_lock
+from areal_pipeline.steps import due_steps, run_steps
 from areal_pipeline.utils import atomic_write_text
-from flows import artifacts, control, events, overlap
-from tasks import registry
+from flows import artifacts, control, overlap
+from tasks import runs
+from tasks.runs import LiveRun
 
 # What Prefect imports at a process's first flow and task run (its engines, and FastAPI's encoder for parameters):
 # `areal-pipeline train` imports them while the API server comes up, off the path between it and the first iteration.
@@ -54,40 +57,37 @@ def _iteration_run_name() -> str:
 def iteration(run_id: str, k: int, until: Optional[int] = None) -> Any:
     """Iteration k of run `run_id` (policy k - 1 -> k), or iterations k..until in one flow run
     (`iterations_per_flow_run`): each iteration's nodes are its own task runs, as in a run of one."""
-    pipeline = registry.get(run_id)
+    run = runs.get(run_id)
     try:
         if until is None or until == k:
-            return _one_iteration(pipeline, run_id, k)
-        done = set(pipeline.paths.completed_iterations())  # a retried flow run: its finished iterations stay done
-        overlap.run_group(lambda i: None if i in done else _one_iteration(pipeline, run_id, i), pipeline, k, until)
+            return _one_iteration(run, k)
+        done = set(run.pipeline.paths.completed_iterations())  # a retried flow run: its finished iterations stay done
+        overlap.run_group(lambda i: None if i in done else _one_iteration(run, i), run, k, until)
     except overlap.PreviousIterationFailed as failed:
         return Cancelled(message=str(failed))
     return {"iterations": [k, until]}
 
 
-def _one_iteration(pipeline: Pipeline, run_id: str, k: int) -> Any:
-    """One RL iteration, node by node. Each node's task run waits for the one before it (the DAG's edges in the
-    Prefect UI); `turn` makes the node that needs policy k - 1 wait for iteration k - 1 (and raises
-    PreviousIterationFailed if it failed), and lets iteration k + 1 start meanwhile (flows/overlap.py)."""
-    with overlap.turn(run_id, k, pipeline) as turn:
-        rollout = turn.node(tasks.rollout)  # episodes of policy k - 1 -> rollout shards
-        batch = turn.node(tasks.advantages, after=rollout)  # rewards, advantages -> batch shards
-        update = turn.node(tasks.ppo_update, after=batch)  # trainer: policy k - 1 -> k
-        weights = turn.node(tasks.broadcast_weights, after=update)  # servers: policy k
-        if pipeline.wants_checkpoint(k):
-            turn.node(tasks.checkpoint, after=weights)
-        if pipeline.wants_evaluation(k):
-            turn.node(tasks.evaluate, after=weights)
-    return turn.report(lambda: _report(pipeline, k, turn.results))
+def _one_iteration(run: LiveRun, k: int) -> Any:
+    """One RL iteration, step by step (areal_pipeline/steps.py): each node is handed the outputs of the nodes it
+    needs, which are the edges the Prefect UI draws. `turn` makes the node that needs policy k - 1 wait for
+    iteration k - 1 (and raises PreviousIterationFailed if it failed), and lets iteration k + 1 start meanwhile
+    (flows/overlap.py)."""
+    with overlap.turn(run, k) as turn:
+        outputs = run_steps(lambda step, inputs: turn.node(
+            step.name, lambda: tasks.call_node(step, run.run_id, k, inputs)), due_steps(run.pipeline, k))
+    return turn.report(lambda: _report(run, k, outputs))
 
 
-def _report(pipeline: Pipeline, k: int, results: dict[str, Any]) -> dict[str, Any]:
+def _report(run: LiveRun, k: int, outputs: dict[str, Any]) -> dict[str, Any]:
     """Iteration k's metrics record, its artifacts and its event."""
-    record = pipeline.record_metrics(k, results)
+    pipeline = run.pipeline
+    record = pipeline.record_metrics(k, outputs)
     if pipeline.cfg.tensorboard:
         write_tensorboard([record], pipeline.paths.run_dir / "tensorboard")
-    artifacts.publish_iteration(pipeline, k, record)
-    events.iteration_completed(pipeline.cfg.run_id, k, record)
+    artifacts.publish_iteration(run, k, record)
+    if run.events is not None:  # in iteration order: after its metrics
+        run.events.iteration_completed(k, record)
     get_run_logger().info("iteration %d: reward %.3f, %s", k, record["reward_mean"],
                           ", ".join(f"{n} {s:.2f}s" for n, s in pipeline.step_seconds.get(k, {}).items()))
     return record
@@ -142,7 +142,7 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
     logger = get_run_logger()
     with run_lock(cfg.run_dir):
         pipeline = Pipeline(cfg)
-        registry.register(pipeline)
+        run = runs.register(pipeline)
         save_config(cfg, cfg.run_dir / "config.yaml")  # how the run was made; what a branch of it starts from
         try:
             tasks.prepare_dataset(cfg.run_id)
@@ -154,10 +154,10 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
             # A flow waits for its heartbeat thread on exit (up to its period): too much for a child run per iteration.
             with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
                 # run events, and Prefect's Cancel / Pause of this flow run (see flows/control.py)
-                with control.watch(pipeline, first, cfg.total_iterations, to_dict(cfg)) as watched:
+                with control.watch(run, first, cfg.total_iterations, to_dict(cfg)) as watched:
                     with overlap.stop_everything_on_sigterm():
                         overlap.run_iterations(lambda k, until: iteration(cfg.run_id, k, until if until > k else None),
-                                               pipeline, first, cfg.total_iterations, per_run, progress)
+                                               run, first, cfg.total_iterations, per_run, progress)
             if watched.cancelled is not None:
                 return control.cancelled_state(watched)
             summary = artifacts.publish_curve(pipeline) or {}
@@ -166,4 +166,4 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
         finally:
             pipeline.close()
             pipeline.services.stop()
-            registry.unregister(cfg.run_id)
+            runs.unregister(cfg.run_id)

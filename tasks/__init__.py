@@ -1,12 +1,13 @@
-"""Prefect tasks: one per DAG node, each a thin wrapper over `areal_pipeline.pipeline.Pipeline`.
+"""Prefect tasks: one per DAG node (tasks/nodes.py, from the step table `areal_pipeline.steps.STEPS`), and the
+set-up nodes of the train flow (tasks/setup.py).
 
-Tasks run in the flow's process and find the run's live `Pipeline` (its servers and trainer) in
-`tasks.registry` by run id; their parameters are small (run id, iteration) and their results are small JSON
-records, persisted so that a retried or rerun flow shows finished nodes as Cached.
+Tasks run in the flow's process and find the run's live pipeline (its servers and trainer) in `tasks.runs` by run
+id; their parameters are the run id, the iteration and the outputs of the nodes before them, and their results
+are small JSON records, persisted so that a retried or rerun flow shows finished nodes as Cached.
 """
 
-from tasks.nodes import advantages, broadcast_weights, checkpoint, evaluate, ppo_update, rollout
+from tasks.nodes import NODES, call_node
 from tasks.setup import prepare_dataset, start_inference_servers, start_tool_servers, start_trainer
 
-__all__ = ["advantages", "broadcast_weights", "checkpoint", "evaluate", "ppo_update", "prepare_dataset", "rollout",
-           "start_inference_servers", "start_tool_servers", "start_trainer"]
+__all__ = ["NODES", "call_node", "prepare_dataset", "start_inference_servers", "start_tool_servers",
+           "start_trainer"]

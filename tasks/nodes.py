@@ -1,66 +1,122 @@
-"""The DAG's nodes as Prefect tasks, from one table: each node's retries, time limit and cache key.
+"""The DAG's nodes as Prefect tasks, one per step of `areal_pipeline.steps.STEPS` (its order, inputs, retries,
+time limit and cached output).
 
-Every node is `Pipeline.<name>(k)` of the run's live pipeline (`registry.run_node`), within its time limit.
-Retries are for transient faults only, and only while the run goes on (`registry.retry_while_running`). A node
-whose output is a directory of shards or a record is cached by that output (`registry.output_cache_key`): a
-rerun or a retried train run shows it Cached and skips it while the output is complete and intact on disk.
+A node `<step>(run_id, k, *inputs)` is `Pipeline.<step>(k, *inputs)` of the run's live pipeline (`tasks.runs`),
+within its time limit; its inputs are the outputs (small JSON records naming files) of the steps it names, so the
+Prefect UI draws the data edges. `call_node` calls one from a flow: the run id and k are quoted (they are no
+upstream result, whatever object identity says) and each input is opaque (its own node is the edge, not the
+objects inside it), since Prefect links an argument to the task run whose result has the same `id()`.
+
+Retries are for transient faults only, and only while the run goes on (`retry_while_running`). A node whose
+output is a directory of shards or a file is cached by that output (`output_cache_key`): a rerun or a retried
+train run shows it Cached and skips it while the output is complete and intact on disk.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import inspect
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import opaque, quote
 
-from tasks import registry
-
-HOUR = 3600
-
-
-@dataclass(frozen=True)
-class Node:
-    name: str
-    doc: str
-    retries: int
-    retry_delay_seconds: Any
-    limit_s: float
-    output: Optional[Callable[[Any, int], Any]] = None  # (pipeline, k) -> the path that caches the node
+from areal_pipeline.data.shards import shards_intact
+from areal_pipeline.logprob_steps import logprobs_rows
+from areal_pipeline.steps import STEPS, Step
+from areal_pipeline.utils import deadline
+from tasks import runs
 
 
-NODES = (
-    Node("rollout", "Episodes of iteration k with policy k - 1 -> `iter_<k>/rollout/`. A server that died is "
-         "restarted and brought to the right weights before the episodes start.",
-         retries=2, retry_delay_seconds=[5, 30], limit_s=4 * HOUR, output=lambda p, k: p.paths.rollout(k)),
-    Node("advantages", "Rollout shards -> batch shards with rewards, (KL penalties) and advantages.",
-         retries=1, retry_delay_seconds=5, limit_s=HOUR, output=lambda p, k: p.paths.batch(k)),
-    Node("ppo_update", "Trainer version k - 1 -> k. On a retry (or a restarted trainer) the trainer is first "
-         "brought back to version k - 1 from the newest checkpoint plus replayed updates.",
-         retries=1, retry_delay_seconds=5, limit_s=4 * HOUR, output=lambda p, k: p.paths.update(k)),
-    Node("broadcast_weights", "Pause the servers, push version k (disk or distributed), continue. Idempotent: a "
-         "retry re-pushes only to servers not yet at version k.",
-         retries=2, retry_delay_seconds=[5, 30], limit_s=HOUR),
-    Node("checkpoint", "`checkpoints/step_<k>/` every save_freq iterations (temp dir, then rename); keeps the "
-         "newest K.", retries=1, retry_delay_seconds=5, limit_s=HOUR),
-    Node("evaluate", "pass@1 of version k on the test split, every eval_freq iterations.",
-         retries=1, retry_delay_seconds=5, limit_s=4 * HOUR, output=lambda p, k: p.paths.evaluation(k)),
-)
+def run_step(name: str, run_id: str, k: int, inputs: tuple, limit_s: float) -> Any:
+    """`Pipeline.<name>(k, *inputs)` of run `run_id`, within `limit_s` seconds: every trainer command, inference
+    request and wait inside it is bounded by what is left (`utils.deadline`), and running past the limit fails the
+    node (which its retries then handle). Not Prefect's `timeout_seconds`: iteration runs execute in worker
+    threads, where it cannot interrupt a blocked call, warns on every task run and starts a watcher thread per
+    task."""
+    with deadline(limit_s, f"{name} of iteration {k}"):
+        return getattr(runs.get(run_id).pipeline, name)(k, *inputs)
 
 
-def _node_task(node: Node):
-    def run(run_id: str, k: int) -> Any:
-        return registry.run_node(node.name, run_id, k, limit_s=node.limit_s)
+def output_cache_key(output: Callable[[Any, int], Path]) -> Callable[[Any, dict], Optional[str]]:
+    """A Prefect `cache_key_fn` that exists only while the node's output (`output(run paths, k)`) is complete and
+    intact on disk: the key is the digest of the output's manifest (or of the output file itself), so deleting
+    or rewriting the output invalidates the cache, and a node whose output is missing, or whose shards fail their
+    checksums, always runs (and finds the corruption itself). The check (it reads and hashes the manifest) runs
+    only where an output exists: on a rerun, not a first run."""
 
-    run.__name__ = run.__qualname__ = node.name
-    run.__doc__ = node.doc
+    def key(context, parameters: dict) -> Optional[str]:
+        run = runs.find(_plain(parameters["run_id"]))
+        if run is None:
+            return None
+        k = _plain(parameters["k"])
+        path = output(run.pipeline.paths, k)
+        record = path / "manifest.json" if path.is_dir() else path
+        if not record.is_file() or (path.is_dir() and not shards_intact(path)) or (
+                path.suffix == ".parquet" and logprobs_rows(path) is None):  # a logprobs file that cannot be read
+            return None
+        digest = hashlib.sha256(record.read_bytes()).hexdigest()[:16]
+        return f"{context.task.name}-{run.run_id}-{k}-{digest}"
+
+    return key
+
+
+def retry_while_running(task, task_run, state) -> bool:
+    """A `retry_condition_fn`: retry a failed node only for a transient fault (`errors.is_transient`: a lost
+    connection, a timeout, a process that died, HTTP 5xx) and only while its run goes on. A deterministic error
+    (bad config or data, a missing file, a request refused as bad) fails at once, its own message last, not
+    under retry tracebacks; once the run is ending (its services stopped, e.g. after Ctrl-C), a node that failed
+    because of it gives up at once too."""
+    from prefect.context import TaskRunContext
+
+    from areal_pipeline.errors import is_transient
+
+    failure = state.data  # Prefect hands the node's exception over as a Failed state's data
+    if isinstance(failure, BaseException) and not is_transient(failure):
+        return False
+    context = TaskRunContext.get()
+    run_id = _plain(context.parameters.get("run_id")) if context is not None and context.parameters else None
+    run = runs.find(run_id) if run_id is not None else None
+    return run is not None and not run.pipeline.services.stopped
+
+
+def _plain(value: Any) -> Any:
+    """A parameter as the task got it (`call_node` quotes some)."""
+    return value.unwrap() if isinstance(value, (quote, opaque)) else value
+
+
+def _node_task(step: Step):
+    # the inputs named by their steps (Prefect records each parameter's upstream task run)
+    signature = inspect.Signature(
+        [inspect.Parameter("run_id", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str),
+         inspect.Parameter("k", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=int)]
+        + [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None) for name in step.inputs])
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        parameters = bound.arguments
+        return run_step(step.name, parameters["run_id"], parameters["k"],
+                        tuple(parameters[name] for name in step.inputs), limit_s=step.limit_s)
+
+    run.__name__ = run.__qualname__ = step.name
+    run.__doc__ = step.doc
+    run.__signature__ = signature
     # a node without an output on disk runs every time it is called (it is idempotent): Prefect's default cache
     # key (inputs and code) would be the same for every node made here
-    cached = (dict(persist_result=True, result_serializer="json", cache_key_fn=registry.output_cache_key(node.output))
-              if node.output is not None else dict(cache_policy=NO_CACHE))
+    cached = (dict(persist_result=True, result_serializer="json", cache_key_fn=output_cache_key(step.output))
+              if step.output is not None else dict(cache_policy=NO_CACHE))
     # named by iteration: a flow run of several iterations holds several runs of each node
-    return task(run, name=node.name, task_run_name=f"{node.name}-{{k}}", retries=node.retries, retry_delay_seconds=node.retry_delay_seconds,
-                retry_condition_fn=registry.retry_while_running, **cached)
+    return task(run, name=step.name, task_run_name=f"{step.name}-{{k}}", retries=step.retries,
+                retry_delay_seconds=step.retry_delay_seconds, retry_condition_fn=retry_while_running, **cached)
 
 
-rollout, advantages, ppo_update, broadcast_weights, checkpoint, evaluate = map(_node_task, NODES)
+NODES = {step.name: _node_task(step) for step in STEPS}
+
+
+def call_node(step: Step, run_id: str, k: int, inputs: tuple) -> Any:
+    """Run node `step` of iteration k in the current flow run, `inputs` the outputs of the steps it names; its
+    output (its error is raised)."""
+    return NODES[step.name](quote(run_id), quote(k), *(opaque(value) for value in inputs))

@@ -18,7 +18,8 @@ from areal_pipeline.errors import PermanentError, is_transient
 from areal_pipeline.inference.client import InferenceServerError
 from areal_pipeline.training.client import TrainerError
 from areal_pipeline.utils import DeadlineExceeded
-from tasks import registry
+from tasks import runs
+from tasks.nodes import retry_while_running
 
 
 def _caused(error: Exception, cause: BaseException) -> Exception:
@@ -83,7 +84,7 @@ FAILURES = {"bad config": PERMANENT["config"], "bad row": PERMANENT["dataset row
 attempts: Counter = Counter()
 
 
-@task(retries=2, retry_delay_seconds=0, retry_condition_fn=registry.retry_while_running)
+@task(retries=2, retry_delay_seconds=0, retry_condition_fn=retry_while_running)
 def failing_node(run_id: str, failure: str) -> None:
     attempts[run_id] += 1
     raise FAILURES[failure]
@@ -96,13 +97,13 @@ def one_node_flow(run_id: str, failure: str) -> None:
 
 def _run_with_live_pipeline(run_id: str, failure: str, services_stopped: bool = False) -> BaseException:
     """Run the flow while `run_id` has a live pipeline (the retry condition asks for it); its failure."""
-    registry.register(SimpleNamespace(cfg=SimpleNamespace(run_id=run_id),
+    runs.register(SimpleNamespace(cfg=SimpleNamespace(run_id=run_id),
                                       services=SimpleNamespace(stopped=services_stopped)))
     try:
         with pytest.raises(type(FAILURES[failure])) as raised:
             one_node_flow(run_id, failure)
     finally:
-        registry.unregister(run_id)
+        runs.unregister(run_id)
     return raised.value
 
 

@@ -115,9 +115,9 @@ def test_async_iterations_roll_out_during_the_previous_update(prefect_api, tiny_
 
     real_update = Pipeline.ppo_update
 
-    def slow_update(self, k):  # long enough that the next iteration's run start and rollout fit inside it
+    def slow_update(self, k, *inputs):  # long enough that the next iteration's run start and rollout fit inside it
         time.sleep(3)
-        return real_update(self, k)
+        return real_update(self, k, *inputs)
 
     monkeypatch.setattr(Pipeline, "ppo_update", slow_update)
     train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
@@ -237,7 +237,7 @@ def test_ppo_update_failing_on_first_attempt_succeeds_on_retry(prefect_api, tiny
     iterations) and trains again."""
     from areal_pipeline.training.client import TrainerClient
     from flows.train import train
-    from tasks import registry
+    from tasks import runs
 
     killed = {}
     real_call = TrainerClient.call
@@ -246,7 +246,7 @@ def test_ppo_update_failing_on_first_attempt_succeeds_on_retry(prefect_api, tiny
         # An update takes ~0.1 s: killing the rank when the trainer reports itself busy races with its end.
         # So the rank dies as iteration 2's train command is sent, which then finds no trainer.
         if cmd == "train" and kwargs.get("iteration") == 2 and not killed:
-            trainer = registry.get("retry").services.trainer
+            trainer = runs.get("retry").pipeline.services.trainer
             # the rank: the trainer process itself where it was forked (one rank), torchrun's child otherwise
             launched = psutil.Process(trainer.popen.pid)
             (rank,) = [p for p in [launched, *launched.children()] if "trainer_server" in " ".join(p.cmdline())]

@@ -204,14 +204,15 @@ def test_a_corrupt_batch_shard_is_named_on_read_and_the_trainer_refuses_it(run):
 
 
 def test_advantages_compute_a_corrupt_batch_again(run):
-    from tasks import registry
+    from tasks import runs
+    from tasks.nodes import output_cache_key
 
     batch = run.paths.batch(3)
     intact = read_manifest(batch)["shards"]
     assert run.pipeline.advantages(3)["cached"] is True
-    cache_key = registry.output_cache_key(lambda p, k: p.paths.batch(k))
+    cache_key = output_cache_key(lambda paths, k: paths.batch(k))
     context, parameters = SimpleNamespace(task=SimpleNamespace(name="advantages")), {"run_id": "integrity", "k": 3}
-    registry.register(run.pipeline)
+    runs.register(run.pipeline)
     try:
         assert cache_key(context, parameters) is not None
         for corrupt in (flip_byte, truncate):
@@ -223,7 +224,7 @@ def test_advantages_compute_a_corrupt_batch_again(run):
             verify_shards(batch)
             assert read_manifest(batch)["shards"] == intact  # the very same bytes again
     finally:
-        registry.unregister("integrity")
+        runs.unregister("integrity")
 
 
 def test_a_corrupt_rollout_is_generated_again_with_the_same_tokens(run):

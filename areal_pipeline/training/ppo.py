@@ -127,6 +127,23 @@ def read_batch(batch_dir: Path, columns: tuple[str, ...]) -> dict[str, list]:
     return {c: table.column(c).to_pylist() for c in columns}
 
 
+def read_logprobs(path: str | Path, input_ids: list[list[int]]) -> list[list[float]]:
+    """Per-token logprobs that the trainer's `compute_logp` wrote to `path` for these sequences: IntegrityError
+    (a corrupt file, which the pipeline computes again) unless they are one row per sequence, a value per token."""
+    import pyarrow.parquet as pq
+
+    from areal_pipeline.checksums import IntegrityError
+
+    try:
+        values = pq.read_table(path).column("logprobs").to_pylist()
+    except (OSError, KeyError, pa.ArrowException) as error:
+        raise IntegrityError(path, f"unreadable logprobs: {error}") from error
+    if [len(v) for v in values] != [len(ids) for ids in input_ids]:
+        raise IntegrityError(path, f"{len(values)} rows of logprobs do not match the {len(input_ids)} sequences "
+                                   "token for token")
+    return values
+
+
 def tokens_in_loss(mb: MicroBatch) -> float:
     """A micro-batch's weight in an update's mean: its loss tokens."""
     return float(mb.tensors["loss_mask"].sum())

@@ -9,7 +9,9 @@ collective, and rank 0 answers. Commands:
 
     {"cmd": "initialize"} / {"cmd": "reinitialize"}         -> {"version"}
     {"cmd": "compute_logp", "shard_dir", "out_path", "model": "actor" | "ref"}
-    {"cmd": "train", "batch_dir", "iteration"}              -> stats; needs version == iteration - 1
+    {"cmd": "train", "batch_dir", "iteration",              -> stats; needs version == iteration - 1
+     "policy_logprobs"}                                     (optional: compute_logp's file of the batch at
+                                                             version iteration - 1, for the loss's policy columns)
     {"cmd": "probe_logp", "input_ids"}                      -> {"logprobs" of input_ids[1:] at temperature 1}
     {"cmd": "save", "path", "extra"} / {"cmd": "load", "path"}
     {"cmd": "save_weights", "path"}                         -> an HF directory for /update_weights_from_disk
@@ -52,7 +54,7 @@ from areal_pipeline.training.client import TRAINER_INIT_METHOD_ENV
 from areal_pipeline.training.command_input import BODY_READ_TIMEOUT_S, check_arguments, read_command
 from areal_pipeline.training.engine import TrainEngine, resolve_device
 from areal_pipeline.training.loss_registry import make_loss
-from areal_pipeline.training.ppo import read_batch
+from areal_pipeline.training.ppo import read_batch, read_logprobs
 from areal_pipeline.utils import (atomic_directory, atomic_path, exit_when_parent_dies, get_logger,
                                   import_in_background)
 
@@ -146,13 +148,13 @@ class Trainer:
             actor.temperature = temperature
         return {"logprobs": [float(v) for v in values[1:]], "version": actor.version}
 
-    def train(self, batch_dir: str, iteration: int) -> dict:
+    def train(self, batch_dir: str, iteration: int, policy_logprobs: Optional[str] = None) -> dict:
         profile_dir = os.environ.get(PROFILE_ENV)
         wanted = os.environ.get(PROFILE_ITERATIONS_ENV, "")
         if profile_dir and (not wanted or str(iteration) in wanted.split(",")):
             return self._profiled(Path(profile_dir) / f"train-iter{iteration}-rank{self.rank}.txt",
-                                  lambda: self._train(batch_dir, iteration))
-        return self._train(batch_dir, iteration)
+                                  lambda: self._train(batch_dir, iteration, policy_logprobs))
+        return self._train(batch_dir, iteration, policy_logprobs)
 
     def _profiled(self, out: Path, command):
         """`command()` under torch's profiler; its operators by time (self device time on a GPU) go to `out`."""
@@ -170,7 +172,7 @@ class Trainer:
             Path(tmp).write_text(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60))
         return result
 
-    def _train(self, batch_dir: str, iteration: int) -> dict:
+    def _train(self, batch_dir: str, iteration: int, policy_logprobs: Optional[str] = None) -> dict:
         actor = self.require_actor()
         if actor.version != iteration - 1:
             raise CommandError(
@@ -185,7 +187,8 @@ class Trainer:
                                       forward_logprob_columns=loss.policy_columns)
         else:
             if loss.policy_columns:
-                logprobs = actor.compute_logp(batch)
+                logprobs = (read_logprobs(policy_logprobs, batch["input_ids"]) if policy_logprobs
+                            else actor.compute_logp(batch))
                 batch.update({column: logprobs for column in loss.policy_columns})
             stats = actor.train_batch(batch, loss.fn, loss.weight, loss.columns, n_minibatches)
         actor.version = iteration

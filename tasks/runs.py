@@ -1,0 +1,62 @@
+"""The live train runs of this process, by run id: one record per run holding everything the flows and tasks
+keep about it while it runs (its pipeline, and the flows' bookkeeping: iteration handoffs, progress, Prefect
+control, events), so that a node or a flow run finds its run by the run id in its parameters."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from areal_pipeline.pipeline import Pipeline
+
+
+@dataclass
+class LiveRun:
+    pipeline: Pipeline
+    handoffs: dict[int, Any] = field(default_factory=dict)  # iteration -> flows.overlap.Handoff
+    progress: Optional[Any] = None  # flows.artifacts.Progress, while the iterations run
+    control: Optional[Any] = None  # flows.control.RunControl: Prefect's cancel and pause of the train flow run
+    events: Optional[Any] = None  # flows.events.RunEvents
+    artifacts_published_at: float = -math.inf  # when its iteration artifacts were last published (monotonic)
+
+    @property
+    def run_id(self) -> str:
+        return self.pipeline.cfg.run_id
+
+
+_LIVE: dict[str, LiveRun] = {}
+
+
+def register(pipeline: Pipeline) -> LiveRun:
+    if pipeline.cfg.run_id in _LIVE:
+        raise RuntimeError(f"run '{pipeline.cfg.run_id}' is already live in this process")
+    run = _LIVE[pipeline.cfg.run_id] = LiveRun(pipeline)
+    return run
+
+
+def unregister(run_id: str) -> None:
+    _LIVE.pop(run_id, None)
+
+
+@contextlib.contextmanager
+def live(pipeline: Pipeline) -> Iterator[LiveRun]:
+    """`pipeline`'s run is live (found by its run id) for the block."""
+    run = register(pipeline)
+    try:
+        yield run
+    finally:
+        unregister(run.run_id)
+
+
+def find(run_id: str) -> Optional[LiveRun]:
+    return _LIVE.get(run_id)
+
+
+def get(run_id: str) -> LiveRun:
+    run = _LIVE.get(run_id)
+    if run is None:
+        raise RuntimeError(f"run '{run_id}' is not live in this process (its nodes run inside the train flow, which "
+                           "starts the servers and the trainer)")
+    return run
