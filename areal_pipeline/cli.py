@@ -13,13 +13,14 @@ from typing import Optional
 
 
 def _config(args):
-    from areal_pipeline.config import load_config
+    from areal_pipeline.run_spec import load_config
 
     return load_config(args.config, args.overrides)
 
 
 def cmd_init_model(args) -> None:
-    from areal_pipeline.config import TinyModelConfig, load_config
+    from areal_pipeline.config import TinyModelConfig
+    from areal_pipeline.run_spec import load_config
     from areal_pipeline.model import build_tiny_model
 
     tiny = load_config(None, [f"model.tiny.{o}" for o in args.overrides]).model.tiny if args.overrides else TinyModelConfig()
@@ -101,7 +102,7 @@ def _api_and_forkserver():
 
 
 def cmd_train(args) -> None:
-    from areal_pipeline.config import resolve_run_config
+    from areal_pipeline.run_spec import resolve_run_config
     from areal_pipeline.data.datasets import check_local_rows
 
     # Config errors first, then data errors, before anything starts (both need only light imports).

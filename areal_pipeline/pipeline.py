@@ -36,13 +36,14 @@ from areal_pipeline.checksums import IntegrityError, has_checksums, verify_check
 from areal_pipeline.config import ExperimentConfig, save_config, to_dict
 from areal_pipeline.data.datasets import load_records
 from areal_pipeline.data.shards import keep_if_intact, read_manifest
-from areal_pipeline.evaluation import evaluate_policy
 from areal_pipeline.inference.client import RemoteSGLangEngine, engine_for
 from areal_pipeline.model import load_tokenizer, resolve_model_path
+from areal_pipeline.policy_eval import evaluate_policy
 from areal_pipeline.policy_versions import PolicyVersions
 from areal_pipeline.rewards.pool import RewardPool
 from areal_pipeline.rollout.executor import episode_seed, rollout_to_shards, select_batch, write_rollout_shards
 from areal_pipeline.run_dir import RunPaths, read_json, run_lock, write_json
+from areal_pipeline.run_spec import RunSpec, assemble, build_workflow
 from areal_pipeline.services import Services
 from areal_pipeline.training.ppo import write_batch
 from areal_pipeline.utils import (atomic_write_text, get_logger, import_in_background, raise_if_deadline_passed,
@@ -74,11 +75,12 @@ def _timed(step):
 
 
 class Pipeline(PolicyVersions):
-    def __init__(self, cfg: ExperimentConfig, log_dir: Optional[Path] = None):
-        self.cfg = cfg
+    def __init__(self, cfg: ExperimentConfig | RunSpec, log_dir: Optional[Path] = None):
+        self.run = cfg if isinstance(cfg, RunSpec) else assemble(cfg)  # a config is assembled here
+        cfg = self.cfg = self.run.cfg
         self.paths = RunPaths(cfg.run_dir)
         self.model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
-        self.services = Services(cfg, self.model_path, log_dir or cfg.run_dir / "logs")
+        self.services = Services(cfg, self.model_path, log_dir or cfg.run_dir / "logs", tools=self.run.tools)
         self._tokenizer = None
         self._reward_pool: Optional[RewardPool] = None
         self._records: dict[str, list[dict]] = {}
@@ -173,9 +175,7 @@ class Pipeline(PolicyVersions):
                                       self.cfg.rollout.batch_size, self.cfg.seed)]
 
     def _workflow(self):
-        from areal_pipeline.workflows import build_workflow
-
-        return build_workflow(self.cfg, self.tokenizer, self.reward_pool, **self._tool_kwargs())
+        return build_workflow(self.run, self.tokenizer, self.reward_pool, **self._tool_kwargs())
 
     def _collect_async(self, k: int, served_version: int) -> dict[str, Any]:
         """Asynchronous mode: iteration k's episodes from the background executor (started on first use,
@@ -293,7 +293,7 @@ class Pipeline(PolicyVersions):
         if record is not None:
             return {**record, "cached": True}
         self.sync_servers(k)
-        record = evaluate_policy(self.cfg, self._engine, self.records(self.cfg.dataset.test_split), self.tokenizer,
+        record = evaluate_policy(self.run, self._engine, self.records(self.cfg.dataset.test_split), self.tokenizer,
                                  self.reward_pool, self._tool_kwargs())
         return {**write_json(self.paths.evaluation(k), {"version": k, **record}), "cached": False}
 
@@ -361,9 +361,7 @@ class Pipeline(PolicyVersions):
         reward workers (spawned in the background; each imports the reward module, which takes seconds), and
         pandas, which pyarrow imports at its first conversion of Python lists (the first shard written), in the
         background while the first rollout waits for the servers."""
-        from areal_pipeline.workflows import pooled_reward_function
-
-        reward_fn = pooled_reward_function(self.cfg)
+        reward_fn = self.run.reward
         if reward_fn is not None:
             self.reward_pool.warm_up(reward_fn)
         self.tokenizer

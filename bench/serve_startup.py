@@ -91,7 +91,7 @@ def main() -> None:
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    from areal_pipeline.config import load_config
+    from areal_pipeline.run_spec import load_config
     from areal_pipeline.model import resolve_model_path
     from flows.api_server import TemporaryAPIServer
 

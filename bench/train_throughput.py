@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from areal_pipeline.config import load_config
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.data.shards import write_shards
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.model import build_byte_tokenizer, build_tiny_model

@@ -41,7 +41,7 @@ def trl_worker(config: str, overrides: list[str], out_dir: Path) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from areal_pipeline.config import load_config
+    from areal_pipeline.run_spec import load_config
     from areal_pipeline.data.datasets import load_records
     from areal_pipeline.model import load_model, load_tokenizer, resolve_model_path
 
@@ -96,7 +96,7 @@ CLI = str(Path(sys.executable).with_name("areal-pipeline"))
 
 def measure_flow(config: str, overrides: list[str], thresholds, env: dict) -> dict:
     """`areal-pipeline train` from its start: an iteration ends when its metrics.json is written."""
-    from areal_pipeline.config import load_config
+    from areal_pipeline.run_spec import load_config
     from areal_pipeline.metrics import read_metrics
 
     label = "flow"
@@ -122,7 +122,7 @@ def measure_flow(config: str, overrides: list[str], thresholds, env: dict) -> di
 def main() -> None:
     import tempfile
 
-    from areal_pipeline.config import load_config
+    from areal_pipeline.run_spec import load_config
     from areal_pipeline.model import resolve_model_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -7,7 +7,7 @@ import fcntl
 from pathlib import Path
 from typing import Any
 
-from areal_pipeline.config import load_config
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.model import embedded_model_dir, resolve_model_path
 from areal_pipeline.pipeline import run_plain
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from areal_pipeline.config import load_config
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.data.shards import write_shards
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.model import load_model

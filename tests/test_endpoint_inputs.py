@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from areal_pipeline.config import load_config
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.errors import is_transient
 from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEngine
 from areal_pipeline.inference.server_args import DEFAULT_MAX_BODY_BYTES

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from areal_pipeline.config import load_config
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.inference.launcher import ServerLaunchError
 from areal_pipeline.pipeline import run_plain
 from areal_pipeline.services import Services

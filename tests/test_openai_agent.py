@@ -23,7 +23,8 @@ from _openai_helpers import (
     taught_model,
     taught_conversation_ids,
 )
-from areal_pipeline.config import ConfigError, GenerationConfig, load_config
+from areal_pipeline.config import ConfigError, GenerationConfig
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.data.trajectory import NO_VERSION, Trajectory
 from areal_pipeline.errors import is_transient
 from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEngine

@@ -8,7 +8,7 @@ import collections
 
 import pytest
 
-from areal_pipeline.config import load_config
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.data.shards import ShardError
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.inference.launcher import ServerProcess

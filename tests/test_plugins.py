@@ -11,7 +11,9 @@ import textwrap
 
 import pytest
 
-from areal_pipeline.config import ConfigError, load_config
+from areal_pipeline.config import ConfigError
+
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.data.shards import read_trajectories
 from test_flows import cli, fast_overrides
 

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from areal_pipeline.config import DatasetConfig, load_config
+from areal_pipeline.config import DatasetConfig
+
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.data.datasets import load_records
 from areal_pipeline.data.knowledge_base import knowledge_base
 from areal_pipeline.inference.launcher import ServerProcess

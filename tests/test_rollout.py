@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from areal_pipeline.config import load_config
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.data.shards import read_trajectories, verify_shards
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.model import load_tokenizer

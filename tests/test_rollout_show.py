@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from areal_pipeline.config import load_config
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.data.shards import read_manifest
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.model import load_tokenizer

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_pipeline.config import ConfigError, GenerationConfig, load_config
+from areal_pipeline.config import ConfigError, GenerationConfig
+
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.inference.client import engine_for
 from areal_pipeline.inference.launcher import build_vllm_command, launch_servers, server_processes
 from areal_pipeline.inference.types import ModelRequest

@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 
-from areal_pipeline.config import GenerationConfig, load_config
+from areal_pipeline.config import GenerationConfig
+
+from areal_pipeline.run_spec import build_workflow, load_config
 from areal_pipeline.data.knowledge_base import knowledge_base
 from areal_pipeline.data.shards import read_trajectories, verify_shards
 from areal_pipeline.inference.client import RemoteSGLangEngine
@@ -21,7 +23,6 @@ from areal_pipeline.rewards import exact_match_reward, f1_reward
 from areal_pipeline.tools.retrieval_client import RetrievalClient
 from areal_pipeline.tools.retrieval_server import launch_retrieval_server
 from areal_pipeline.utils import find_free_port
-from areal_pipeline.workflows import build_workflow
 from areal_pipeline.workflows.rlvr import chat_prompt_ids
 from areal_pipeline.services import Services
 from areal_pipeline.tools.retrieval_client import RetrievalError, check_retrieval_server
