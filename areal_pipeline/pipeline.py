@@ -36,7 +36,8 @@ from areal_pipeline.checksums import IntegrityError, has_checksums, verify_check
 from areal_pipeline.config import ExperimentConfig, save_config, to_dict
 from areal_pipeline.data.datasets import load_records
 from areal_pipeline.data.shards import keep_if_intact, read_manifest
-from areal_pipeline.inference.client import RemoteSGLangEngine, engine_for
+from areal_pipeline.inference.backends import engine_for
+from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.model import load_tokenizer, resolve_model_path
 from areal_pipeline.policy_eval import evaluate_policy
 from areal_pipeline.policy_versions import PolicyVersions

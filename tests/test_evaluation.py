@@ -14,7 +14,7 @@ from areal_pipeline.run_spec import build_workflow, load_config
 from areal_pipeline.data.datasets import load_records
 from areal_pipeline.evaluation import evaluate_checkpoint
 from areal_pipeline.policy_eval import evaluate_policy
-from areal_pipeline.inference.client import engine_for
+from areal_pipeline.inference.backends import engine_for
 from areal_pipeline.model import build_tiny_model, load_model, load_tokenizer
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.rewards.math import extract_answer

@@ -31,7 +31,8 @@ from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEn
 from areal_pipeline.inference.openai_api import chat_prompt_ids, parse_messages, parse_tool_calls
 from areal_pipeline.model import load_model, load_tokenizer
 from areal_pipeline.utils import find_free_port
-from areal_pipeline.workflows.openai_agent import AgentError, OpenAIAgentWorkflow, discounted_rewards, load_agent
+from areal_pipeline.workflows.openai_agent import AgentError, OpenAIAgentWorkflow, load_agent
+from areal_pipeline.workflows.openai_recording import discounted_rewards
 from conftest import start_cpu_server
 from test_openai_api import perturbed_copy
 from test_workflows_common import RecordingEngine, assert_logprobs_match_model

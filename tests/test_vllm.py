@@ -23,7 +23,7 @@ import torch
 from areal_pipeline.config import ConfigError, GenerationConfig
 
 from areal_pipeline.run_spec import load_config
-from areal_pipeline.inference.client import engine_for
+from areal_pipeline.inference.backends import engine_for
 from areal_pipeline.inference.launcher import build_vllm_command, launch_servers, server_processes
 from areal_pipeline.inference.types import ModelRequest
 from areal_pipeline.inference.vllm_client import RemoteVLLMEngine
@@ -328,7 +328,7 @@ def test_the_train_flow_runs_on_vllm(server, models, tmp_path):
     env.pop("PREFECT_API_URL", None)
     iterations = 3
     done = subprocess.run(
-        [sys.executable, "-m", "areal_pipeline.cli", "train", "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
+        [sys.executable, "-m", "cli", "train", "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
          HEADS, *VLLM_OVERRIDES, f"model.path={models[0]}", f"inference.addresses=[{server}]",
          f"total_iterations={iterations}", f"output_dir={tmp_path}", "run_id=vllm-flow"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=540)

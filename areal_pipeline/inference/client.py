@@ -398,14 +398,3 @@ class RemoteSGLangEngine:
 
     async def get_server_info(self, address: Optional[str] = None) -> dict:
         return await self.request(address or self.addresses[0], "/server_info", method="GET")
-
-
-def engine_for(addresses: list[str], cfg: InferenceConfig, **kwargs: Any) -> RemoteSGLangEngine:
-    """The client that speaks `cfg.backend`'s protocol: vLLM's, else SGLang's (SGLang and the project's server)."""
-    options = {"request_timeout": cfg.request_timeout, "request_retries": cfg.request_retries,
-               "setup_timeout": cfg.setup_timeout, **kwargs}
-    if cfg.backend == "vllm":
-        from areal_pipeline.inference.vllm_client import RemoteVLLMEngine
-
-        return RemoteVLLMEngine(addresses, seeded=cfg.vllm.seeded_sampling, **options)
-    return RemoteSGLangEngine(addresses, **options)

@@ -52,7 +52,7 @@ from typing import Any, Optional, Union
 from aiohttp import web
 
 from areal_pipeline.http_json import RequestRejected, check_bool, check_int, check_number, read_json_object, shown
-from areal_pipeline.inference.request_validation import check_unused_fields, given_max_tokens
+from areal_pipeline.inference.request_validation import OpenAIError, check_unused_fields, error_body, given_max_tokens
 
 # What the server takes: more samples of one prompt than a batch of the CPU server holds would only queue.
 MAX_N = 128
@@ -78,23 +78,6 @@ QWEN_TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist wi
 QWEN_TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
                      "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
                      '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
-
-
-class OpenAIError(RequestRejected):
-    """A request answered in OpenAI's error shape (HTTP 400 unless given)."""
-
-    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None, status: int = 400,
-                 error_type: str = "invalid_request_error"):
-        super().__init__(message, status)
-        self.param, self.code, self.error_type = param, code, error_type
-
-    def body(self) -> dict:
-        return error_body(str(self), self.error_type, self.param, self.code)
-
-
-def error_body(message: str, error_type: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def as_openai_error(error: RequestRejected) -> OpenAIError:

@@ -1,5 +1,6 @@
 """Checks of the OpenAI request fields that `openai_api.py` takes without using them, and of the token budget
 fields: a wrong-typed value is refused with HTTP 400 naming the field (as OpenAI refuses it), never taken silently.
+The error they raise, OpenAIError (OpenAI's error shape), is defined here, below `openai_api.py`, which uses it too.
 """
 
 from __future__ import annotations
@@ -9,9 +10,24 @@ from typing import Any, Optional
 from areal_pipeline.http_json import RequestRejected, shown
 
 
-def _refused(message: str, param: str) -> RequestRejected:
-    from areal_pipeline.inference.openai_api import OpenAIError  # openai_api imports this module
+class OpenAIError(RequestRejected):
+    """A request answered in OpenAI's error shape (HTTP 400 unless given)."""
 
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None, status: int = 400,
+                 error_type: str = "invalid_request_error"):
+        super().__init__(message, status)
+        self.param, self.code, self.error_type = param, code, error_type
+
+    def body(self) -> dict:
+        return error_body(str(self), self.error_type, self.param, self.code)
+
+
+def error_body(message: str, error_type: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _refused(message: str, param: str) -> RequestRejected:
     return OpenAIError(message, param)
 
 

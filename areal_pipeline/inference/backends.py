@@ -1,0 +1,20 @@
+"""The inference client a run talks to its servers with, chosen by `inference.backend`: above both clients (vLLM's
+builds on SGLang's), so neither imports the other's chooser."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from areal_pipeline.config import InferenceConfig
+from areal_pipeline.inference.client import RemoteSGLangEngine
+
+
+def engine_for(addresses: list[str], cfg: InferenceConfig, **kwargs: Any) -> RemoteSGLangEngine:
+    """The client that speaks `cfg.backend`'s protocol: vLLM's, else SGLang's (SGLang and the project's server)."""
+    options = {"request_timeout": cfg.request_timeout, "request_retries": cfg.request_retries,
+               "setup_timeout": cfg.setup_timeout, **kwargs}
+    if cfg.backend == "vllm":
+        from areal_pipeline.inference.vllm_client import RemoteVLLMEngine
+
+        return RemoteVLLMEngine(addresses, seeded=cfg.vllm.seeded_sampling, **options)
+    return RemoteSGLangEngine(addresses, **options)
