@@ -204,7 +204,7 @@ def _cli_train(*overrides: str, output_dir) -> tuple[subprocess.CompletedProcess
     """Run `areal-pipeline train`; its result, wall seconds and CPU seconds (the machine may be busy with other
     tests: the CPU time says how much work the command did, however long it waited for a core)."""
     cpu_before, started = _children_cpu_seconds(), time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "train", "--config", "configs/tiny_cpu.yaml",
+    done = subprocess.run([sys.executable, "-m", "cli", "train", "--config", "configs/tiny_cpu.yaml",
                            f"output_dir={output_dir}", *overrides], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     return done, time.monotonic() - started, _children_cpu_seconds() - cpu_before
@@ -274,13 +274,13 @@ def test_remax_refuses_the_ppo_loss():
 def test_config_command_prints_what_a_key_means():
     """`areal-pipeline config KEY`: type, default, the rule's allowed values and the field's own comment; a
     section lists its keys; an unknown key is a config error naming the close ones."""
-    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "config", "ppo.loss", "rollout.gconfig"],
+    done = subprocess.run([sys.executable, "-m", "cli", "config", "ppo.loss", "rollout.gconfig"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ppo.loss: str, default 'ppo'\n  allowed: ppo, reinforce, or 'module:attr'")
-    assert "a loss builder of your own" in done.stdout  # the comment beside the field in config.py
+    assert "a loss builder of your own" in done.stdout  # the comment beside the field in config/schema.py
     assert "rollout.gconfig.n_samples = 4" in done.stdout and "rollout.gconfig.temperature = 1.0" in done.stdout
-    wrong = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "config", "ppo.lss"], cwd=REPO,
+    wrong = subprocess.run([sys.executable, "-m", "cli", "config", "ppo.lss"], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert wrong.returncode != 0
     assert "unknown config key 'ppo.lss'; did you mean ppo.loss" in wrong.stdout + wrong.stderr

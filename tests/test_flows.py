@@ -277,7 +277,7 @@ def test_ppo_update_failing_on_first_attempt_succeeds_on_retry(prefect_api, tiny
 
 
 def cli(*args: str, env: dict, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "areal_pipeline.cli", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
@@ -412,7 +412,7 @@ def test_stopping_serve_stops_its_deployment_run_and_what_the_run_started(prefec
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     log = tmp_path / "serve.log"
     overrides = fast_overrides(tmp_path, tiny_model_dir, run_id="served-stop", iterations=50)
-    serve = subprocess.Popen([sys.executable, "-m", "areal_pipeline.cli", "serve", "--config", "configs/tiny_cpu.yaml",
+    serve = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--config", "configs/tiny_cpu.yaml",
                               "--run-id", "served-stop", "--iterations", "50", *overrides],
                              cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                              start_new_session=True)

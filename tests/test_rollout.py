@@ -54,7 +54,7 @@ def test_grouped_rlvr_episodes_against_a_real_server(cpu_server, tiny_model_dir)
 
 
 def test_rollout_command_writes_verified_shards(tmp_path):
-    args = [sys.executable, "-m", "areal_pipeline.cli", "rollout", "--config", "configs/tiny_cpu.yaml",
+    args = [sys.executable, "-m", "cli", "rollout", "--config", "configs/tiny_cpu.yaml",
             f"output_dir={tmp_path}", "run_id=r1", "rollout.batch_size=6", "rollout.gconfig.n_samples=3",
             "rollout.shard_rows=8", "inference.num_servers=2"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
@@ -71,7 +71,7 @@ def test_rollout_command_writes_verified_shards(tmp_path):
 
 
 def test_rollout_command_rejects_unknown_key(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "rollout", f"output_dir={tmp_path}",
+    done = subprocess.run([sys.executable, "-m", "cli", "rollout", f"output_dir={tmp_path}",
                            "rollout.batchsize=3"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "rollout.batch_size" in done.stderr and not (tmp_path / "tiny-cpu").exists()

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def rollout_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "--log-level", "WARNING", "rollout", *args],
+    return subprocess.run([sys.executable, "-m", "cli", "--log-level", "WARNING", "rollout", *args],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
 
 

@@ -217,7 +217,7 @@ def test_search_episodes_against_a_real_server(cpu_server, tiny_model_dir, token
 
 
 def test_rollout_command_with_the_search_agent_config(tiny_model_dir, tmp_path):
-    args = [sys.executable, "-m", "areal_pipeline.cli", "rollout", "--config", "configs/search_agent.yaml",
+    args = [sys.executable, "-m", "cli", "rollout", "--config", "configs/search_agent.yaml",
             f"output_dir={tmp_path}", "run_id=s", "rollout.batch_size=2", "rollout.gconfig.n_samples=2",
             f"model.path={tiny_model_dir}"]  # not the warm start: the protocol is what this checks
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
