@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from areal_pipeline.config import (CROSS_RULES, FIELD_RULES, Chosen, ChosenSection, ConfigError, ExperimentConfig,
-                                   Key, NoAgentConfig, RolloutConfig, Rule, TinyModelConfig, PPOConfig, build_config,
-                                   layered_value, one_of, read_layers, validate as validate_with)
+                                   Key, NoAgentConfig, PPOConfig, RolloutConfig, Rule, TinyModelConfig, build_config,
+                                   layered_value, one_of, read_layers)
 from areal_pipeline.placement import gpus_per_server
 from areal_pipeline.rewards.pool import RewardReference
 from areal_pipeline.run_dir import newest_completed_iteration
@@ -91,7 +91,6 @@ def _loss_builder_exists(name: str) -> bool:
 
 _LOSS = Rule("ppo, reinforce, or 'module:attr' naming an importable loss builder (training/loss_registry.py)",
              _loss_builder_exists)
-
 
 
 def _workflow_loads(name: str) -> bool:
@@ -185,11 +184,6 @@ RUN_CROSS_RULES = {
     ExperimentConfig: (*CROSS_RULES[ExperimentConfig], _warm_start_in_the_run_format, _selected_workflows_own_rules,
                        _gpus_placed_consistently),
 }
-
-
-def validate(cfg: Any, prefix: str = "") -> None:
-    """Check a run's config (or a section of it, as config.validate) against every rule, the run's included."""
-    validate_with(cfg, prefix, field_rules=RUN_FIELD_RULES, cross_rules=RUN_CROSS_RULES)
 
 
 def load_config(path=None, overrides: Optional[list[str]] = None) -> ExperimentConfig:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 def cmd_init_model(args) -> None:
     from areal_pipeline.config import TinyModelConfig
-    from areal_pipeline.run_spec import load_config
     from areal_pipeline.model import build_tiny_model
+    from areal_pipeline.run_spec import load_config
 
     tiny = load_config(None, [f"model.tiny.{o}" for o in args.overrides]).model.tiny if args.overrides else TinyModelConfig()
     path = build_tiny_model(args.out_dir, tiny, seed=args.seed)
@@ -94,8 +94,8 @@ def _api_and_forkserver():
 
 
 def cmd_train(args) -> None:
-    from areal_pipeline.run_spec import resolve_run_config
     from areal_pipeline.data.datasets import check_local_rows
+    from areal_pipeline.run_spec import resolve_run_config
 
     # Config errors first, then data errors, before anything starts (both need only light imports).
     cfg = resolve_run_config(args.config, args.overrides, args.run_id, args.iterations)

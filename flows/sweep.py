@@ -231,8 +231,8 @@ def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] 
     from prefect.settings import PREFECT_API_URL
 
     from areal_pipeline import shutdown
-    from areal_pipeline.run_spec import load_config
     from areal_pipeline.model import resolve_model_path
+    from areal_pipeline.run_spec import load_config
     from flows import overlap
 
     if max_parallel < 1:
@@ -302,8 +302,8 @@ def _child() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from prefect.flow_engine import load_flow_run, run_flow
 
-    from areal_pipeline.run_spec import resolve_run_config
     from areal_pipeline.console import quiet_console
+    from areal_pipeline.run_spec import resolve_run_config
     from flows.api_server import deliver_queued_logs_and_events
     from flows.events import listening
     from flows.train import train

@@ -100,8 +100,8 @@ def test_cpu_server_command():
 
 
 def _placed(*overrides: str, visible: int):
-    from areal_pipeline.run_spec import load_config
     from areal_pipeline.placement import plan
+    from areal_pipeline.run_spec import load_config
 
     cfg = load_config(None, list(overrides))
     return cfg, plan(cfg, visible=visible)

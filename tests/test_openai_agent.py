@@ -24,12 +24,12 @@ from _openai_helpers import (
     taught_conversation_ids,
 )
 from areal_pipeline.config import ConfigError, GenerationConfig
-from areal_pipeline.run_spec import load_config
 from areal_pipeline.data.trajectory import NO_VERSION, Trajectory
 from areal_pipeline.errors import is_transient
 from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEngine
 from areal_pipeline.inference.openai_api import chat_prompt_ids, parse_messages, parse_tool_calls
 from areal_pipeline.model import load_model, load_tokenizer
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.utils import find_free_port
 from areal_pipeline.workflows.openai_agent import AgentError, OpenAIAgentWorkflow, load_agent
 from areal_pipeline.workflows.openai_recording import discounted_rewards

@@ -14,10 +14,10 @@ from aiohttp import web
 
 from areal_pipeline.config import DatasetConfig
 
-from areal_pipeline.run_spec import load_config
 from areal_pipeline.data.datasets import load_records
 from areal_pipeline.data.knowledge_base import knowledge_base
 from areal_pipeline.inference.launcher import ServerProcess
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.tools.retrieval_client import LocalRetrievalClient, RetrievalClient, RetrievalError
 from areal_pipeline.tools.retrieval_server import (
     BadRequest,

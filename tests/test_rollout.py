@@ -5,12 +5,12 @@ import json
 import subprocess
 import sys
 
-from areal_pipeline.run_spec import load_config
 from areal_pipeline.data.shards import read_trajectories, verify_shards
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.model import load_tokenizer
 from areal_pipeline.rewards.pool import RewardPool
 from areal_pipeline.rollout.executor import run_episodes, select_batch
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.workflows.rlvr import RLVRWorkflow, chat_prompt_ids
 
 

@@ -6,11 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from areal_pipeline.run_spec import load_config
 from areal_pipeline.data.shards import read_manifest
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.model import load_tokenizer
 from areal_pipeline.rollout.try_workflow import episode_turns, format_episode, try_workflow
+from areal_pipeline.run_spec import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -22,13 +22,13 @@ import torch
 
 from areal_pipeline.config import ConfigError, GenerationConfig
 
-from areal_pipeline.run_spec import load_config
 from areal_pipeline.inference.backends import engine_for
 from areal_pipeline.inference.launcher import build_vllm_command, launch_servers, server_processes
 from areal_pipeline.inference.types import ModelRequest
 from areal_pipeline.inference.vllm_client import RemoteVLLMEngine
 from areal_pipeline.inference.weight_check import WeightMismatchError, probe_ids, verify_served
 from areal_pipeline.model import load_model, load_tokenizer
+from areal_pipeline.run_spec import load_config
 
 from _learning_helpers import base_model, first_and_last, short_run
 

@@ -11,12 +11,12 @@ import torch
 
 from areal_pipeline.config import GenerationConfig
 
-from areal_pipeline.run_spec import assemble, build_workflow, load_config
 from areal_pipeline.data.shards import read_table, write_shards
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.model import load_model, load_tokenizer
 from areal_pipeline.rewards import math_reward
 from areal_pipeline.rewards.pool import RewardPool
+from areal_pipeline.run_spec import assemble, build_workflow, load_config
 from areal_pipeline.training.ppo import compute_batch, read_batch, write_batch
 from areal_pipeline.workflows.multi_turn import CORRECT_MESSAGE, WRONG_MESSAGE, MultiTurnWorkflow, per_version_log
 from areal_pipeline.workflows.reflection import REFLECTION_MESSAGE, ReflectionWorkflow

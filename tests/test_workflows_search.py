@@ -13,13 +13,13 @@ import torch
 
 from areal_pipeline.config import GenerationConfig
 
-from areal_pipeline.run_spec import build_workflow, load_config
 from areal_pipeline.data.knowledge_base import knowledge_base
 from areal_pipeline.data.shards import read_trajectories, verify_shards
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.inference.types import ModelRequest, ModelResponse
 from areal_pipeline.model import load_model, load_tokenizer
 from areal_pipeline.rewards import exact_match_reward, f1_reward
+from areal_pipeline.run_spec import build_workflow, load_config
 from areal_pipeline.tools.retrieval_client import RetrievalClient
 from areal_pipeline.tools.retrieval_server import launch_retrieval_server
 from areal_pipeline.utils import find_free_port
