@@ -77,11 +77,11 @@ def _timed(step):
 
 class Pipeline(PolicyVersions):
     def __init__(self, cfg: ExperimentConfig | RunSpec, log_dir: Optional[Path] = None):
-        self.run = cfg if isinstance(cfg, RunSpec) else assemble(cfg)  # a config is assembled here
-        cfg = self.cfg = self.run.cfg
+        self.spec = cfg if isinstance(cfg, RunSpec) else assemble(cfg)  # a config is assembled here
+        cfg = self.cfg = self.spec.cfg
         self.paths = RunPaths(cfg.run_dir)
         self.model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
-        self.services = Services(cfg, self.model_path, log_dir or cfg.run_dir / "logs", tools=self.run.tools)
+        self.services = Services(cfg, self.model_path, log_dir or cfg.run_dir / "logs", tools=self.spec.tools)
         self._tokenizer = None
         self._reward_pool: Optional[RewardPool] = None
         self._records: dict[str, list[dict]] = {}
@@ -176,7 +176,7 @@ class Pipeline(PolicyVersions):
                                       self.cfg.rollout.batch_size, self.cfg.seed)]
 
     def _workflow(self):
-        return build_workflow(self.run, self.tokenizer, self.reward_pool, **self._tool_kwargs())
+        return build_workflow(self.spec, self.tokenizer, self.reward_pool, **self._tool_kwargs())
 
     def _collect_async(self, k: int, served_version: int) -> dict[str, Any]:
         """Asynchronous mode: iteration k's episodes from the background executor (started on first use,
@@ -294,7 +294,7 @@ class Pipeline(PolicyVersions):
         if record is not None:
             return {**record, "cached": True}
         self.sync_servers(k)
-        record = evaluate_policy(self.run, self._engine, self.records(self.cfg.dataset.test_split), self.tokenizer,
+        record = evaluate_policy(self.spec, self._engine, self.records(self.cfg.dataset.test_split), self.tokenizer,
                                  self.reward_pool, self._tool_kwargs())
         return {**write_json(self.paths.evaluation(k), {"version": k, **record}), "cached": False}
 
@@ -362,7 +362,7 @@ class Pipeline(PolicyVersions):
         reward workers (spawned in the background; each imports the reward module, which takes seconds), and
         pandas, which pyarrow imports at its first conversion of Python lists (the first shard written), in the
         background while the first rollout waits for the servers."""
-        reward_fn = self.run.reward
+        reward_fn = self.spec.reward
         if reward_fn is not None:
             self.reward_pool.warm_up(reward_fn)
         self.tokenizer
