@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from areal_pipeline.checksums import IntegrityError, has_checksums, verify_checksums
-from areal_pipeline.config import ExperimentConfig, load_config, save_config, to_dict
+from areal_pipeline.config import ExperimentConfig, save_config, to_dict
 from areal_pipeline.data.shards import ShardError, verify_shards
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.utils import atomic_directory, atomic_write_text, get_logger
 
 logger = get_logger(__name__)

@@ -1,46 +1,16 @@
-"""Evaluation: pass@1 of a policy on the test split, during a run (the `evaluate` node) or of a checkpoint."""
+"""Evaluation of a checkpoint: served on inference servers of its own and scored on the test split (policy_eval.py
+scores it; the `evaluate` node scores the run's live policy the same way)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from areal_pipeline.checksums import has_checksums, verify_checksums
 from areal_pipeline.config import ExperimentConfig
+from areal_pipeline.pipeline import Pipeline
+from areal_pipeline.policy_eval import evaluate_policy
 from areal_pipeline.run_dir import RunPaths
-from areal_pipeline.utils import run_async
-
-
-def evaluate_policy(cfg: ExperimentConfig, engine_factory, records: list[dict], tokenizer, reward_pool,
-                    tool_kwargs: dict) -> dict[str, Any]:
-    """pass@1 (greedy, one sample per prompt) and mean reward on `records`."""
-    import dataclasses
-
-    from areal_pipeline.rollout.executor import run_episodes
-    from areal_pipeline.workflows import build_workflow
-
-    records = records[: cfg.eval_max_prompts] if cfg.eval_max_prompts else records
-    greedy = dataclasses.replace(cfg.rollout.gconfig, n_samples=1, greedy=True)
-    eval_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gconfig=greedy))
-    workflow = build_workflow(eval_cfg, tokenizer, reward_pool, **tool_kwargs)
-    started = time.perf_counter()
-
-    async def run():
-        async with engine_factory() as engine:
-            return await run_episodes(workflow, engine, records,
-                                      max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts, progress=False)
-    trajectories = run_async(run())
-    n = max(1, len(trajectories))
-    return {
-        "num_prompts": len(records),
-        "pass_at_1": sum(t.reward >= 1.0 for t in trajectories) / n,
-        "reward_mean": sum(t.reward for t in trajectories) / n,
-        "response_length": sum(t.num_generated for t in trajectories) / n,
-        "seconds": time.perf_counter() - started,
-        "samples": [{"prompt": next((m["content"] for m in t.messages if m["role"] == "user"), ""),
-                     "completion": t.text, "reward": t.reward} for t in trajectories[:4]],
-    }
 
 
 def resolve_checkpoint(cfg: ExperimentConfig, checkpoint: str) -> Path:
@@ -76,8 +46,6 @@ def evaluate_checkpoint(cfg: ExperimentConfig, checkpoint: str | Path) -> dict[s
 
     model_dir = resolve_checkpoint(cfg, str(checkpoint))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
-    from areal_pipeline.pipeline import Pipeline
-
     pipeline = Pipeline(cfg, log_dir=cfg.run_dir / "logs" / "evaluate")  # apart from a live train run's logs
     try:
         pipeline.services.start_tools()

@@ -16,7 +16,6 @@ forkserver is gone still go through their command line. `AREAL_FORKSERVER=0` tur
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import multiprocessing
 import os

@@ -38,15 +38,16 @@ from areal_pipeline.checksums import IntegrityError, has_checksums, verify_check
 from areal_pipeline.config import ExperimentConfig, save_config, to_dict
 from areal_pipeline.data.datasets import load_records
 from areal_pipeline.data.shards import keep_if_intact, read_manifest
-from areal_pipeline.evaluation import evaluate_policy
 from areal_pipeline.inference.backend import engine_for
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.logprob_steps import LogprobSteps
 from areal_pipeline.model import load_tokenizer, resolve_model_path
+from areal_pipeline.policy_eval import evaluate_policy
 from areal_pipeline.policy_versions import PolicyVersions
 from areal_pipeline.rewards.pool import RewardPool
 from areal_pipeline.rollout.executor import episode_seed, rollout_to_shards, select_batch, write_rollout_shards
 from areal_pipeline.run_dir import RunPaths, read_json, run_lock, write_json
+from areal_pipeline.run_spec import RunSpec, assemble, build_workflow
 from areal_pipeline.services import Services
 from areal_pipeline.steps import STEPS, Step, due_steps, run_steps, timed
 from areal_pipeline.training.loss_registry import make_loss
@@ -59,11 +60,12 @@ logger = get_logger(__name__)
 
 
 class Pipeline(PolicyVersions, LogprobSteps):
-    def __init__(self, cfg: ExperimentConfig, log_dir: Optional[Path] = None):
-        self.cfg = cfg
+    def __init__(self, cfg: ExperimentConfig | RunSpec, log_dir: Optional[Path] = None):
+        self.spec = cfg if isinstance(cfg, RunSpec) else assemble(cfg)  # a config is assembled here
+        cfg = self.cfg = self.spec.cfg
         self.paths = RunPaths(cfg.run_dir)
         self.model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
-        self.services = Services(cfg, self.model_path, log_dir or cfg.run_dir / "logs")
+        self.services = Services(cfg, self.model_path, log_dir or cfg.run_dir / "logs", tools=self.spec.tools)
         self._tokenizer = None
         self._reward_pool: Optional[RewardPool] = None
         self._records: dict[str, list[dict]] = {}
@@ -159,9 +161,7 @@ class Pipeline(PolicyVersions, LogprobSteps):
                                       self.cfg.rollout.batch_size, self.cfg.seed)]
 
     def _workflow(self):
-        from areal_pipeline.workflows import build_workflow
-
-        return build_workflow(self.cfg, self.tokenizer, self.reward_pool, **self._tool_kwargs())
+        return build_workflow(self.spec, self.tokenizer, self.reward_pool, **self._tool_kwargs())
 
     def _baseline_workflow(self):
         """The workflow of the baseline episode the rollout adds per prompt, where `ppo.advantage` asks for one (the
@@ -169,13 +169,12 @@ class Pipeline(PolicyVersions, LogprobSteps):
         import dataclasses
 
         from areal_pipeline.training.advantage_registry import make_advantage
-        from areal_pipeline.workflows import build_workflow
 
         if not make_advantage(self.cfg.ppo).greedy_baseline:
             return None
         greedy = dataclasses.replace(self.cfg.rollout.gconfig, n_samples=1, greedy=True)
         cfg = dataclasses.replace(self.cfg, rollout=dataclasses.replace(self.cfg.rollout, gconfig=greedy))
-        return build_workflow(cfg, self.tokenizer, self.reward_pool, **self._tool_kwargs())
+        return build_workflow(self.spec, self.tokenizer, self.reward_pool, cfg=cfg, **self._tool_kwargs())
 
     def _collect_async(self, k: int, served_version: int) -> dict[str, Any]:
         """Asynchronous mode: iteration k's episodes from the background executor (started on first use,
@@ -298,7 +297,7 @@ class Pipeline(PolicyVersions, LogprobSteps):
         if record is not None:
             return {**record, "cached": True}
         self.sync_servers(k)
-        record = evaluate_policy(self.cfg, self._engine, self.records(self.cfg.dataset.test_split), self.tokenizer,
+        record = evaluate_policy(self.spec, self._engine, self.records(self.cfg.dataset.test_split), self.tokenizer,
                                  self.reward_pool, self._tool_kwargs())
         return {**write_json(self.paths.evaluation(k), {"version": k, **record}), "cached": False}
 
@@ -370,9 +369,7 @@ class Pipeline(PolicyVersions, LogprobSteps):
         reward workers (spawned in the background; each imports the reward module, which takes seconds), and
         pandas, which pyarrow imports at its first conversion of Python lists (the first shard written), in the
         background while the first rollout waits for the servers."""
-        from areal_pipeline.workflows import pooled_reward_function
-
-        reward_fn = pooled_reward_function(self.cfg)
+        reward_fn = self.spec.reward
         if reward_fn is not None:
             self.reward_pool.warm_up(reward_fn)
         self.tokenizer

@@ -10,6 +10,7 @@ from areal_pipeline import shutdown
 from areal_pipeline.config import ExperimentConfig
 from areal_pipeline.inference.launcher import LIVENESS_TIMEOUT_S, launch_servers
 from areal_pipeline.processes import ServerProcess
+from areal_pipeline.run_spec import assemble
 from areal_pipeline.training.client import TrainerClient, launch_trainer
 from areal_pipeline.utils import get_logger
 
@@ -47,8 +48,10 @@ class Services:
     any step failed (`distrust`). While every step succeeds, a running process that answered its last request
     is taken as healthy: on a short iteration a dozen loopback round trips are a noticeable share of it."""
 
-    def __init__(self, cfg: ExperimentConfig, model_path: str, log_dir: Path):
+    def __init__(self, cfg: ExperimentConfig, model_path: str, log_dir: Path, *,
+                 tools: Optional[tuple[str, ...]] = None):
         self.cfg = cfg
+        self.required_tools = tools  # the workflow's (RunSpec.tools); None: looked up from cfg when needed
         self.model_path = model_path
         self.log_dir = log_dir
         self.inference: list[ServerProcess] = []
@@ -151,10 +154,11 @@ class Services:
         """Start the tool servers the run's workflow declares (its `tools`); name -> address of those started. A
         tool whose config names a server already running is checked instead (the workflow uses that one)."""
         from areal_pipeline.tools import tool_server_starter
-        from areal_pipeline.workflows import required_tools
 
         self._refuse_if_stopped()
-        for name in required_tools(self.cfg):
+        if self.required_tools is None:
+            self.required_tools = assemble(self.cfg).tools
+        for name in self.required_tools:
             if name not in self.tools:
                 process = tool_server_starter(name, self.cfg.rollout.workflow)(self.cfg, self.log_dir)
                 if process is not None:

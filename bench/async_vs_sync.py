@@ -26,9 +26,9 @@ from pathlib import Path
 
 def timed_run(config: str, overrides: list[str]) -> tuple[float, list[float], list[dict]]:
     """(wall seconds of the iterations, each iteration's period, their metrics records)."""
-    from areal_pipeline.config import load_config
     from areal_pipeline.pipeline import Pipeline
     from areal_pipeline.run_dir import run_lock
+    from areal_pipeline.run_spec import load_config
 
     cfg = load_config(config, overrides)
     pipeline = Pipeline(cfg)

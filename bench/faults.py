@@ -195,7 +195,7 @@ class Sweep:
     def command(self, name: str, *args: str) -> tuple[subprocess.Popen, Path]:
         log = self.logs / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}.log"
         with open(log, "ab") as out:
-            popen = subprocess.Popen([sys.executable, "-m", "areal_pipeline.cli", *args], cwd=REPO, env=self.env,
+            popen = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, env=self.env,
                                      stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
         self.launched.append(popen.pid)
@@ -453,7 +453,7 @@ class Sweep:
             corpus = self.file("corpus.jsonl", "".join(json.dumps(r) + "\n" for r in knowledge_base().corpus))
             port = find_free_port()
             self._retrieval = ServerProcess(
-                [sys.executable, "-m", "areal_pipeline.cli", "retrieval-server", "--corpus", str(corpus),
+                [sys.executable, "-m", "cli", "retrieval-server", "--corpus", str(corpus),
                  "--host", "127.0.0.1", "--port", str(port), "--index-dir", str(self.work / "indexes")],
                 f"127.0.0.1:{port}", self.logs / "retrieval-server.log", env=self.env).start()
             self._retrieval.wait_healthy(180)

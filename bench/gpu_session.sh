@@ -80,14 +80,14 @@ for table in "$WORK"/prof/*/train-iter*-rank0.txt; do echo "== $table"; cat "$ta
 GPU_RUN=(trainer.device=cuda inference.device=cuda inference.dtype=bfloat16 trainer.colocate=true
          inference.sglang.mem_fraction_static=0.3 trainer.memory_fraction=0.5 output_dir="$WORK/runs")
 step plain 150 $PY bench/time_to_reward.py "${GPU_RUN[@]}" run_id=gpu-plain total_iterations=100
-TAIL=4 step evaluate 60 $PY -m areal_pipeline.cli evaluate --run-id gpu-plain "${GPU_RUN[@]}"
+TAIL=4 step evaluate 60 $PY -m cli evaluate --run-id gpu-plain "${GPU_RUN[@]}"
 
 step rollout 120 $PY bench/rollout_throughput.py --device cuda --dtype bfloat16 --model "$WORK/qwen05" \
     --new-tokens 128 --repeats 3 --sequential-requests 4
 
-TAIL=12 step flow 150 $PY -m areal_pipeline.cli train --config configs/tiny_cpu.yaml "${GPU_RUN[@]}" run_id=gpu-flow \
+TAIL=12 step flow 150 $PY -m cli train --config configs/tiny_cpu.yaml "${GPU_RUN[@]}" run_id=gpu-flow \
     total_iterations=20 trainer.weight_sync=distributed
-TAIL=8 step resume 120 $PY -m areal_pipeline.cli train --config configs/tiny_cpu.yaml "${GPU_RUN[@]}" run_id=gpu-flow \
+TAIL=8 step resume 120 $PY -m cli train --config configs/tiny_cpu.yaml "${GPU_RUN[@]}" run_id=gpu-flow \
     total_iterations=25 trainer.weight_sync=distributed
 # its update of iteration 21 needs the trainer at version 20: a trainer that did not load the checkpoint fails it
 echo "iterations recorded: $(wc -l <"$WORK/runs/gpu-flow/metrics.jsonl")"

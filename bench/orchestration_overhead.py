@@ -119,9 +119,9 @@ def main() -> None:
     args = p.parse_args()
 
     import flows  # noqa: F401  (the project's Prefect defaults, before Prefect is imported)
-    from areal_pipeline.config import load_config
     from areal_pipeline.pipeline import Pipeline
     from areal_pipeline.run_dir import run_lock
+    from areal_pipeline.run_spec import load_config
     from flows.api_server import prefect_api
     from flows.train import train
 

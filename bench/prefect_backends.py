@@ -181,8 +181,8 @@ def main() -> None:
     args.config = str((REPO / args.config) if not Path(args.config).is_absolute() else args.config)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
 
-    from areal_pipeline.config import load_config
     from areal_pipeline.model import resolve_model_path
+    from areal_pipeline.run_spec import load_config
 
     # /tmp: the PostgreSQL directory must be one the postgres user can enter where this runs as root
     work = Path(tempfile.mkdtemp(prefix="bench-prefect-", dir="/tmp"))

@@ -91,8 +91,8 @@ def main() -> None:
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    from areal_pipeline.config import load_config
     from areal_pipeline.model import resolve_model_path
+    from areal_pipeline.run_spec import load_config
     from flows.api_server import TemporaryAPIServer
 
     cfg = load_config(args.config, [f"output_dir={work}", *args.overrides])

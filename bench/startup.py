@@ -60,8 +60,8 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
 
-    from areal_pipeline.config import load_config
     from areal_pipeline.model import resolve_model_path
+    from areal_pipeline.run_spec import load_config
 
     work = Path(tempfile.mkdtemp(prefix="bench-startup-"))
     overrides = [f"output_dir={work}", *args.overrides]

@@ -44,9 +44,9 @@ def summary(name: str, rewards: Sequence[float], seconds: Sequence[float], thres
 
 
 def measure_pipeline(config: str, overrides: list[str], thresholds: Sequence[float]) -> dict:
-    from areal_pipeline.config import load_config
     from areal_pipeline.model import resolve_model_path
     from areal_pipeline.pipeline import run_plain
+    from areal_pipeline.run_spec import load_config
 
     cfg = load_config(config, overrides)
     started = time.perf_counter()

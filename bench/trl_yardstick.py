@@ -41,9 +41,9 @@ def trl_worker(config: str, overrides: list[str], out_dir: Path) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from areal_pipeline.config import load_config
     from areal_pipeline.data.datasets import load_records
     from areal_pipeline.model import load_model, load_tokenizer, resolve_model_path
+    from areal_pipeline.run_spec import load_config
 
     print(f"imported {time.time()}", flush=True)  # the end of its imports: `trl_imports_seconds`
     cfg = load_config(config, overrides)
@@ -96,8 +96,8 @@ CLI = str(Path(sys.executable).with_name("areal-pipeline"))
 
 def measure_flow(config: str, overrides: list[str], thresholds, env: dict) -> dict:
     """`areal-pipeline train` from its start: an iteration ends when its metrics.json is written."""
-    from areal_pipeline.config import load_config
     from areal_pipeline.metrics import read_metrics
+    from areal_pipeline.run_spec import load_config
 
     label = "flow"
     run_id = f"run_id=yardstick-{label}"
@@ -122,8 +122,8 @@ def measure_flow(config: str, overrides: list[str], thresholds, env: dict) -> di
 def main() -> None:
     import tempfile
 
-    from areal_pipeline.config import load_config
     from areal_pipeline.model import resolve_model_path
+    from areal_pipeline.run_spec import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/tiny_cpu.yaml")

@@ -7,9 +7,8 @@ from typing import Any, Optional
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from areal_pipeline.config import resolve_run_config
-
 from areal_pipeline.evaluation import evaluate_checkpoint
+from areal_pipeline.run_spec import resolve_run_config
 from flows.artifacts import artifact_key
 
 

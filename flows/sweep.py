@@ -78,7 +78,8 @@ def plan(config_path: str, axes: list[str], run_id: Optional[str] = None,
          iterations: Optional[int] = None) -> list[dict[str, Any]]:
     """The runs of a sweep, each {run_id, overrides, values, run_dir}, with every run's config loaded and checked (an
     unknown key or a bad value fails here, before anything starts, with the config loader's own message)."""
-    from areal_pipeline.config import ConfigError, load_config, resolve_run_config
+    from areal_pipeline.config import ConfigError
+    from areal_pipeline.run_spec import load_config, resolve_run_config
 
     parsed = parse_axes(axes)
     base = run_id or load_config(config_path, []).run_id
@@ -225,7 +226,7 @@ def run_one(config_path: str, run_id: str, overrides: list[str], iterations: Opt
 def _sweep_run_name() -> str:
     from prefect.runtime import flow_run
 
-    from areal_pipeline.config import load_config
+    from areal_pipeline.run_spec import load_config
 
     params = flow_run.parameters
     return f"sweep/{params.get('run_id') or load_config(params['config_path'], []).run_id}"
@@ -244,8 +245,8 @@ def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] 
     from prefect.settings import PREFECT_API_URL
 
     from areal_pipeline import shutdown
-    from areal_pipeline.config import load_config
     from areal_pipeline.model import resolve_model_path
+    from areal_pipeline.run_spec import load_config
     from flows import overlap
 
     if max_parallel < 1:
@@ -316,8 +317,8 @@ def child_main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from prefect.flow_engine import load_flow_run, run_flow
 
-    from areal_pipeline.config import resolve_run_config
     from areal_pipeline.console import quiet_console
+    from areal_pipeline.run_spec import resolve_run_config
     from flows.api_server import deliver_queued_logs_and_events
     from flows.events import listening
     from flows.train import train

@@ -24,10 +24,11 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 from prefect.states import Cancelled
 
 import tasks
-from areal_pipeline.config import resolve_run_config, save_config, to_dict
+from areal_pipeline.config import save_config, to_dict
 from areal_pipeline.metrics import write_tensorboard
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.run_dir import newest_completed_iteration, run_lock
+from areal_pipeline.run_spec import load_run
 from areal_pipeline.steps import due_steps, run_steps
 from areal_pipeline.utils import atomic_write_text
 from flows import artifacts, control, overlap
@@ -138,10 +139,11 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
     """Train `config_path` (+ dotted `overrides`) as run `run_id` (default: the config's). `iterations`
     continues the run for that many more iterations after its newest finished one; without it the run goes
     to the config's `total_iterations`."""
-    cfg = resolve_run_config(config_path, overrides, run_id, iterations)
+    spec = load_run(config_path, overrides, run_id, iterations)
+    cfg = spec.cfg
     logger = get_run_logger()
     with run_lock(cfg.run_dir):
-        pipeline = Pipeline(cfg)
+        pipeline = Pipeline(spec)
         run = runs.register(pipeline)
         save_config(cfg, cfg.run_dir / "config.yaml")  # how the run was made; what a branch of it starts from
         try:

@@ -7,9 +7,9 @@ import fcntl
 from pathlib import Path
 from typing import Any
 
-from areal_pipeline.config import load_config
 from areal_pipeline.model import embedded_model_dir, resolve_model_path
 from areal_pipeline.pipeline import run_plain
+from areal_pipeline.run_spec import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 # The pipeline evaluates at every multiple of eval_freq and at the last iteration: 1 is the only setting that

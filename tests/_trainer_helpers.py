@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from areal_pipeline.config import load_config
 from areal_pipeline.data.shards import write_shards
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.model import load_model
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.training.losses import gather_logprobs
 from areal_pipeline.training.ppo import write_batch
 from areal_pipeline.utils import find_free_port

@@ -299,7 +299,8 @@ def test_the_default_advantage_is_grpo_and_remax_subtracts_the_greedy_reward():
 
 
 def test_an_advantage_of_your_own_from_a_file(tmp_path):
-    from areal_pipeline.config import ConfigError, load_config
+    from areal_pipeline.config import ConfigError
+    from areal_pipeline.run_spec import load_config
     from areal_pipeline.data.shards import read_table, write_shards
     from areal_pipeline.data.trajectory import Trajectory
     from areal_pipeline.training.advantage_registry import make_advantage

@@ -54,7 +54,7 @@ def test_multi_turn_learns_a_higher_return(multi_turn_run):
 def test_answers_command_writes_math_multi_turn_agent_logs_per_version(multi_turn_run, tmp_path):
     cfg, records = multi_turn_run
     out = tmp_path / "answers"
-    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "answers", str(cfg.run_dir), "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "cli", "answers", str(cfg.run_dir), "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     log = per_version_log(cfg.run_dir)

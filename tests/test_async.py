@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from areal_pipeline.config import load_config
 from areal_pipeline.data.shards import read_trajectories
 from areal_pipeline.model import load_model
 from areal_pipeline.pipeline import run_plain
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.training.losses import gather_logprobs
 from _learning_helpers import base_model, first_and_last, short_run
 

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from areal_pipeline.config import ConfigError, ExperimentConfig, load_config, save_config
+from areal_pipeline.config import ConfigError, ExperimentConfig, save_config
+
+from areal_pipeline.run_spec import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -202,7 +204,7 @@ def _cli_train(*overrides: str, output_dir) -> tuple[subprocess.CompletedProcess
     """Run `areal-pipeline train`; its result, wall seconds and CPU seconds (the machine may be busy with other
     tests: the CPU time says how much work the command did, however long it waited for a core)."""
     cpu_before, started = _children_cpu_seconds(), time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "train", "--config", "configs/tiny_cpu.yaml",
+    done = subprocess.run([sys.executable, "-m", "cli", "train", "--config", "configs/tiny_cpu.yaml",
                            f"output_dir={output_dir}", *overrides], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     return done, time.monotonic() - started, _children_cpu_seconds() - cpu_before
@@ -278,29 +280,30 @@ def test_remax_refuses_the_ppo_loss():
 def test_config_command_prints_what_a_key_means():
     """`areal-pipeline config KEY`: type, default, the rule's allowed values and the field's own comment; a
     section lists its keys; an unknown key is a config error naming the close ones."""
-    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "config", "ppo.loss", "rollout.gconfig"],
+    done = subprocess.run([sys.executable, "-m", "cli", "config", "ppo.loss", "rollout.gconfig"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ppo.loss: str, default 'ppo'\n  allowed: ppo, reinforce, or 'module:attr'")
-    assert "a loss builder of your own" in done.stdout  # the comment beside the field in config.py
+    assert "a loss builder of your own" in done.stdout  # the comment beside the field in config/schema.py
     assert "rollout.gconfig.n_samples = 4" in done.stdout and "rollout.gconfig.temperature = 1.0" in done.stdout
-    wrong = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "config", "ppo.lss"], cwd=REPO,
+    wrong = subprocess.run([sys.executable, "-m", "cli", "config", "ppo.lss"], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert wrong.returncode != 0
     assert "unknown config key 'ppo.lss'; did you mean ppo.loss" in wrong.stdout + wrong.stderr
 
 
-def _sections_of(schema: type) -> list[type]:
+def _sections_of(schema: type, prefix: str = "") -> list[type]:
     """`schema` and every section class below it, the built-in workflows' rollout.agent sections included."""
     import dataclasses
 
-    from areal_pipeline.config import _dataclass_type
+    from areal_pipeline.config import section_type
+    from areal_pipeline.run_spec import builtin_sections
 
     found = [schema]
     for f in dataclasses.fields(schema):
-        sub = _dataclass_type(schema, f)
+        sub = section_type(schema, f, builtin_sections(), prefix + f.name)
         if sub is not None and sub not in found:
-            found += [s for s in _sections_of(sub) if s not in found]
+            found += [s for s in _sections_of(sub, f"{prefix}{f.name}.") if s not in found]
     return found
 
 
@@ -328,3 +331,33 @@ def test_the_builtin_workflows_sections_agree_on_the_keys_they_share():
                 defaults.setdefault(f.name, set()).add(repr(default))
     assert {name: values for name, values in defaults.items() if len(values) > 1} == {}
     assert set(defaults) == {f.name for f in dataclasses.fields(AgentConfig)}
+
+
+def test_a_run_is_assembled_once_from_its_config():
+    """load_run turns the config's names into what they name: the workflow class, its section, its reward function
+    and tools; the leaf loader alone knows no workflow (rollout.agent is empty, a workflow key unknown)."""
+    from areal_pipeline.config import NoAgentConfig, load
+    from areal_pipeline.run_spec import load_run
+    from areal_pipeline.workflows.agent_config import AgentConfig
+    from areal_pipeline.workflows.search_agent import SearchAgentWorkflow
+
+    run = load_run("configs/search_agent.yaml", ["seed=5"], run_id="assembled")
+    assert (run.workflow_class, run.workflow_section, run.tools) == (SearchAgentWorkflow, AgentConfig, ("retrieval",))
+    assert (run.cfg.run_id, run.cfg.seed, run.loss, run.reward) == ("assembled", 5, run.cfg.ppo.loss, None)
+    assert str(load_run("configs/tiny_cpu.yaml").reward) == "areal_pipeline.rewards.math:math_reward"
+    assert isinstance(load("configs/tiny_cpu.yaml").rollout.agent, NoAgentConfig)
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout.agent.max_turns'"):
+        load(None, ["rollout.agent.max_turns=3"])
+
+
+def test_the_trainer_reads_a_saved_config_without_importing_the_workflow(tmp_path):
+    """The trainer's processes load the run's saved config with rollout.agent kept as written: a workflow module
+    they cannot (or need not) import is no error there, while loading it as a run is."""
+    from areal_pipeline.config import UNCHECKED_AGENT, load
+
+    saved = tmp_path / "config.yaml"
+    saved.write_text(f"rollout:\n  workflow: {tmp_path / 'gone.py'}:Agent\n  agent:\n    depth: 3\n")
+    cfg = load(saved, chosen=UNCHECKED_AGENT)
+    assert cfg.rollout.agent == {"depth": 3}
+    with pytest.raises(ConfigError, match=rf"{saved}: rollout.workflow='{tmp_path / 'gone.py'}:Agent'"):
+        load_config(saved)

@@ -59,7 +59,7 @@ def test_each_node_records_only_its_own_iterations_upstream_nodes(prefect_api, t
 def test_the_logprob_nodes_give_the_weights_of_the_trainers_own_passes(prefect_api, tiny_model_dir, tmp_path):
     """The train flow with ref_logprobs and proximal_logprobs nodes ends at the very weights of the plain loop in
     which the trainer computes the proximal logprobs itself, inside the update (as before they were a node)."""
-    from areal_pipeline.config import resolve_run_config
+    from areal_pipeline.run_spec import resolve_run_config
     from areal_pipeline.pipeline import Pipeline
     from areal_pipeline.run_dir import run_lock
     from flows.train import train

@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
-from areal_pipeline.config import load_config
 from areal_pipeline.errors import is_transient
 from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEngine
 from areal_pipeline.inference.server_args import DEFAULT_MAX_BODY_BYTES
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.training.client import TrainerError, launch_trainer
 from areal_pipeline.training.command_input import MAX_COMMAND_BYTES
 from areal_pipeline.training.weight_group import destroy_weight_group, host_weight_group

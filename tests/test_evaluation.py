@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_pipeline.config import load_config
 from areal_pipeline.data.datasets import load_records
-from areal_pipeline.evaluation import evaluate_checkpoint, evaluate_policy
+from areal_pipeline.evaluation import evaluate_checkpoint
 from areal_pipeline.inference.backend import engine_for
+from areal_pipeline.policy_eval import evaluate_policy
 from areal_pipeline.model import build_tiny_model, load_model, load_tokenizer
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.rewards.math import extract_answer
 from areal_pipeline.rewards.pool import RewardPool
 from areal_pipeline.rollout.executor import run_episodes
+from areal_pipeline.run_spec import build_workflow, load_config
 from areal_pipeline.utils import run_async
-from areal_pipeline.workflows import build_workflow
 from areal_pipeline.workflows.rlvr import chat_prompt_ids
 from conftest import start_cpu_server
 

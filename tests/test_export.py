@@ -136,14 +136,14 @@ def test_iteration_range_and_bad_input(run_dir, tmp_path):
 def test_the_command_line(run_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = tmp_path / "cli.parquet"
-    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "export", "--run-id", "r",
+    done = subprocess.run([sys.executable, "-m", "cli", "export", "--run-id", "r",
                            "--output-dir", str(tmp_path), "--format", "preference", "--min-reward", "1",
                            "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"wrote 3 preference pairs to {out}" in done.stdout
     assert "prefect" not in done.stderr.lower()
 
-    bad = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "export", "--run-id", "nope",
+    bad = subprocess.run([sys.executable, "-m", "cli", "export", "--run-id", "nope",
                           "--output-dir", str(tmp_path), "--out", str(tmp_path / "x.jsonl")], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0

@@ -9,7 +9,7 @@ import socket
 
 import psutil
 
-from areal_pipeline.config import load_config
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.services import Services
 from areal_pipeline.training.weight_group import NamedAddressTCPStore
 from areal_pipeline.utils import find_free_port

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from areal_pipeline.config import load_config
 from areal_pipeline.processes import ServerLaunchError
 from areal_pipeline.pipeline import run_plain
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.services import Services
 from conftest import http, start_cpu_server
 

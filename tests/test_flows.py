@@ -212,9 +212,9 @@ def test_iterations_share_flow_runs_and_keep_a_task_run_per_node(prefect_api, ti
 
 
 def test_evaluate_flow_scores_the_newest_checkpoint(prefect_api, tiny_model_dir, tmp_path):
-    from areal_pipeline.config import load_config
     from areal_pipeline.data.datasets import load_records
     from areal_pipeline.rewards.math import math_reward
+    from areal_pipeline.run_spec import load_config
     from flows.evaluate import evaluate
     from flows.train import train
 
@@ -277,7 +277,7 @@ def test_ppo_update_failing_on_first_attempt_succeeds_on_retry(prefect_api, tiny
 
 
 def cli(*args: str, env: dict, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "areal_pipeline.cli", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
@@ -413,7 +413,7 @@ def test_stopping_serve_stops_its_deployment_run_and_what_the_run_started(prefec
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     log = tmp_path / "serve.log"
     overrides = fast_overrides(tmp_path, tiny_model_dir, run_id="served-stop", iterations=50)
-    serve = subprocess.Popen([sys.executable, "-m", "areal_pipeline.cli", "serve", "--config", "configs/tiny_cpu.yaml",
+    serve = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--config", "configs/tiny_cpu.yaml",
                               "--run-id", "served-stop", "--iterations", "50", *overrides],
                              cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                              start_new_session=True)
@@ -523,8 +523,8 @@ def without_timings(record: dict) -> dict:
 def test_every_agent_config_trains_through_the_train_flow(prefect_api, tiny_model_dir, tmp_path, config):
     """Each tutorial agent trains with its own config through the same `train` flow (shrunk to stay fast): its
     workflow's own facts in the metrics, and the final weights bit for bit those of the plain loop's run."""
-    from areal_pipeline.config import load_config
     from areal_pipeline.pipeline import run_plain
+    from areal_pipeline.run_spec import load_config
     from flows.train import train
 
     # Every answer is wrong, so normalised rewards and advantages would all be 0 and no update would change a

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from areal_pipeline.checksums import CHECKSUMS_NAME, IntegrityError, verify_checksums
-from areal_pipeline.config import load_config
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.data.shards import (CorruptShardError, ShardError, is_complete, part_files, read_manifest,
                                         read_table, read_trajectories, verify_shards)
 from areal_pipeline.evaluation import evaluate_checkpoint, resolve_checkpoint

@@ -99,8 +99,8 @@ def test_cpu_server_command():
 
 
 def _placed(*overrides: str, visible: int):
-    from areal_pipeline.config import load_config
     from areal_pipeline.placement import plan
+    from areal_pipeline.run_spec import load_config
 
     cfg = load_config(None, list(overrides))
     return cfg, plan(cfg, visible=visible)
@@ -134,7 +134,7 @@ def test_one_gpu_colocated_commands(tmp_path, monkeypatch):
     assert server.command[server.command.index("--mem-fraction-static") + 1] == "0.4"
     trainer = trainer_process(cfg, "/m", tmp_path, placement.trainer)
     assert trainer.env["CUDA_VISIBLE_DEVICES"] == "0"
-    from areal_pipeline.config import load_config
+    from areal_pipeline.run_spec import load_config
 
     saved = load_config(trainer.command[trainer.command.index("--config") + 1])
     assert saved.trainer.memory_fraction == 0.5 and saved.trainer.colocate
@@ -154,7 +154,7 @@ def test_one_gpu_colocated_commands(tmp_path, monkeypatch):
 
 
 def test_cpu_services_keep_their_fork_and_environment(tmp_path):
-    from areal_pipeline.config import load_config
+    from areal_pipeline.run_spec import load_config
 
     cfg = load_config(None, ["inference.dtype=bfloat16", "trainer.device=cpu"])
     [server] = server_processes("/m", cfg.inference, 1, tmp_path)
@@ -170,7 +170,7 @@ def test_cpu_services_keep_their_fork_and_environment(tmp_path):
 def test_a_trainer_that_fails_to_start_is_called_the_trainer_and_says_why(tiny_model, tmp_path):
     import torch
 
-    from areal_pipeline.config import load_config
+    from areal_pipeline.run_spec import load_config
     from areal_pipeline.training.client import launch_trainer
 
     if torch.cuda.is_available():

@@ -52,8 +52,10 @@ def test_warm_start_answers_in_format_and_leaves_room_for_rl(tmp_path):
     (right or one too high almost always), but is right only about a third of the time: room for RL."""
     import dataclasses
 
-    from areal_pipeline.config import DatasetConfig, load_config
+    from areal_pipeline.config import DatasetConfig
+
     from areal_pipeline.data.datasets import load_records
+    from areal_pipeline.run_spec import load_config
 
     tiny = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml").model.tiny
     assert tiny.pretrain_steps > 0

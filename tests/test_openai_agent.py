@@ -23,7 +23,7 @@ from _openai_helpers import (
     taught_model,
     taught_conversation_ids,
 )
-from areal_pipeline.config import ConfigError, GenerationConfig, load_config
+from areal_pipeline.config import ConfigError, GenerationConfig
 from areal_pipeline.data.trajectory import NO_VERSION, Trajectory
 from areal_pipeline.errors import is_transient
 from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEngine
@@ -31,8 +31,10 @@ from areal_pipeline.inference.openai_requests import parse_messages
 from areal_pipeline.inference.openai_tools import chat_prompt_ids, parse_tool_calls
 from areal_pipeline.model import load_model, load_tokenizer
 from areal_pipeline.rollout.group import run_group
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.utils import find_free_port
-from areal_pipeline.workflows.openai_agent import AgentError, OpenAIAgentWorkflow, discounted_rewards, load_agent
+from areal_pipeline.workflows.openai_agent import AgentError, OpenAIAgentWorkflow, load_agent
+from areal_pipeline.workflows.openai_recording import discounted_rewards
 from conftest import start_cpu_server
 from test_openai_api import perturbed_copy
 from test_workflows_common import RecordingEngine, assert_logprobs_match_model

@@ -8,12 +8,12 @@ import collections
 
 import pytest
 
-from areal_pipeline.config import load_config
 from areal_pipeline.data.shards import ShardError
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.processes import ServerProcess
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.run_dir import run_lock
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.services import Services
 from areal_pipeline.training.client import TrainerClient
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from areal_pipeline import placement as placement_module
-from areal_pipeline.config import ConfigError, load_config
+from areal_pipeline.config import ConfigError
 from areal_pipeline.placement import PlacementError, gpu_env, plan, rank_cuda_index
+from areal_pipeline.run_spec import load_config
 
 
 def cfg(*overrides: str):

@@ -11,8 +11,10 @@ import textwrap
 
 import pytest
 
-from areal_pipeline.config import ConfigError, load_config
+from areal_pipeline.config import ConfigError
+
 from areal_pipeline.data.shards import read_trajectories
+from areal_pipeline.run_spec import load_config
 from test_flows import cli, fast_overrides
 
 USER_LOSS = '''

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from areal_pipeline.config import DatasetConfig, load_config
+from areal_pipeline.config import DatasetConfig
+
 from areal_pipeline.data.datasets import load_records
 from areal_pipeline.data.knowledge_base import knowledge_base
 from areal_pipeline.processes import ServerProcess
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.tools.retrieval_client import LocalRetrievalClient, RetrievalClient, RetrievalError
 from areal_pipeline.tools.retrieval_server import (
     BadRequest,
@@ -177,7 +179,7 @@ def test_dense_retriever_with_a_local_encoder(tmp_path):
 def hotpotqa_server(tmp_path_factory):
     port = find_free_port()
     logs = tmp_path_factory.mktemp("retrieval-logs")
-    command = [sys.executable, "-m", "areal_pipeline.cli", "retrieval-server", "--corpus", str(HOTPOTQA / "corpus.jsonl"),
+    command = [sys.executable, "-m", "cli", "retrieval-server", "--corpus", str(HOTPOTQA / "corpus.jsonl"),
                "--host", "127.0.0.1", "--port", str(port), "--index-dir", str(logs / "idx"), "--max-topk", "20"]
     server = ServerProcess(command, f"127.0.0.1:{port}", logs / "server.log").start()
     server.wait_healthy(120)
@@ -244,7 +246,7 @@ def kb_server(tmp_path_factory):
     --index-dir, in a directory of its own, with the default request limits."""
     home = tmp_path_factory.mktemp("retrieval-user")
     port = find_free_port()
-    command = ["/bin/sh", "-c", 'cd "$0" && exec "$@"', str(home / "cwd"), sys.executable, "-m", "areal_pipeline.cli",
+    command = ["/bin/sh", "-c", 'cd "$0" && exec "$@"', str(home / "cwd"), sys.executable, "-m", "cli",
                "retrieval-server", "--host", "127.0.0.1", "--port", str(port)]
     (home / "cwd").mkdir()
     server = ServerProcess(command, f"127.0.0.1:{port}", home / "server.log",

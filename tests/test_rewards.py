@@ -225,9 +225,8 @@ def test_the_orchestrating_process_does_not_import_the_math_reward():
     import subprocess
     import sys
 
-    code = ("import sys\nfrom areal_pipeline.config import load_config\n"
-            "from areal_pipeline.workflows import pooled_reward_function\nimport flows.train\n"
-            "fn = pooled_reward_function(load_config('configs/tiny_cpu.yaml', []))\n"
+    code = ("import sys\nfrom areal_pipeline.run_spec import load_run\nimport flows.train\n"
+            "fn = load_run('configs/tiny_cpu.yaml', []).reward\n"
             "print(fn, sorted(m for m in ('math_verify', 'sympy', 'areal_pipeline.rewards.math') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                           text=True, timeout=120)

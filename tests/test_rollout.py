@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-from areal_pipeline.config import load_config
 from areal_pipeline.data.shards import read_trajectories, verify_shards
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.inference.client import RemoteSGLangEngine
@@ -16,6 +15,7 @@ from areal_pipeline.rewards.pool import RewardPool
 from areal_pipeline.inference.types import ModelRequest, ModelResponse, SamplingParams
 from areal_pipeline.rollout.executor import rollout_stats, run_episodes, select_batch
 from areal_pipeline.rollout.group import run_group
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.workflows.rlvr import RLVRWorkflow, chat_prompt_ids
 
 
@@ -59,7 +59,7 @@ def test_grouped_rlvr_episodes_against_a_real_server(cpu_server, tiny_model_dir)
 
 
 def test_rollout_command_writes_verified_shards(tmp_path):
-    args = [sys.executable, "-m", "areal_pipeline.cli", "rollout", "--config", "configs/tiny_cpu.yaml",
+    args = [sys.executable, "-m", "cli", "rollout", "--config", "configs/tiny_cpu.yaml",
             f"output_dir={tmp_path}", "run_id=r1", "rollout.batch_size=6", "rollout.gconfig.n_samples=3",
             "rollout.shard_rows=8", "inference.num_servers=2"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
@@ -76,7 +76,7 @@ def test_rollout_command_writes_verified_shards(tmp_path):
 
 
 def test_rollout_command_rejects_unknown_key(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "rollout", f"output_dir={tmp_path}",
+    done = subprocess.run([sys.executable, "-m", "cli", "rollout", f"output_dir={tmp_path}",
                            "rollout.batchsize=3"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "rollout.batch_size" in done.stderr and not (tmp_path / "tiny-cpu").exists()

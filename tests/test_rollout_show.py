@@ -6,17 +6,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from areal_pipeline.config import load_config
 from areal_pipeline.data.shards import read_manifest
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.model import load_tokenizer
 from areal_pipeline.rollout.try_workflow import episode_turns, format_episode, try_workflow
+from areal_pipeline.run_spec import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def rollout_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "--log-level", "WARNING", "rollout", *args],
+    return subprocess.run([sys.executable, "-m", "cli", "--log-level", "WARNING", "rollout", *args],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
 
 

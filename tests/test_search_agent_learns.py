@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from areal_pipeline.config import load_config
 from areal_pipeline.metrics import summarize
 from areal_pipeline.pipeline import run_plain
+from areal_pipeline.run_spec import load_config
 from _learning_helpers import REPO, base_model
 
 CONFIG = REPO / "configs/search_agent.yaml"

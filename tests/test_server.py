@@ -403,7 +403,7 @@ def test_a_device_this_machine_lacks_ends_the_server_with_the_reason(tiny_model_
 def test_server_info_from_the_command_line_server(tiny_model_dir, tmp_path):
     """`areal-pipeline inference-server` (its args carry the CLI's dispatch function) answers /get_server_info."""
     port = find_free_port()
-    server = ServerProcess([sys.executable, "-m", "areal_pipeline.cli", "inference-server", "--model",
+    server = ServerProcess([sys.executable, "-m", "cli", "inference-server", "--model",
                             str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port)],
                            f"127.0.0.1:{port}", tmp_path / "server.log").start()
     try:

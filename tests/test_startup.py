@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 PARSER_IMPORTS = """
 import sys
-from areal_pipeline import cli
+import cli
 cli.build_parser()
 print(sorted(m for m in ("torch", "transformers", "aiohttp", "numpy", "prefect") if m in sys.modules))
 """

@@ -61,7 +61,7 @@ def test_malformed_axes_are_refused(axes, message):
 
 
 def test_the_command_refuses_bad_input_before_anything_starts():
-    done = subprocess.run([sys.executable, "-m", "areal_pipeline.cli", "sweep", "--config", CONFIG,
+    done = subprocess.run([sys.executable, "-m", "cli", "sweep", "--config", CONFIG,
                            "trainer.optimizer.lrr=1e-3,2e-3"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1].startswith(

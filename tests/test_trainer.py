@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_pipeline.config import load_config
 from areal_pipeline.model import load_model
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.training.client import TrainerError, launch_trainer
 from areal_pipeline.training.engine import lr_lambda
 from areal_pipeline.training.losses import gather_logprobs

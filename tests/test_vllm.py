@@ -21,13 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_pipeline.config import ConfigError, load_config
+from areal_pipeline.config import ConfigError
 from areal_pipeline.inference.backend import engine_for
 from areal_pipeline.inference.launcher import build_vllm_command, launch_servers, server_processes
 from areal_pipeline.inference.types import ModelRequest, SamplingParams
 from areal_pipeline.inference.vllm_client import RemoteVLLMEngine
 from areal_pipeline.inference.weight_check import WeightMismatchError, probe_ids, verify_served
 from areal_pipeline.model import load_model, load_tokenizer
+from areal_pipeline.run_spec import load_config
 
 from _learning_helpers import base_model, first_and_last, short_run
 
@@ -325,7 +326,7 @@ def test_the_train_flow_runs_on_vllm(server, models, tmp_path):
     env.pop("PREFECT_API_URL", None)
     iterations = 3
     done = subprocess.run(
-        [sys.executable, "-m", "areal_pipeline.cli", "train", "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
+        [sys.executable, "-m", "cli", "train", "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
          HEADS, *VLLM_OVERRIDES, f"model.path={models[0]}", f"inference.addresses=[{server}]",
          f"total_iterations={iterations}", f"output_dir={tmp_path}", "run_id=vllm-flow"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=540)

@@ -13,14 +13,15 @@ import pytest
 import torch
 
 from areal_pipeline.checksums import file_entry
-from areal_pipeline.config import ConfigError, load_config
+from areal_pipeline.config import ConfigError
 from areal_pipeline.data.shards import read_table, read_trajectories, write_shards
 from areal_pipeline.data.trajectory import NO_VERSION, SequenceBuilder, Trajectory
 from areal_pipeline.inference.types import ModelRequest, ModelResponse
 from areal_pipeline.rollout.group import run_group
+from areal_pipeline.run_spec import build_workflow, load_config
 from areal_pipeline.training.advantages import normalize_advantages
 from areal_pipeline.training.ppo import compute_batch, pad
-from areal_pipeline.workflows import WORKFLOWS, build_workflow
+from areal_pipeline.workflows import WORKFLOWS
 
 # ---------------------------------------------------------------------------------------------- helpers
 

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from areal_pipeline.config import GenerationConfig, load_config
+from areal_pipeline.config import GenerationConfig
+
 from areal_pipeline.data.shards import read_table, write_shards
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.model import load_model, load_tokenizer
@@ -17,8 +18,8 @@ from areal_pipeline.rewards import math_reward
 from areal_pipeline.rewards.pool import RewardPool
 from areal_pipeline.rollout.executor import run_episodes
 from areal_pipeline.rollout.group import run_group
+from areal_pipeline.run_spec import assemble, build_workflow, load_config
 from areal_pipeline.training.ppo import compute_batch, read_batch, write_batch
-from areal_pipeline.workflows import build_workflow
 from areal_pipeline.workflows.multi_turn import CORRECT_MESSAGE, WRONG_MESSAGE, MultiTurnWorkflow, per_version_log
 from areal_pipeline.workflows.reflection import REFLECTION_MESSAGE, ReflectionWorkflow
 from areal_pipeline.workflows.turns import user_turn_ids
@@ -204,21 +205,21 @@ def test_per_version_log_reads_every_finished_rollout(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("name, all_turns", [("reflection", False), ("multi_turn", False), ("multi_turn", True)])
-def test_multi_turn_workflows_against_a_real_server(name, all_turns, cpu_server, tiny_model_dir, tmp_path,
-                                                    monkeypatch):
+def test_multi_turn_workflows_against_a_real_server(name, all_turns, cpu_server, tiny_model_dir, tmp_path):
     """all_turns: multi_turn with stop_on_success=false (MathMultiTurnAgent's episodes: always max_turns turns)."""
     tokenizer = load_tokenizer(tiny_model_dir)
     cfg = load_config(None, [f"rollout.workflow={name}", "rollout.gconfig.n_samples=3",
                              "rollout.gconfig.max_new_tokens=6", "rollout.agent.max_turns=3",
                              f"rollout.agent.stop_on_success={str(not all_turns).lower()}"])
+    run = assemble(cfg)
     if all_turns:  # a reward the random model earns on some turns, so that turns after a right one occur
-        monkeypatch.setattr("areal_pipeline.workflows.pooled_reward_function", lambda cfg: _digits)
+        run = dataclasses.replace(run, reward=_digits)
     records = [{"prompt_id": f"p{i}", "messages": [{"role": "user", "content": f"What is {i}+1?"}],
                 "answer": str(i + 1), "sampling_seed": 100 + i} for i in range(3)]
 
     async def go():
         with RewardPool(timeout=30) as pool:
-            workflow = build_workflow(cfg, tokenizer, pool)
+            workflow = build_workflow(run, tokenizer, pool)
             async with RemoteSGLangEngine([cpu_server]) as real:
                 engine = RecordingEngine(real)
                 groups = await asyncio.gather(*(run_group(workflow, engine, r, 3) for r in records))

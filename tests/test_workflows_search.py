@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from areal_pipeline.config import GenerationConfig, load_config
+from areal_pipeline.config import GenerationConfig
+
 from areal_pipeline.data.knowledge_base import knowledge_base
 from areal_pipeline.data.shards import read_trajectories, verify_shards
 from areal_pipeline.inference.client import RemoteSGLangEngine
@@ -19,10 +20,10 @@ from areal_pipeline.inference.types import ModelRequest, ModelResponse
 from areal_pipeline.model import load_model, load_tokenizer
 from areal_pipeline.rollout.group import run_group
 from areal_pipeline.rewards import exact_match_reward, f1_reward
+from areal_pipeline.run_spec import build_workflow, load_config
 from areal_pipeline.tools.retrieval_client import RetrievalClient
 from areal_pipeline.tools.retrieval_server import launch_retrieval_server
 from areal_pipeline.utils import find_free_port
-from areal_pipeline.workflows import build_workflow
 from areal_pipeline.workflows.rlvr import chat_prompt_ids
 from areal_pipeline.services import Services
 from areal_pipeline.tools.retrieval_client import RetrievalError, check_retrieval_server
@@ -222,7 +223,7 @@ def test_search_episodes_against_a_real_server(cpu_server, tiny_model_dir, token
 
 
 def test_rollout_command_with_the_search_agent_config(tiny_model_dir, tmp_path):
-    args = [sys.executable, "-m", "areal_pipeline.cli", "rollout", "--config", "configs/search_agent.yaml",
+    args = [sys.executable, "-m", "cli", "rollout", "--config", "configs/search_agent.yaml",
             f"output_dir={tmp_path}", "run_id=s", "rollout.batch_size=2", "rollout.gconfig.n_samples=2",
             f"model.path={tiny_model_dir}"]  # not the warm start: the protocol is what this checks
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)

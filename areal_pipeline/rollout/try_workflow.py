@@ -7,8 +7,8 @@ for), stops the servers and returns the trajectories.
 Nothing is cached or written but the servers' logs: every call rolls out afresh. `format_episode` decodes one
 trajectory for people: the prompt, each turn with its role (tool results marked), the reward.
 
-    from areal_pipeline.config import load_config
     from areal_pipeline.rollout.try_workflow import format_episode, tokenizer_for, try_workflow
+    from areal_pipeline.run_spec import load_config
 
     cfg = load_config("configs/search_agent.yaml", ["rollout.gconfig.n_samples=1"])
     trajectories = try_workflow(cfg, 2)

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from areal_pipeline.checksums import IntegrityError
-from areal_pipeline.config import ExperimentConfig, load_config
+from areal_pipeline.config import UNCHECKED_AGENT, ExperimentConfig, load
 from areal_pipeline.data.shards import read_table
 from areal_pipeline.placement import gpu_uuid
 from areal_pipeline.training.client import TRAINER_INIT_METHOD_ENV
@@ -440,7 +440,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     exit_when_parent_dies()
-    serve(load_config(args.config), args.model, args.host, args.port)
+    # the run's saved config, its workflow's section kept as written: the trainer never reads it, and parsing it
+    # would import the workflow's (the user's agent's) module in every rank
+    serve(load(args.config, chosen=UNCHECKED_AGENT), args.model, args.host, args.port)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Each built-in workflow declares its own section (ReflectionConfig beside ReflectionWorkflow, and so on) and reads
 only it; `AgentConfig` is an instance of each of them, so `cfg.rollout.agent` is the selected workflow's section
 whichever built-in one runs. A key of another built-in workflow stays accepted (and checked), as it was when they
-shared one section. A workflow of the user's own gets its own `config_class` alone (workflows.agent_section_class).
+shared one section. A workflow of the user's own gets its own `config_class` alone (run_spec.section_class).
 """
 
 from __future__ import annotations

@@ -56,7 +56,6 @@ import copy
 import dataclasses
 import functools
 import inspect
-import math
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Iterator
 
 from areal_pipeline.config import one_of, within
@@ -102,34 +101,6 @@ def load_agent(entry: str) -> Agent:
         raise TypeError(f"rollout.agent.entry={entry!r}: {getattr(agent, '__name__', agent)} must be an async "
                         "function agent(client: AsyncOpenAI, data: dict) -> float | dict[str, float]")
     return agent
-
-
-def discounted_rewards(completion_ids: list[str], returned: Any, discount: float) -> dict[str, float]:
-    """Each completion id's reward (in request order): the agent's number for the last one, or its dict's value for
-    each id it names, 0 otherwise; then discounted back, R_i = r_i + discount * R_{i+1}."""
-    given: dict[str, float] = dict.fromkeys(completion_ids, 0.0)
-    if isinstance(returned, dict):
-        unknown = [key for key in returned if key not in given]
-        if unknown:
-            raise ValueError(f"rewards for completion ids this episode never made: {unknown[:3]} (its ids: "
-                             f"{completion_ids[:5]}{'...' if len(completion_ids) > 5 else ''})")
-        given.update({key: _reward(value, f"the reward of {key}") for key, value in returned.items()})
-    else:
-        reward = _reward(returned, "the reward")
-        if completion_ids:
-            given[completion_ids[-1]] = reward
-    out, following = {}, 0.0
-    for key in reversed(completion_ids):
-        following = given[key] + discount * following
-        out[key] = following
-    return out
-
-
-def _reward(value: Any, what: str) -> float:
-    if type(value) not in (int, float, bool) or not math.isfinite(value):
-        raise TypeError(f"{what} must be a finite number (or the agent returns {{completion_id: reward}}), got "
-                        f"{value!r}")
-    return float(value)
 
 
 class OpenAIAgentWorkflow:

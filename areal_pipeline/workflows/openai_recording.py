@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import uuid
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import httpx2  # openai's HTTP client library (openai >= 3): the in-process transport plugs into it
 from openai import AsyncOpenAI
@@ -32,12 +33,8 @@ from areal_pipeline.inference.openai_requests import ChatRequest, parse_chat_req
 from areal_pipeline.inference.openai_tools import chat_prompt_ids, tool_call_text
 from areal_pipeline.inference.types import ModelRequest, ModelResponse, SamplingParams
 from areal_pipeline.utils import get_logger
-from areal_pipeline.workflows.openai_agent import discounted_rewards
 from areal_pipeline.workflows.rlvr import sample_seed
 from areal_pipeline.workflows.turns import turn_record
-
-if TYPE_CHECKING:
-    from areal_pipeline.workflows.openai_agent import OpenAIAgentWorkflow
 
 logger = get_logger(__name__)
 
@@ -91,6 +88,34 @@ def ids_after_reply(tokenizer, messages: list[dict[str, Any]], reply_index: int,
     return so_far[len(so_far) - so_far[::-1].index(eos):] + whole[len(so_far):]
 
 
+def discounted_rewards(completion_ids: list[str], returned: Any, discount: float) -> dict[str, float]:
+    """Each completion id's reward (in request order): the agent's number for the last one, or its dict's value for
+    each id it names, 0 otherwise; then discounted back, R_i = r_i + discount * R_{i+1}."""
+    given: dict[str, float] = dict.fromkeys(completion_ids, 0.0)
+    if isinstance(returned, dict):
+        unknown = [key for key in returned if key not in given]
+        if unknown:
+            raise ValueError(f"rewards for completion ids this episode never made: {unknown[:3]} (its ids: "
+                             f"{completion_ids[:5]}{'...' if len(completion_ids) > 5 else ''})")
+        given.update({key: _reward(value, f"the reward of {key}") for key, value in returned.items()})
+    else:
+        reward = _reward(returned, "the reward")
+        if completion_ids:
+            given[completion_ids[-1]] = reward
+    out, following = {}, 0.0
+    for key in reversed(completion_ids):
+        following = given[key] + discount * following
+        out[key] = following
+    return out
+
+
+def _reward(value: Any, what: str) -> float:
+    if type(value) not in (int, float, bool) or not math.isfinite(value):
+        raise TypeError(f"{what} must be a finite number (or the agent returns {{completion_id: reward}}), got "
+                        f"{value!r}")
+    return float(value)
+
+
 def _comparable(message: dict[str, Any]) -> dict[str, Any]:
     """A message as far as the model's tokens go: tool-call ids are the client's bookkeeping."""
     if not message.get("tool_calls"):
@@ -99,9 +124,9 @@ def _comparable(message: dict[str, Any]) -> dict[str, Any]:
 
 
 class RecordingEpisode:
-    """One agent run: answers its client's requests and records them."""
+    """One agent run of `workflow` (an OpenAIAgentWorkflow): answers its client's requests and records them."""
 
-    def __init__(self, workflow: "OpenAIAgentWorkflow", engine, data: dict[str, Any], sample_idx: int):
+    def __init__(self, workflow: Any, engine, data: dict[str, Any], sample_idx: int):
         self.workflow, self.engine, self.data, self.sample_idx = workflow, engine, data, sample_idx
         self.tokenizer = workflow.tokenizer
         self.completions: list[RecordedCompletion] = []

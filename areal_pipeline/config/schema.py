@@ -1,0 +1,341 @@
+"""The configuration's schema: every section's dataclass, its fields' defaults and, beside each field, its
+documentation (`areal-pipeline config KEY` prints it). A leaf: it imports nothing of the project.
+
+`rollout.agent` holds the selected workflow's own section; which class that is, the run assembly decides
+(areal_pipeline/run_spec.py): here it is an empty section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+@dataclass
+class ModelConfig:
+    # A Hugging Face hub id or local directory. Empty means the embedded tiny model, built once
+    # from `tiny` below into `<output_dir>/_models/`.
+    path: str = ""
+    dtype: str = "float32"  # the weights' dtype as loaded (the trainer's own precision: trainer.param_dtype)
+    trust_remote_code: bool = False  # let transformers run the model repository's own code (custom architectures)
+    # the embedded model's shape and warm start, used when path is empty
+    tiny: "TinyModelConfig" = field(default_factory=lambda: TinyModelConfig())
+
+
+@dataclass
+class TinyModelConfig:
+    hidden_size: int = 128  # width of the embedded Qwen2-architecture model
+    intermediate_size: int = 384  # width of its MLP layers
+    num_hidden_layers: int = 4  # its transformer layers
+    num_attention_heads: int = 4  # its query heads (must divide hidden_size)
+    num_key_value_heads: int = 2  # its key/value heads, grouped-query attention (must divide num_attention_heads)
+    max_position_embeddings: int = 1024  # the longest sequence it takes (prompt and generation)
+    # Warm start ("pretraining") on the arithmetic train split, so that RL starts from a base model that
+    # answers in the right format but is often wrong. 0 steps: random weights (what the unit tests use).
+    pretrain_steps: int = 0
+    # The warm start's curriculum (areal_pipeline/warm_start/): each task's own format and habits.
+    pretrain_task: str = "arithmetic"
+    pretrain_batch_size: int = 32  # sequences per warm-start step
+    pretrain_lr: float = 3e-3  # the warm start's learning rate (AdamW)
+    # Share of pretraining answers written one too high: a habit the base model picks up (greedy answers
+    # are mostly wrong, sampled ones right about 1 - this share of the time) and RL has to unlearn.
+    pretrain_off_by_one: float = 0.7
+
+
+@dataclass
+class DatasetConfig:
+    # arithmetic (generated), gsm8k, search_qa
+    name: str = "arithmetic"
+    # A local jsonl file / directory, or a hub id ("openai/gsm8k"). Empty: the built-in source.
+    path: str = ""
+    train_split: str = "train"  # the split rollouts draw their prompts from
+    test_split: str = "test"  # the split evaluation (pass@1) scores
+    max_train_size: Optional[int] = None  # the first N records of the train split (None: all)
+    max_test_size: Optional[int] = None  # the first N records of the test split (None: all)
+    system_prompt: str = ""  # a system message put before every question (empty: none)
+    # arithmetic generator: questions in the train split
+    arithmetic_train_size: int = 2000
+    arithmetic_test_size: int = 200  # arithmetic generator: questions in the test split
+    arithmetic_max_operand: int = 9  # arithmetic generator: operands are drawn from 0..this
+    arithmetic_operators: list[str] = field(default_factory=lambda: ["+"])  # arithmetic generator: + - *
+
+
+@dataclass
+class SGLangConfig:
+    """Flags for `python -m sglang.launch_server`, used when inference.backend == "sglang". Supported SGLang releases:
+    0.5.10.post1 (AReaL's pin) to 0.5.23 (docs/engines.md)."""
+
+    # The python of SGLang's own environment (a venv with `pip install sglang==0.5.10.post1`, say): sglang pins its
+    # own torch, transformers and openai, so it cannot be installed beside this project. Empty: this interpreter
+    python: str = ""
+    tp_size: int = 1  # tensor parallelism: GPUs one server's model is split over (--tp-size)
+    dp_size: int = 1  # data-parallel replicas inside one server (--dp-size); a server takes tp_size x dp_size GPUs
+    # The server's share of its GPUs' memory (weights + KV cache); the project's own server on CUDA caps its
+    # allocator at it too when it shares its GPU with the trainer (trainer.colocate)
+    mem_fraction_static: float = 0.8
+    context_length: Optional[int] = None  # longest prompt + generation the server takes (None: the model's)
+    # the served weights' dtype (--dtype: auto, half, float16, bfloat16, float, float32), also the wire dtype of
+    # distributed weight sync (auto: the model's)
+    dtype: str = "bfloat16"
+    # --enable-deterministic-inference: without it SGLang ignores `sampling_seed`, which the rollout sends so that a
+    # rerun samples the same tokens. It costs throughput (batch-invariant kernels, a slower sampler) and refuses
+    # min_p > 0; false trades reproducible reruns for speed
+    deterministic_inference: bool = True
+    disable_radix_cache: bool = False  # no prefix cache (multi-turn episodes then prefill every turn again)
+    enable_metrics: bool = False  # SGLang's Prometheus metrics endpoint
+    log_level: str = "warning"  # SGLang's log level (its log: <run_dir>/logs/inference-server-<i>.log)
+    extra_args: list[str] = field(default_factory=list)  # more launch_server flags, passed as they are
+
+
+@dataclass
+class VLLMConfig:
+    """How `python -m vllm.entrypoints.openai.api_server` is launched, used when inference.backend == "vllm"."""
+
+    # The interpreter of vLLM's own environment (vLLM pins its own torch). Empty: the project's .venv-vllm/bin/python
+    # where it exists, else this interpreter
+    python: str = ""
+    dtype: str = "auto"  # the served weights' dtype (--dtype); auto: the checkpoint's
+    max_model_len: Optional[int] = None  # longest prompt + generation (--max-model-len); None: the model's
+    enforce_eager: bool = True  # no torch.compile / graph capture (a faster start, slower decoding)
+    extra_args: list[str] = field(default_factory=list)  # more api_server flags, passed as they are
+    # More environment variables of the server, e.g. {"VLLM_CPU_KVCACHE_SPACE": "4"} (GiB of KV cache on a CPU)
+    env: dict[str, str] = field(default_factory=dict)
+    # Send each episode's sampling seed (reruns sample the same tokens where the batch is the same). Off by default:
+    # vLLM 0.32's CPU engine dies ("CPU Generator does not use offset") when a seeded request's prefill is split
+    # across steps, which a rollout's burst of requests does; on GPUs it can be turned on
+    seeded_sampling: bool = False
+
+
+@dataclass
+class InferenceConfig:
+    # cpu: the project's own server (transformers; on the CPU or, with device=cuda, a GPU) | sglang: SGLang's |
+    # vllm: vLLM's OpenAI-compatible server (its own environment: inference.vllm.python)
+    backend: str = "cpu"
+    num_servers: int = 1  # servers launched, data parallel (round robin; a trajectory sticks to its server)
+    host: str = "127.0.0.1"  # the address launched servers listen on
+    base_port: int = 0  # 0: pick free ports
+    setup_timeout: float = 300.0  # seconds a server has to answer /health after its launch
+    request_timeout: float = 3600.0  # seconds one generation request may take
+    request_retries: int = 3  # retries of a request that failed to connect or got a 5xx, then an error
+    # the project's server: requests decoded together at most (more wait their turn)
+    max_batch_size: int = 128
+    context_length: int = 1024  # the project's server: longest prompt + generation it takes
+    num_threads: int = 0  # the project's server's torch threads; 0: torch default
+    max_body_bytes: int = 64 << 20  # largest request body the CPU server takes (413 beyond)
+    device: str = "cpu"  # the project's own server: cpu | cuda (one GPU a server, from `gpus`)
+    dtype: str = "float32"  # the project's own server's weights
+    # GPU indices (as this process numbers them, i.e. within CUDA_VISIBLE_DEVICES) of the launched servers: server
+    # i takes the i-th tp_size*dp_size of them (sglang) or the i-th one (device=cuda). Empty: automatic (the
+    # first ones the trainer leaves, or the trainer's own with trainer.colocate)
+    gpus: list[int] = field(default_factory=list)
+    # Servers already running (SGLang, an SGLang router, or this project's), as host:port: the run uses them,
+    # launches none and never stops them. Weights reach them by trainer.weight_sync: disk (trainer.weights_dir must
+    # be a path they read at the same name) or distributed (trainer.weight_sync_master_address must reach them)
+    addresses: list[str] = field(default_factory=list)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)  # launch flags of SGLang servers (backend=sglang)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # launch flags of vLLM servers (backend=vllm)
+    # After every weight update, check on each server that it serves the trainer's weights: the logprobs it gives a
+    # short fixed probe against the trainer's. A mismatch is an error, never a run on stale weights
+    verify_weights: bool = True
+    # Largest mean |served - trainer| probe logprob that passes; 0: by precision (float32 tight, 16 bits looser)
+    verify_tolerance: float = 0.0
+
+
+@dataclass
+class GenerationConfig:
+    n_samples: int = 4  # episodes per prompt: the group GRPO normalises rewards within
+    max_new_tokens: int = 32  # tokens one generation may add (a multi-turn episode makes one per turn)
+    # sampling temperature; the trainer recomputes logprobs at the same one
+    temperature: float = 1.0
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this much probability (1: off)
+    top_k: int = -1  # sample among the k most likely tokens (-1: off)
+    stop: list[str] = field(default_factory=list)  # strings that end a generation
+    stop_token_ids: list[int] = field(default_factory=list)  # token ids that end a generation, besides EOS
+    greedy: bool = False  # argmax decoding (evaluation sets it, with one sample per prompt)
+
+
+@dataclass
+class RetrievalConfig:
+    """The search agent's local retrieval server (`areal-pipeline retrieval-server`)."""
+
+    corpus: str = ""  # jsonl with id, title, contents; empty: the generated knowledge base
+    # host:port of a retrieval server already running (e.g. ASearcher's Wiki-18 server, same /retrieve API):
+    # the run uses it rather than starting one (then corpus, retriever and the server settings below are unused)
+    address: str = ""
+    retriever: str = "bm25"  # bm25 | dense
+    embedding_model: str = ""  # a local sentence-embedding model directory, for retriever=dense
+    index_dir: str = ""  # empty: <output_dir>/_indexes/<corpus digest>
+    host: str = "127.0.0.1"  # the interface the run's retrieval server listens on
+    port: int = 0  # 0: a free port
+    topk: int = 3  # documents a search returns to the agent
+    max_topk: int = 50  # the most documents the server returns for one query (a larger topk is refused)
+    max_query_chars: int = 2000  # a query is cut to this many characters before it is searched
+    # A request is searched in one go by the server's single search worker: max_queries and max_body_bytes bound
+    # how long it holds it (413 beyond). Queries in one request at most
+    max_queries: int = 256
+    max_body_bytes: int = 1 << 20  # the largest request body the server reads (413 beyond)
+    request_retries: int = 3  # retries of a failed search before the episode ends with reward 0
+    setup_timeout: float = 120.0  # seconds the run's server may take to build its index and answer /health
+
+
+@dataclass
+class NoAgentConfig:
+    """rollout.agent of a workflow that declares no config_class: no keys."""
+
+
+@dataclass
+class RolloutConfig:
+    # the agent that plays the episodes: rlvr | reflection | multi_turn | search_agent | openai_agent, or a
+    # class of your own as "module:MyWorkflow" / "path/to/file.py:MyWorkflow" (areal_pipeline/workflows/protocol.py)
+    workflow: str = "rlvr"
+    batch_size: int = 16  # prompts per iteration
+    # eta: iteration k's episodes may be generated while the policy is at version >= k - 1 - eta, i.e. during
+    # the updates of up to eta earlier iterations. 0: synchronous.
+    max_head_offpolicyness: int = 0
+    max_concurrent_rollouts: int = 128  # episodes in flight at once (each a group of gconfig.n_samples)
+    # seconds a reward function may take on one answer before it scores 0 (its worker is killed and replaced)
+    reward_timeout: float = 5.0
+    reward_workers: int = 1  # processes of the reward pool that score answers
+    shard_rows: int = 256  # trajectories per Parquet shard of a rollout
+    # sampling of the episodes' generations (evaluation: greedy, one sample)
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    # the selected workflow's own section (its config_class): the package's workflows share one, AgentConfig
+    # (workflows/agent_config.py); a workflow of your own gets its keys here. Chosen at load by the run assembly
+    # (run_spec.py), the class depending on `workflow`
+    agent: Any = field(default_factory=NoAgentConfig, metadata={"section": lambda: NoAgentConfig})
+
+
+@dataclass
+class NormConfig:
+    """Normalisation of rewards or advantages; a level of "none" switches that part off."""
+
+    mean_level: str = "group"  # group | batch | none
+    std_level: str = "group"  # group | batch | none
+    mean_leave_one_out: bool = False  # RLOO: each sample's baseline excludes itself
+    eps: float = 1e-5  # added to the standard deviation before dividing by it
+
+
+@dataclass
+class PPOConfig:
+    """The algorithm: reward shaping, advantages and the policy loss (AReaL's PPOActorConfig names)."""
+
+    loss: str = "ppo"  # ppo | reinforce | "module:attr", a loss builder of your own (training/loss_registry.py)
+    # rewards -> advantages: grpo | remax | "module:attr", an advantage builder of your own
+    # (training/advantage_registry.py)
+    advantage: str = "grpo"
+    ppo_n_minibatches: int = 1  # an iteration's batch is split into this many minibatches, an optimizer step each
+    eps_clip: float = 0.2  # the ratio is clipped to [1 - eps_clip, 1 + eps_clip]
+    eps_clip_higher: Optional[float] = None  # the upper clip, 1 + eps_clip_higher, when it differs (DAPO's clip-higher)
+    c_clip: Optional[float] = None  # dual clip (> 1)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    use_decoupled_loss: Optional[bool] = None  # None: on in asynchronous mode (max_head_offpolicyness > 0)
+    # decoupled loss: tokens whose behaviour importance weight (proximal / behaviour policy) passes this are dropped
+    behav_imp_weight_cap: Optional[float] = None
+    # recompute the "old" logprobs with the trainer before the update instead of the servers' (a rerun after a
+    # crash then reaches the same weights bit for bit)
+    recompute_logprob: bool = False
+    reward_bias: float = 0.0  # rewards become clamp((r + reward_bias) * reward_scaling, -reward_clip, reward_clip)
+    reward_scaling: float = 1.0  # rewards become clamp((r + reward_bias) * reward_scaling, -reward_clip, reward_clip)
+    reward_clip: float = 20.0  # rewards become clamp((r + reward_bias) * reward_scaling, -reward_clip, reward_clip)
+    reward_norm: NormConfig = field(default_factory=NormConfig)  # normalisation of the rewards (per GRPO group)
+    # normalisation of the advantages (over the batch)
+    adv_norm: NormConfig = field(default_factory=lambda: NormConfig(mean_level="batch", std_level="batch"))
+    kl_ctl: float = 0.0  # KL penalty on every generated token's reward, -kl_ctl * KL(policy || reference)
+    kl_estimator: str = "k1"  # k1 | k2 | k3
+    discount: float = 1.0  # per-token discount of the returns (GAE's gamma)
+    gae_lambda: float = 1.0  # GAE's lambda
+    mask_no_eos_with_zero: bool = False  # sequences cut off before EOS get no reward (their KL penalty stays)
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-5  # AdamW's learning rate (the peak, with a scheduler)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.999  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
+    gradient_clipping: float = 1.0  # gradients are scaled to this global norm at most
+    lr_scheduler_type: str = "constant"  # constant | linear | cosine
+    warmup_steps_proportion: float = 0.0  # share of the optimizer steps that warm the learning rate up linearly
+    min_lr_ratio: float = 0.0  # linear and cosine schedules decay to lr x min_lr_ratio
+
+
+@dataclass
+class TrainerConfig:
+    nproc: int = 1  # ranks per node (torchrun --nproc-per-node)
+    nnodes: int = 1  # nodes (torchrun --nnodes); more than 1 needs rendezvous options in torchrun_args
+    torchrun_args: list[str] = field(default_factory=list)  # e.g. rendezvous options for multi-node
+    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+    device: str = "auto"  # auto | cpu | cuda
+    param_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (mixed precision, fp32 master weights)
+    # torch threads per rank; 0: torch's default, or in asynchronous mode on CPU the cores the CPU inference
+    # servers leave (at least 1)
+    num_threads: int = 0
+    mb_max_tokens: int = 8192  # micro-batch token budget for packed sequences
+    pack_sequences: bool = True  # false: one padded row per sequence (the slower baseline)
+    # Sequences that start alike (a GRPO group's prompt) run their common prefix once, where it is at least as
+    # long as each sequence's rest; the same logprobs and gradients for fewer forward tokens (sdpa/eager attention)
+    share_prefix: bool = True
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
+    # On CUDA, torch.compile the per-token logprob, entropy and their gradient over the vocabulary into fused
+    # kernels (eager, each step is a pass over a float32 [tokens, vocab] temporary); the first update pays the
+    # compilation. Ignored on the CPU
+    compile: bool = True
+    # torch.compile each decoder layer (its norms, rotary embedding and SwiGLU fused around the matrix products):
+    # None: on CUDA only; true: on any device; false: never. The first updates pay the compilation (seconds per
+    # new shape, until the compiler treats lengths as dynamic)
+    compile_layers: Optional[bool] = None
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # AdamW and its learning-rate schedule
+    # how new weights reach the servers: disk (a Hugging Face directory they load) | distributed (a broadcast
+    # over a process group they join: NCCL where trainer and servers are on CUDA, gloo otherwise)
+    weight_sync: str = "disk"
+    # weight_sync=disk: where the trainer writes each version for the servers to load (<dir>/<run_id>/v<k>); empty:
+    # <run_dir>/weights. Servers on another host need a shared path, the same on both
+    weights_dir: str = ""
+    # weight_sync=distributed: the address the servers reach the trainer's weight-update group at (a local master
+    # binds it alone), and its port (0: a free one)
+    weight_sync_master_address: str = "127.0.0.1"
+    weight_sync_master_port: int = 0  # weight_sync=distributed: the group's port on that address (0: a free one)
+    # weight_sync=distributed: the most MiB announced by one update call; a server allocates what it announces
+    # before receiving it, so one call for a whole model would need twice its memory
+    weight_sync_bucket_mb: int = 1024
+    # GPU indices (as this process numbers them) of the ranks on each node, rank r on gpus[r]; empty: automatic (the
+    # first ones the inference servers leave)
+    gpus: list[int] = field(default_factory=list)
+    # The trainer may share GPUs with the inference servers (one-GPU use): their memory is then split, the
+    # servers' share inference.sglang.mem_fraction_static, each rank's memory_fraction
+    colocate: bool = False
+    memory_fraction: float = 1.0  # share of its GPU's memory a rank may allocate (1: no cap)
+    setup_timeout: float = 300.0  # seconds the trainer has to load the model and answer after its launch
+    command_timeout: float = 3600.0  # seconds one trainer command (an update, a save) may take
+
+
+@dataclass
+class ExperimentConfig:
+    run_id: str = "tiny-cpu"  # the run's name: its directory under output_dir, and its Prefect flow runs'
+    output_dir: str = "runs"  # where runs (and the embedded model and retrieval indexes they build) are kept
+    seed: int = 1  # seeds the warm start, prompt order, sampling and training: a rerun repeats the run
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy: a model to load, or the embedded one
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # the prompts and reference answers
+    inference: InferenceConfig = field(default_factory=InferenceConfig)  # the servers that generate the episodes
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # the episodes: workflow, batch, sampling
+    ppo: PPOConfig = field(default_factory=PPOConfig)  # the algorithm: rewards, advantages, loss
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the training processes and the optimizer
+    total_iterations: int = 10  # RL iterations of the run (rollout, update, weights to the servers)
+    save_freq: int = 1  # checkpoint every N iterations (and after the last)
+    keep_checkpoints: int = 2  # newest K kept
+    eval_freq: int = 0  # pass@1 on the test split every N iterations (and after the last); 0: off
+    eval_max_prompts: int = 0  # 0: the whole test split
+    tensorboard: bool = False  # also write <run_dir>/tensorboard (needs the tensorboard package)
+    # Iterations per Prefect flow run of the `train` flow (`<run>/iter-<k>`, or `<run>/iter-<k>..<k+n-1>`), each
+    # node still a task run of its own. A flow run costs the Prefect API several synchronous calls and CPU beside
+    # the nodes: worth it where an iteration takes minutes, not where it takes a fraction of a second.
+    iterations_per_flow_run: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ppo.use_decoupled_loss is None:
+            self.ppo.use_decoupled_loss = self.rollout.max_head_offpolicyness > 0
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.run_id

@@ -1,0 +1,45 @@
+"""Scoring a policy: pass@1 and mean reward on the test split's prompts, greedy, one sample each. The `evaluate` node
+runs it on the run's servers; `evaluation.evaluate_checkpoint` on servers of a checkpoint's own."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from areal_pipeline.config import ExperimentConfig
+from areal_pipeline.run_spec import RunSpec, assemble, build_workflow
+from areal_pipeline.utils import run_async
+
+
+def evaluate_policy(run: RunSpec | ExperimentConfig, engine_factory, records: list[dict], tokenizer, reward_pool,
+                    tool_kwargs: dict) -> dict[str, Any]:
+    """pass@1 (greedy, one sample per prompt) and mean reward on `records`, with the run's workflow (a config in
+    place of a RunSpec is assembled first)."""
+    import dataclasses
+
+    from areal_pipeline.rollout.executor import run_episodes
+
+    if not isinstance(run, RunSpec):
+        run = assemble(run)
+    cfg = run.cfg
+    records = records[: cfg.eval_max_prompts] if cfg.eval_max_prompts else records
+    greedy = dataclasses.replace(cfg.rollout.gconfig, n_samples=1, greedy=True)
+    eval_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gconfig=greedy))
+    workflow = build_workflow(run, tokenizer, reward_pool, cfg=eval_cfg, **tool_kwargs)
+    started = time.perf_counter()
+
+    async def run():
+        async with engine_factory() as engine:
+            return await run_episodes(workflow, engine, records,
+                                      max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts, progress=False)
+    trajectories = run_async(run())
+    n = max(1, len(trajectories))
+    return {
+        "num_prompts": len(records),
+        "pass_at_1": sum(t.reward >= 1.0 for t in trajectories) / n,
+        "reward_mean": sum(t.reward for t in trajectories) / n,
+        "response_length": sum(t.num_generated for t in trajectories) / n,
+        "seconds": time.perf_counter() - started,
+        "samples": [{"prompt": next((m["content"] for m in t.messages if m["role"] == "user"), ""),
+                     "completion": t.text, "reward": t.reward} for t in trajectories[:4]],
+    }
