@@ -80,43 +80,25 @@ def builtin_sections() -> Chosen:
     return chosen_sections(RolloutConfig.workflow, "the default")
 
 
-def _loss_builder_exists(name: str) -> bool:
-    if name in LOSSES:  # the package's own: known without importing the trainer's modules here
+def _loads(lookup) -> Any:
+    """A rule's check: `lookup(name)` finds what the name names (each lookup raises ValueError otherwise)."""
+    def check(name: str) -> bool:
+        try:
+            lookup(name)
+        except ValueError:
+            return False
         return True
-    try:
-        loss_builder(name)
-    except ValueError:
-        return False
-    return True
+    return check
 
 
+# the package's own losses are known without importing the trainer's modules here
 _LOSS = Rule("ppo, reinforce, or 'module:attr' naming an importable loss builder (training/loss_registry.py)",
-             _loss_builder_exists)
-
-
-def _advantage_builder_exists(name: str) -> bool:
-    try:
-        advantage_builder(name)
-    except ValueError:
-        return False
-    return True
-
-
+             lambda name: name in LOSSES or _loads(loss_builder)(name))
 _ADVANTAGE = Rule("grpo, remax, or 'module:attr' naming an importable advantage builder "
-                  "(training/advantage_registry.py)", _advantage_builder_exists)
-
-
-def _workflow_loads(name: str) -> bool:
-    try:
-        _workflow(name)
-    except ValueError:
-        return False
-    return True
-
-
+                  "(training/advantage_registry.py)", _loads(advantage_builder))
 _WORKFLOW = Rule("rlvr, reflection, multi_turn, search_agent, openai_agent, or 'module:Class' / "
                  "'path/to/file.py:Class' naming a workflow class of your own (workflows/protocol.py)",
-                 _workflow_loads)
+                 _loads(_workflow))
 
 # The field rules that need the project's registries, besides the generic ones (config/rules.py).
 RUN_FIELD_RULES = {

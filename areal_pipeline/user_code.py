@@ -40,6 +40,14 @@ def load_registered(name: str, registered: dict[str, str], key: str, what: str, 
                          "PYTHONPATH)") from None
 
 
+def load_builder(name: str, registered: dict[str, str], key: str, what: str, see: str, returns: str) -> Any:
+    """`load_registered` for a builder (ppo_cfg -> `returns`), which must be callable."""
+    builder = load_registered(name, registered, key, what, "builder", see)
+    if not callable(builder):
+        raise ValueError(f"{key}={name!r}: {builder!r} is not callable (a builder: ppo_cfg -> {returns})")
+    return builder
+
+
 def load_attr(reference: str, key: str, kind: str = "attr") -> Any:
     """The object `reference` names. `key` is the config key that named it, which every error starts with.
 

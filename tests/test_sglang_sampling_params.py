@@ -33,7 +33,7 @@ def workflow_sampling() -> list[SamplingParams]:
         SamplingParams.from_config(GenerationConfig(greedy=True, stop=["\n\n", "</answer>"], stop_token_ids=[5],
                                                     top_p=0.9, top_k=20)),
         dataclasses.replace(SamplingParams.from_config(GenerationConfig(temperature=0.7)),
-                            **sample_seed({"sampling_seed": 12345}, 3, turn=2)),
+                            **sample_seed({"sampling_seed": 12345}, turn=2)),
         SamplingParams(ignore_eos=True, skip_special_tokens=False, sampling_seed=(1 << 63) - 1),
         chat.sampling.for_choice(1),
     ]

@@ -83,13 +83,10 @@ remax.config_problems = _remax_config_problems
 
 def advantage_builder(name: str) -> Callable[[Any], Advantage]:
     """The builder `ppo.advantage` names: a registered name, or "module:attr" / "path/to/file.py:attr" (user_code)."""
-    from areal_pipeline.user_code import load_registered
+    from areal_pipeline.user_code import load_builder
 
-    builder = load_registered(name, ADVANTAGES, "ppo.advantage", "advantage", "builder",
-                              "areal_pipeline/training/advantage_registry.py")
-    if not callable(builder):
-        raise ValueError(f"ppo.advantage={name!r}: {builder!r} is not callable (a builder: ppo_cfg -> Advantage)")
-    return builder
+    return load_builder(name, ADVANTAGES, "ppo.advantage", "advantage", "areal_pipeline/training/advantage_registry.py",
+                        "Advantage")
 
 
 def make_advantage(ppo_cfg) -> Advantage:

@@ -50,12 +50,9 @@ class Loss(NamedTuple):
 
 def loss_builder(name: str) -> Callable[[Any], Loss]:
     """The builder `ppo.loss` names: a registered name, or "module:attr" / "path/to/file.py:attr" (user_code)."""
-    from areal_pipeline.user_code import load_registered
+    from areal_pipeline.user_code import load_builder
 
-    builder = load_registered(name, LOSSES, "ppo.loss", "loss", "builder", "areal_pipeline/training/loss_registry.py")
-    if not callable(builder):
-        raise ValueError(f"ppo.loss={name!r}: {builder!r} is not callable (a builder: ppo_cfg -> Loss)")
-    return builder
+    return load_builder(name, LOSSES, "ppo.loss", "loss", "areal_pipeline/training/loss_registry.py", "Loss")
 
 
 def make_loss(ppo_cfg) -> Loss:
