@@ -360,7 +360,7 @@ def main(args: argparse.Namespace) -> None:
     last_rows.clear()
     # After a stop signal each run has its own FORCED_EXIT_AFTER_S to record its end through the API; the sweep,
     # which holds that API (a temporary server exits with it), must outlast them.
-    shutdown.FORCED_EXIT_AFTER_S = RUN_STOP_GRACE_S + 4.0
+    shutdown.FORCED_EXIT_AFTER_S = RUN_STOP_GRACE_S + 8.0
     try:
         with prefect_api(None if configured_api_url() else TemporaryAPIServer()) as url:
             print(f"Prefect API: {url}", flush=True)

@@ -188,7 +188,7 @@ async def _generation_tokens(engine: RemoteVLLMEngine, address: str) -> float:
 def test_abort_mid_rollout_resumes_under_the_new_version(server, models):
     """(b) A weight update while requests run: they come back aborted, are re-sent with what they have, and end at
     their full length; each token is tagged with the version that sampled it and carries that version's logprob."""
-    new_tokens, n = 400, 6
+    new_tokens, n = 900, 6  # long enough that the update lands mid-generation on a busy machine
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
     prompt = load_tokenizer(models[0])("3+4=", add_special_tokens=False)["input_ids"]
 
