@@ -4,9 +4,10 @@
 
 `start` makes the database cluster on first use (`initdb`, then `CREATE DATABASE prefect` in PostgreSQL's
 single-user mode), starts it with `pg_ctl` on 127.0.0.1 (its unix socket inside DIR), then starts
-`prefect server start --host 127.0.0.1` on it (`PREFECT_API_DATABASE_CONNECTION_URL=postgresql+asyncpg://...`)
-in a session of its own, waits for /api/health and returns the API URL to export. `stop` stops the Prefect
-server, then PostgreSQL (`pg_ctl stop -m fast`). Nothing listens beyond loopback.
+`prefect server start --host 127.0.0.1` on it (`PREFECT_API_DATABASE_CONNECTION_URL=postgresql+asyncpg://...`,
+`PREFECT_UI_API_URL` naming its own port: see `server_env`) in a session of its own, waits for /api/health and
+returns the API URL to export. `stop` stops the Prefect server, then PostgreSQL (`pg_ctl stop -m fast`). Nothing
+listens beyond loopback.
 
 Prefect's default SQLite database serialises every write: against a standing server, concurrent runs and the
 task-run recorder then wait on "database is locked" (docs/prefect.md, "A standing Prefect server"). PostgreSQL does not.

@@ -46,20 +46,3 @@ if "prefect" in sys.modules:
     for _handler in logging.getLogger("prefect.extra").handlers:
         if _handler not in _library_logger.handlers:
             _library_logger.addHandler(_handler)
-
-
-class CompletedTaskRunsUnlogged(logging.Filter):
-    """Prefect's task engine logs "Finished in state Completed()" (or Cached(...)) at INFO for every task run, to
-    the console and the run's logs in the API: with a task run per node they were most of a run's log. Those
-    records are dropped; a task run that failed (ERROR), its retries ("Task run failed ... Retry 1/2", INFO) and
-    everything else the logger carries stay. Prefect's level for the logger is left alone, since a level would
-    drop the retry messages too."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or not str(record.msg).startswith("Finished in state ")
-
-
-# the logger of Prefect's task-run engine (its logging.yml names it); filters survive Prefect's dictConfig
-_task_run_logger = logging.getLogger("prefect.task_runs")
-if not any(isinstance(f, CompletedTaskRunsUnlogged) for f in _task_run_logger.filters):
-    _task_run_logger.addFilter(CompletedTaskRunsUnlogged())

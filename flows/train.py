@@ -31,7 +31,7 @@ from areal_pipeline.run_dir import newest_completed_iteration, run_lock
 from areal_pipeline.run_spec import load_run
 from areal_pipeline.steps import due_steps, run_steps
 from areal_pipeline.utils import atomic_write_text
-from flows import artifacts, control, labels, overlap
+from flows import artifacts, control, labels, overlap, run_logs
 from tasks import runs
 from tasks.runs import LiveRun
 
@@ -143,6 +143,7 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
     to the config's `total_iterations`."""
     spec = load_run(config_path, overrides, run_id, iterations)
     cfg = spec.cfg
+    run_logs.keep_completed_task_runs_from_the_api()
     logger = get_run_logger()
     with run_lock(cfg.run_dir):
         pipeline = Pipeline(spec)

@@ -322,7 +322,7 @@ def test_ppo_update_failing_on_first_attempt_succeeds_on_retry(prefect_api, tiny
     assert task_run.run_count == 2
 
     # The run's logs: the failed attempt and its retry are there, the "Finished in state Completed()" of every
-    # node is not (flows/__init__.py). The train run's own last record arrives once every earlier one has.
+    # node is not (flows/run_logs.py). The train run's own last record arrives once every earlier one has.
     flow_runs = asyncio.run(_flow_runs_tagged("run:retry"))
     (train_run,) = [r for r in flow_runs if r.name == "retry"]
 
