@@ -223,6 +223,19 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     assert time.monotonic() - started < 120
 
 
+def test_a_train_run_with_a_missing_config_fails_with_the_reason(prefect_api, tmp_path):
+    """The run's name cannot come from a config that is not there: the flow run is named after the file, and
+    ends Failed with the config error."""
+    from areal_pipeline.config import ConfigError
+    from flows.train import train
+
+    missing = tmp_path / "no-such-config.yaml"
+    with pytest.raises(ConfigError, match="config file not found"):
+        train(config_path=str(missing))
+    (run,) = asyncio.run(_flow_runs("train no-such-config"))
+    assert run.state.is_failed(), run.state
+
+
 def test_iterations_share_flow_runs_and_keep_a_task_run_per_node(prefect_api, tiny_model_dir, tmp_path):
     """iterations_per_flow_run=3 over 4 iterations: flow runs g/iter-1..3 and g/iter-4, each iteration's nodes
     their own task runs (`<node>-<k>`), in order and never overlapping; the run's records as with a flow run each."""
