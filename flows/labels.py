@@ -27,7 +27,7 @@ def train_run_name() -> str:
     config_path = parameters.get("config_path") or DEFAULT_CONFIG
     try:
         return run_id_of(config_path, parameters.get("overrides"), parameters.get("run_id"))
-    except Exception:  # noqa: BLE001  the flow's body reports a bad config, with its reason; the name must not
+    except Exception:  # noqa: BLE001  the body reports a bad config with its reason: naming never raises
         return f"train {Path(str(config_path)).stem}"
 
 
