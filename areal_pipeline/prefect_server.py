@@ -4,9 +4,10 @@
 
 `start` makes the database cluster on first use (`initdb`, then `CREATE DATABASE prefect` in PostgreSQL's
 single-user mode), starts it with `pg_ctl` on 127.0.0.1 (its unix socket inside DIR), then starts
-`prefect server start --host 127.0.0.1` on it (`PREFECT_API_DATABASE_CONNECTION_URL=postgresql+asyncpg://...`)
-in a session of its own, waits for /api/health and returns the API URL to export. `stop` stops the Prefect
-server, then PostgreSQL (`pg_ctl stop -m fast`). Nothing listens beyond loopback.
+`prefect server start --host 127.0.0.1` on it (`PREFECT_API_DATABASE_CONNECTION_URL=postgresql+asyncpg://...`,
+`PREFECT_UI_API_URL` naming its own port: see `server_env`) in a session of its own, waits for /api/health and
+returns the API URL to export. `stop` stops the Prefect server, then PostgreSQL (`pg_ctl stop -m fast`). Nothing
+listens beyond loopback.
 
 Prefect's default SQLite database serialises every write: against a standing server, concurrent runs and the
 task-run recorder then wait on "database is locked" (docs/prefect.md, "A standing Prefect server"). PostgreSQL does not.
@@ -52,6 +53,18 @@ SERVER_DEFAULTS = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100"
                    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1"}
 
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def server_env(environ: dict[str, str], url: str) -> dict[str, str]:
+    """The environment of `prefect server start` serving the API at `url`: SERVER_DEFAULTS under `environ`, and the
+    URL the UI's pages call. Prefect's UI reads that URL from the server's `/ui-settings`, which serves
+    PREFECT_UI_API_URL, else PREFECT_API_URL, else PREFECT_SERVER_API_HOST/PORT (default 4200): not `--port`, so a
+    UI on another port would call 4200's API. A UI URL in `environ` wins (e.g. a server behind a proxy)."""
+    env = {**SERVER_DEFAULTS, **environ}
+    env.pop("PREFECT_API_URL", None)  # the server is not a client of another one
+    if not (env.get("PREFECT_UI_API_URL") or env.get("PREFECT_SERVER_UI_API_URL")):
+        env["PREFECT_UI_API_URL"] = url
+    return env
 
 
 class PrefectServerError(RuntimeError):
@@ -318,10 +331,9 @@ class LocalPrefectServer:
         say(f"PostgreSQL {'started' if started_postgres else 'was running'}: {self.database_url(pg_port, False)} "
             f"(data {self.pg_data})")
         self.prefect_home.mkdir(exist_ok=True)
-        env = {**SERVER_DEFAULTS, **os.environ, **QUIET_ENV, **(extra_env or {}),
-               "PREFECT_HOME": str(self.prefect_home),
-               "PREFECT_API_DATABASE_CONNECTION_URL": self.database_url(pg_port)}
-        env.pop("PREFECT_API_URL", None)  # the server is not a client of another one
+        env = server_env({**os.environ, **QUIET_ENV, **(extra_env or {}),
+                          "PREFECT_HOME": str(self.prefect_home),
+                          "PREFECT_API_DATABASE_CONNECTION_URL": self.database_url(pg_port)}, url)
         with open(self.server_log, "ab") as log:
             server = subprocess.Popen([prefect_executable(), "server", "start", "--host", "127.0.0.1", "--port",
                                        str(port)], env=env, stdin=subprocess.DEVNULL, stdout=log,

@@ -200,6 +200,19 @@ def resolve_run_config(config_path, overrides: Optional[list[str]] = None, run_i
     return cfg
 
 
+def run_id_of(config_path, overrides: Optional[list[str]] = None, run_id: Optional[str] = None) -> str:
+    """The run id `load_run` gives these arguments, from the YAML file and the overrides alone (no rule checked, no
+    workflow or loss imported): cheap enough to name a flow run before its config loads. Loading the config is what
+    checks the value."""
+    if run_id:
+        return str(run_id)
+    value = ExperimentConfig.run_id
+    for layer in read_layers(config_path, overrides):
+        if isinstance(layer.data, dict) and layer.data.get("run_id") is not None:
+            value = str(layer.data["run_id"])
+    return value
+
+
 def load_run(config_path, overrides: Optional[list[str]] = None, run_id: Optional[str] = None,
              iterations: Optional[int] = None) -> RunSpec:
     """The run `config_path` + `overrides` describe (as `resolve_run_config`), assembled."""

@@ -31,7 +31,7 @@ from areal_pipeline.run_dir import newest_completed_iteration, run_lock
 from areal_pipeline.run_spec import load_run
 from areal_pipeline.steps import due_steps, run_steps
 from areal_pipeline.utils import atomic_write_text
-from flows import artifacts, control, overlap
+from flows import artifacts, control, labels, overlap, run_logs
 from tasks import runs
 from tasks.runs import LiveRun
 
@@ -59,6 +59,7 @@ def iteration(run_id: str, k: int, until: Optional[int] = None) -> Any:
     """Iteration k of run `run_id` (policy k - 1 -> k), or iterations k..until in one flow run
     (`iterations_per_flow_run`): each iteration's nodes are its own task runs, as in a run of one."""
     run = runs.get(run_id)
+    labels.tag_iteration_run(run.tags)
     try:
         if until is None or until == k:
             return _one_iteration(run, k)
@@ -133,7 +134,8 @@ def _start_services(pipeline: Pipeline) -> None:
         future.result()
 
 
-@flow(name="train", persist_result=True, result_serializer="json", **overlap.STOP_HOOKS)
+@flow(name="train", flow_run_name=labels.train_run_name, persist_result=True, result_serializer="json",
+      **overlap.STOP_HOOKS)
 def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[str]] = None,
           run_id: Optional[str] = None, iterations: Optional[int] = None) -> dict[str, Any]:
     """Train `config_path` (+ dotted `overrides`) as run `run_id` (default: the config's). `iterations`
@@ -141,12 +143,14 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
     to the config's `total_iterations`."""
     spec = load_run(config_path, overrides, run_id, iterations)
     cfg = spec.cfg
+    run_logs.keep_completed_task_runs_from_the_api()
     logger = get_run_logger()
     with run_lock(cfg.run_dir):
         pipeline = Pipeline(spec)
         run = runs.register(pipeline)
         save_config(cfg, cfg.run_dir / "config.yaml")  # how the run was made; what a branch of it starts from
         try:
+            run.tags = labels.label_train_run(cfg, config_path)
             tasks.prepare_dataset(cfg.run_id)
             _start_services(pipeline)
             first, cfg.total_iterations, per_run = planned_iterations(cfg)

@@ -20,6 +20,7 @@ class LiveRun:
     control: Optional[Any] = None  # flows.control.RunControl: Prefect's cancel and pause of the train flow run
     events: Optional[Any] = None  # flows.events.RunEvents
     artifacts_published_at: float = -math.inf  # when its iteration artifacts were last published (monotonic)
+    tags: tuple[str, ...] = ()  # the Prefect tags of its flow runs (flows/labels.py)
 
     @property
     def run_id(self) -> str:

@@ -15,7 +15,7 @@ import torch
 from _learning_helpers import base_model
 from areal_pipeline.branching import BranchError, plan_branch
 from areal_pipeline.config import ConfigError
-from test_flows import REPO, cli, fast_overrides, final_weights
+from test_flows import REPO, assert_found_by_run_id, cli, fast_overrides, final_weights
 
 PARENT_LR = 1e-3  # fast_overrides' learning rate
 
@@ -82,6 +82,8 @@ def test_a_branch_under_the_same_config_continues_the_parent_bitwise(parent):
                 and r.parameters.get("run_id") == "same" and r.flow_id != branch_run.flow_id]
     assert children, "the train flow run of the branch"
     assert record["parent_flow_runs"]  # the parent's train flow run that trained iteration 2
+    # the new run's train run is named after it; it and its iteration runs carry the parent's run id
+    assert_found_by_run_id("same", ["same/iter-3", "same/iter-4"], "branch-of:p", config="config")
 
 
 def test_a_branch_with_a_new_learning_rate_from_the_command_line(parent, prefect_api):

@@ -26,6 +26,20 @@ def test_defaults_file_and_overrides_layer():
     assert cfg.run_dir == Path("runs") / "tiny-cpu"
 
 
+@pytest.mark.parametrize("overrides, run_id", [([], None), (["run_id=abc"], None), (["run_id=abc", "run_id=7"], None),
+                                               (["run_id=abc"], "given"), (["seed=3"], None)])
+def test_the_run_id_read_without_loading_is_the_loaded_ones(tmp_path, overrides, run_id):
+    """`run_id_of` (what names a train flow run before its config loads) agrees with the config `load_run` loads:
+    the run_id parameter, else the last override, else the file, else the default."""
+    from areal_pipeline.run_spec import resolve_run_config, run_id_of
+
+    for path in (REPO / "configs/tiny_cpu.yaml", REPO / "configs/search_agent.yaml"):
+        assert run_id_of(path, overrides, run_id) == resolve_run_config(path, overrides, run_id).run_id
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("seed: 1\n")
+    assert run_id_of(bare, overrides, run_id) == resolve_run_config(bare, overrides, run_id).run_id
+
+
 def test_unknown_override_names_closest_keys():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["rollout.gconfig.n_sample=4"])

@@ -77,6 +77,51 @@ async def _library_logs(since):
     return [log for log in logs if log.name.startswith("areal_pipeline")]
 
 
+async def _flow_runs_tagged(tag: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    async with get_client() as client:
+        return await client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])))
+
+
+async def _parent_flow_run_id(flow_run):
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        return (await client.read_task_run(flow_run.parent_task_run_id)).flow_run_id
+
+
+async def _run_logs(flow_run_ids) -> list:
+    """Every log record the API holds for these flow runs (and their task runs), oldest first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    logs = []
+    async with get_client() as client:
+        while True:
+            page = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(flow_run_ids))),
+                                          limit=200, offset=len(logs), sort=LogSort.TIMESTAMP_ASC)
+            logs += page
+            if len(page) < 200:
+                return logs
+
+
+def assert_found_by_run_id(run_id: str, iterations: list[str], *more_tags: str, config: str = "tiny_cpu") -> None:
+    """The run's `train` flow run is named after the run id (also where it came as an override, not as the run_id
+    parameter, which then shows the resolved id), and the search by tag `run:<id>` finds it and its iteration
+    runs, all tagged with the config and workflow."""
+    tagged = asyncio.run(_flow_runs_tagged(f"run:{run_id}"))
+    assert sorted(r.name for r in tagged) == sorted([run_id, *iterations]), [r.name for r in tagged]
+    (parent,) = [r for r in tagged if r.name == run_id]
+    assert parent.parameters["run_id"] == run_id
+    for r in tagged:
+        assert {f"run:{run_id}", f"config:{config}", "workflow:rlvr", *more_tags} <= set(r.tags), (r.name, r.tags)
+        if r is not parent:
+            assert asyncio.run(_parent_flow_run_id(r)) == parent.id, r.name
+
+
 async def _task_runs(flow_run_id):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -158,6 +203,7 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     child_runs = asyncio.run(_flow_runs("e2e/iter-"))
     assert sorted(r.name for r in child_runs) == ["e2e/iter-1", "e2e/iter-2", "e2e/iter-3"]
     assert all(r.state.is_completed() for r in child_runs)
+    assert_found_by_run_id("e2e", ["e2e/iter-1", "e2e/iter-2", "e2e/iter-3"])
     assert_nodes_do_not_overlap(sorted(child_runs, key=lambda r: r.name))
     for what in ("metrics", "iteration", "reward-curve"):
         artifacts = asyncio.run(_artifacts(f"e2e-{what}"))
@@ -175,6 +221,19 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
                   overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="e2e"))
     assert again["iterations"] == 3 and len(asyncio.run(_flow_runs("e2e/iter-"))) == 3
     assert time.monotonic() - started < 120
+
+
+def test_a_train_run_with_a_missing_config_fails_with_the_reason(prefect_api, tmp_path):
+    """The run's name cannot come from a config that is not there: the flow run is named after the file, and
+    ends Failed with the config error."""
+    from areal_pipeline.config import ConfigError
+    from flows.train import train
+
+    missing = tmp_path / "no-such-config.yaml"
+    with pytest.raises(ConfigError, match="config file not found"):
+        train(config_path=str(missing))
+    (run,) = asyncio.run(_flow_runs("train no-such-config"))
+    assert run.state.is_failed(), run.state
 
 
 def test_iterations_share_flow_runs_and_keep_a_task_run_per_node(prefect_api, tiny_model_dir, tmp_path):
@@ -274,6 +333,24 @@ def test_ppo_update_failing_on_first_attempt_succeeds_on_retry(prefect_api, tiny
     (task_run,) = wait_until(lambda: [r for r in asyncio.run(update_attempts()) if r.state.is_completed()] or None,
                              60, "the recorded ppo_update task run to complete", interval=1)
     assert task_run.run_count == 2
+
+    # The run's logs: the failed attempt and its retry are there, the "Finished in state Completed()" of every
+    # node is not (flows/run_logs.py). The train run's own last record arrives once every earlier one has.
+    flow_runs = asyncio.run(_flow_runs_tagged("run:retry"))
+    (train_run,) = [r for r in flow_runs if r.name == "retry"]
+
+    def sent_until_the_end():
+        logs = asyncio.run(_run_logs([r.id for r in flow_runs]))
+        return logs if any(log.flow_run_id == train_run.id and log.task_run_id is None
+                           and log.message.startswith("Finished in state Completed") for log in logs) else None
+
+    logs = wait_until(sent_until_the_end, 30, "the run's logs in the API", interval=1)
+    retried = [log for log in logs if log.task_run_id == task_run.id]
+    assert any("Task run failed with exception" in log.message and "Retry 1/" in log.message for log in retried), (
+        [log.message for log in retried])
+    assert not [log.message for log in logs if log.task_run_id is not None
+                and log.message.startswith("Finished in state")]
+    assert {log.name for log in logs} >= {"prefect.task_runs", "prefect.flow_runs"}
 
 
 def cli(*args: str, env: dict, **kwargs) -> subprocess.Popen:

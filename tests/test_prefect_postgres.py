@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -19,7 +20,8 @@ import pytest
 import yaml
 
 from _prefect_server import SERVER_ENV, client_env
-from areal_pipeline.prefect_server import SERVER_DEFAULTS, LocalPrefectServer, PrefectServerError, postgres_binaries
+from areal_pipeline.prefect_server import (SERVER_DEFAULTS, LocalPrefectServer, PrefectServerError, postgres_binaries,
+                                          server_env)
 from areal_pipeline.utils import find_free_port
 from flows.artifacts import artifact_key
 from areal_pipeline.forkserver import processes_of
@@ -56,7 +58,8 @@ def pg_server():
     top.chmod(0o755)
     directory = top / "server"
     # a user's server runs Prefect's defaults, not what importing `flows` set in this process's environment
-    env = {k: v for k, v in os.environ.items() if k not in SERVER_DEFAULTS and k != "PREFECT_API_URL"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in SERVER_DEFAULTS and k not in ("PREFECT_API_URL", "PREFECT_UI_API_URL", "PREFECT_SERVER_UI_API_URL")}
     env.update(SERVER_ENV)
     port, pg_port = find_free_port(), find_free_port()
     try:
@@ -147,8 +150,29 @@ def test_the_server_listens_on_loopback_only_and_runs_on_postgres(pg_server):
                                                    "WHERE table_name IN ('flow_run', 'task_run', 'artifact')"))
     assert tables[0]["n"] == 3  # Prefect migrated its schema into PostgreSQL
     # task-run states recorded in batches (a transaction each cost the run's cores: bench/prefect_backends.py)
-    server_env = psutil.Process(server_pid).environ()
-    assert {k: server_env.get(k) for k in SERVER_DEFAULTS} == SERVER_DEFAULTS
+    environ_of_server = psutil.Process(server_pid).environ()
+    assert {k: environ_of_server.get(k) for k in SERVER_DEFAULTS} == SERVER_DEFAULTS
+
+
+def test_the_ui_calls_the_api_on_the_port_it_serves(pg_server):
+    """The UI's pages read the API's URL from the server's /ui-settings: on a port other than Prefect's default it
+    names that port, not 4200's."""
+    url, _, _ = pg_server
+    assert not url.startswith("http://127.0.0.1:4200/")
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            url.removesuffix("/api") + "/ui-settings", timeout=30) as reply:
+        settings = json.loads(reply.read())
+    assert settings["api_url"] == url, settings
+
+
+def test_a_ui_api_url_the_user_set_wins():
+    environ = {"PATH": "/usr/bin", "PREFECT_API_URL": "http://elsewhere:4200/api"}
+    env = server_env(environ, "http://127.0.0.1:4299/api")
+    assert env["PREFECT_UI_API_URL"] == "http://127.0.0.1:4299/api" and "PREFECT_API_URL" not in env
+    for name in ("PREFECT_UI_API_URL", "PREFECT_SERVER_UI_API_URL"):
+        env = server_env({**environ, name: "https://prefect.example.org/api"}, "http://127.0.0.1:4299/api")
+        assert env.get("PREFECT_UI_API_URL", env.get("PREFECT_SERVER_UI_API_URL")) == "https://prefect.example.org/api"
+        assert env[name] == "https://prefect.example.org/api"
 
 
 def test_a_train_run_and_a_deployment_run_complete(pg_server, tiny_model_dir, tmp_path):

@@ -1,0 +1,75 @@
+"""What a person finds a run by in Prefect's UI: the `train` flow run named after the run id, and tags on it and
+on its iteration runs,
+
+    run:<run id>   config:<config file stem>   workflow:<rollout.workflow>   branch-of:<parent run id> (a branch)
+
+so that the flow-run search by tag `run:<id>` finds the train run and its `<id>/iter-<k>` runs together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from prefect import runtime
+
+from areal_pipeline.branching import read_branch
+from areal_pipeline.config import ExperimentConfig
+from areal_pipeline.run_spec import run_id_of
+
+DEFAULT_CONFIG = "configs/tiny_cpu.yaml"  # the `train` flow's default config_path
+
+
+def train_run_name() -> str:
+    """The `train` flow's `flow_run_name`: the run id its parameters resolve to (the `run_id` parameter, else the
+    config file and overrides, read without loading the config)."""
+    parameters = runtime.flow_run.parameters
+    config_path = parameters.get("config_path") or DEFAULT_CONFIG
+    try:
+        return run_id_of(config_path, parameters.get("overrides"), parameters.get("run_id"))
+    except Exception:  # noqa: BLE001  the body reports a bad config with its reason: naming never raises
+        return f"train {Path(str(config_path)).stem}"
+
+
+def run_tags(cfg: ExperimentConfig, config_path: str) -> tuple[str, ...]:
+    tags = [f"run:{cfg.run_id}", f"config:{Path(str(config_path)).stem}", f"workflow:{cfg.rollout.workflow}"]
+    branch = read_branch(cfg.run_dir)  # written by the branch flow before its train run starts
+    if branch is not None:
+        tags.append(f"branch-of:{branch['parent_run_id']}")
+    return tuple(tags)
+
+
+def label_train_run(cfg: ExperimentConfig, config_path: str) -> tuple[str, ...]:
+    """Name the current `train` flow run after the run id, add the run's tags, and fill in the run id it resolved;
+    the tags, for its iteration runs.
+
+    The run id came from the config or an override when the `run_id` parameter is null, and the UI shows the
+    parameters as given. Filling it in is what the run resolved anyway: `load_run` applies the `run_id` parameter
+    as the last override, so a Retry of this flow run with the filled-in parameters trains the very same run. A
+    null is replaced only: a run id given as the parameter is left as it is."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    flow_run = FlowRunContext.get().flow_run
+    tags = run_tags(cfg, config_path)
+    parameters: Optional[dict[str, Any]] = None
+    if flow_run.parameters.get("run_id") is None:
+        parameters = {**flow_run.parameters, "run_id": cfg.run_id}
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(flow_run.id, name=cfg.run_id, tags=sorted({*flow_run.tags, *tags}),
+                               parameters=parameters)
+    return tags
+
+
+def tag_iteration_run(tags: tuple[str, ...]) -> None:
+    """Add the run's tags to the current (iteration) flow run. Not through `prefect.tags(...)` around the iteration
+    calls: that context tags every task run created inside it too, and a tagged task run takes and releases a
+    tag concurrency slot through the API around each node."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    flow_run = FlowRunContext.get().flow_run
+    if set(tags) <= set(flow_run.tags):  # a retried run, tagged the first time
+        return
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(flow_run.id, tags=sorted({*flow_run.tags, *tags}))
