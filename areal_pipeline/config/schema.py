@@ -314,7 +314,7 @@ class TrainerConfig:
 class WandbConfig:
     """Weights & Biases (pip install 'areal-pipeline[wandb]'): each iteration's metrics and the run's config."""
 
-    enabled: bool = False
+    enabled: bool = False  # send the run to W&B
     project: str = "areal-pipeline"  # the W&B project the run goes to
     entity: str = ""  # the W&B team or user; empty: your default entity
     # online: to the W&B server (log in first: `wandb login`) | offline: only to files, `wandb sync <dir>` uploads
@@ -328,7 +328,7 @@ class WandbConfig:
 class MlflowConfig:
     """MLflow (pip install 'areal-pipeline[mlflow]'): each iteration's metrics, the config as params."""
 
-    enabled: bool = False
+    enabled: bool = False  # send the run to MLflow
     # The tracking server, e.g. http://127.0.0.1:5000; empty: $MLFLOW_TRACKING_URI, else MLflow's default
     tracking_uri: str = ""
     experiment: str = "areal-pipeline"  # the MLflow experiment (created when missing); a run is found by its run id
