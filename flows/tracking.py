@@ -32,7 +32,12 @@ def start(run: Any) -> Optional[Trackers]:
     url = prefect_flow_run_url()
     where = trackers.start(cfg.run_id, to_dict(cfg), {"prefect": url} if url else {})
     for name, place in where.items():
-        link = place if "://" in place else Path(place).resolve().as_uri()
+        if place.startswith(("http://", "https://")):
+            link = place
+        elif Path(place).is_dir():  # an offline W&B run, TensorBoard's log directory
+            link = Path(place).resolve().as_uri()
+        else:  # an MLflow store without a server (sqlite:, file:): no page to link
+            continue
         create_link_artifact(key=artifact_key(cfg.run_id, f"{name}-run"), link=link,
                              link_text=f"{TITLES.get(name, name)} of {cfg.run_id}",
                              description=f"Run {cfg.run_id}'s metrics and config in {TITLES.get(name, name)}")

@@ -24,7 +24,7 @@ import pytest
 from areal_pipeline.config import ConfigError, load
 from areal_pipeline.forkserver import processes_of
 from areal_pipeline.utils import find_free_port
-from test_flows import REPO, _artifacts, fast_overrides
+from test_flows import REPO, _artifacts, fast_overrides, wait_until
 
 MLFLOW_SERVER = REPO / ".venv-mlflow" / "bin" / "mlflow"
 
@@ -56,12 +56,23 @@ def wandb_records(path: Path):
             yield record
 
 
+def _ends_with_its_exit(path: Path) -> bool:
+    from google.protobuf.message import DecodeError
+
+    try:
+        return any(record.WhichOneof("record_type") == "exit" for record in wandb_records(path))
+    except DecodeError:  # a record still being written
+        return False
+
+
 def wandb_offline_run(wandb_dir: Path, wandb_id: str) -> tuple[list[dict], dict, list[str]]:
     """Every offline directory of W&B run `wandb_id` (a continued run writes one more): (history rows in the order
     written, the newest config, notes)."""
     history, config, notes = [], {}, []
     files = sorted((wandb_dir / "wandb").glob(f"offline-run-*-{wandb_id}*/run-{wandb_id}.wandb"))
     assert files, f"no offline run {wandb_id} under {wandb_dir}: {sorted((wandb_dir / 'wandb').iterdir())}"
+    # W&B's service process may still be writing a file when `finish` has returned: each ends with its exit record
+    wait_until(lambda: all(_ends_with_its_exit(f) for f in files), 30, f"W&B to write the exit records of {files}")
     for path in files:
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
@@ -293,3 +304,23 @@ def test_tensorboard_gets_every_iteration_or_its_missing_package_is_named(tmp_pa
     events = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
     events.Reload()
     assert [(e.step, round(e.value, 3)) for e in events.Scalars("reward_mean")] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+
+
+def test_a_step_a_tracker_already_has_is_not_logged_again(tmp_path, monkeypatch):
+    """A run that stopped after a tracker took iteration k but before k was recorded as finished reports k again."""
+    from areal_pipeline.trackers import Trackers
+    from areal_pipeline.trackers.wandb_run import WandbTracker, wandb_run_id
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-files"))
+    cfg = load(None, [f"output_dir={tmp_path}", "run_id=again", "trackers.wandb.enabled=true",
+                      "trackers.wandb.mode=offline"])
+    for steps in ([1, 2], [2, 3]):  # the second a continued run, given iteration 2 again
+        trackers = Trackers([WandbTracker(cfg.trackers.wandb, cfg.run_dir)], cfg.run_dir)
+        where = trackers.start("again", {"seed": 1}, {})
+        assert Path(where["wandb"]).is_dir()
+        for k in steps:
+            trackers.log({"iteration": k, "reward_mean": k / 10, "note": "not a number", "ok": True})
+        trackers.finish("completed")
+    history, config, _ = wandb_offline_run(tmp_path / "wandb-files", wandb_run_id("again", cfg.run_dir))
+    assert [(row["_step"], row["reward_mean"]) for row in history] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert all("note" not in row and "ok" not in row for row in history) and config["seed"] == 1
