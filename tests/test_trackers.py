@@ -19,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from areal_pipeline.config import ConfigError, load
@@ -209,7 +210,8 @@ def test_wandb_and_mlflow_get_every_iteration_the_config_and_the_prefect_link_ac
     assert len(wandb_links) == 2 and all(f"(file://{wandb_dir.resolve()}/wandb/offline-run-" in a.data
                                          and wandb_id in a.data for a in wandb_links), [a.data for a in wandb_links]
     left = [p for p in processes_of(os.getpid(), forkserver=False) if p.pid not in before]
-    assert not left, [(p.pid, p.cmdline()) for p in left]  # nothing of W&B (its service) nor of the run left
+    assert not left, [(p.pid, p.cmdline()) for p in left]  # nothing of the run left
+    assert not [p for p in psutil.Process().children(recursive=True) if p.name().startswith("wandb")]
 
 
 def test_a_tracking_server_that_is_down_is_warned_about_and_the_run_completes(prefect_api, tiny_model_dir, tmp_path,

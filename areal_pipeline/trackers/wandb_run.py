@@ -7,11 +7,17 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
 # what W&B says a run's status was, per the run's outcome
 EXIT_CODES = {"completed": 0, "failed": 1, "cancelled": 255}
+
+# W&B runs opened here and not yet finished: W&B's service process (wandb-core) outlives a finished run, so the
+# last one to finish stops it, and nothing of W&B is left running after the run (a later run starts it again)
+_open_runs = 0
+_open_runs_lock = threading.Lock()
 
 
 def wandb_run_id(run_id: str, run_dir: Path) -> str:
@@ -32,17 +38,36 @@ class WandbTracker:
         directory = self.cfg.dir or os.environ.get("WANDB_DIR") or str(self.run_dir)
         Path(directory).mkdir(parents=True, exist_ok=True)
         notes = "\n".join(f"{name}: {url}" for name, url in links.items())
-        self.run = wandb.init(project=self.cfg.project, entity=self.cfg.entity or None, mode=self.cfg.mode,
-                              dir=directory, id=wandb_run_id(run_id, self.run_dir), name=run_id, resume="allow",
-                              tags=[run_id, *self.cfg.tags], notes=notes or None,
-                              config={**config, "links": dict(links)}, reinit="create_new",
-                              settings=wandb.Settings(console="off", silent=True))
+        _count_open(+1)
+        try:
+            self.run = wandb.init(project=self.cfg.project, entity=self.cfg.entity or None, mode=self.cfg.mode,
+                                  dir=directory, id=wandb_run_id(run_id, self.run_dir), name=run_id, resume="allow",
+                                  tags=[run_id, *self.cfg.tags], notes=notes or None,
+                                  config={**config, "links": dict(links)}, reinit="create_new",
+                                  settings=wandb.Settings(console="off", silent=True))
+        except BaseException:
+            _count_open(-1)
+            raise
         return self.run.url or self.run.settings.sync_dir
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
 
     def finish(self, status: str) -> None:
-        if self.run is not None:
+        if self.run is None:
+            return
+        try:
             self.run.finish(exit_code=EXIT_CODES.get(status, 1))
+        finally:
             self.run = None
+            _count_open(-1)
+
+
+def _count_open(change: int) -> None:
+    global _open_runs
+    with _open_runs_lock:
+        _open_runs += change
+        if _open_runs == 0:
+            import wandb
+
+            wandb.teardown()
