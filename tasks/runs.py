@@ -19,6 +19,7 @@ class LiveRun:
     progress: Optional[Any] = None  # flows.artifacts.Progress, while the iterations run
     control: Optional[Any] = None  # flows.control.RunControl: Prefect's cancel and pause of the train flow run
     events: Optional[Any] = None  # flows.events.RunEvents
+    trackers: Optional[Any] = None  # areal_pipeline.trackers.Trackers: W&B, MLflow, TensorBoard (flows/tracking.py)
     artifacts_published_at: float = -math.inf  # when its iteration artifacts were last published (monotonic)
     tags: tuple[str, ...] = ()  # the Prefect tags of its flow runs (flows/labels.py)
 

@@ -41,6 +41,11 @@ Chosen = dict[str, ChosenSection]  # dotted key of a section -> its chosen class
 UNCHECKED_AGENT: Chosen = {"rollout.agent": ChosenSection(dict, "any workflow", ())}
 
 
+# Keys that moved, former top-level name -> its dotted key now: a config written before still loads (a run's saved
+# config.yaml among them), the value going to the new key; one setting both is an error.
+RENAMED_KEYS = {"tensorboard": "trackers.tensorboard"}
+
+
 class Layer(NamedTuple):
     node: Any  # the layer as OmegaConf read it
     data: Any  # its plain data, for the key checks
@@ -139,6 +144,21 @@ def layered_value(layers: list[Layer], dotted: str, default: Any) -> tuple[Any, 
     return value, where
 
 
+def _renamed(layer: Layer) -> Layer:
+    """`layer` with its keys of RENAMED_KEYS at their new place."""
+    old = [key for key in RENAMED_KEYS if isinstance(layer.data, dict) and key in layer.data]
+    if not old:
+        return layer
+    node = layer.node.copy()
+    for key in old:
+        new = RENAMED_KEYS[key]
+        if OmegaConf.select(node, new, default=None) is not None:
+            raise ConfigError(f"{layer.where}: '{key}' is the former name of '{new}'; set only '{new}'")
+        OmegaConf.update(node, new, node[key], merge=True)
+        del node[key]
+    return Layer(node, OmegaConf.to_container(node, resolve=False), layer.where)
+
+
 def build_config(layers: list[Layer], schema: type = ExperimentConfig, chosen: Optional[Chosen] = None, *,
                  field_rules: FieldRules = FIELD_RULES, cross_rules: CrossRules = CROSS_RULES) -> Any:
     """A `schema` instance from its defaults and `layers`, the sections in `chosen` loaded into their chosen
@@ -150,6 +170,8 @@ def build_config(layers: list[Layer], schema: type = ExperimentConfig, chosen: O
         for part in parents:
             node = node[part]
         node[name] = OmegaConf.create({}) if section.schema is dict else OmegaConf.structured(section.schema)
+    if schema is ExperimentConfig:
+        layers = [_renamed(layer) for layer in layers]
     for layer in layers:
         _check_keys(layer.data, schema, layer.where, chosen=chosen)
     try:

@@ -8,6 +8,7 @@ project's registries (the workflow, the loss, the warm start, GPU placement) are
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -17,7 +18,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 from areal_pipeline.config.schema import (DatasetConfig, ExperimentConfig, GenerationConfig, InferenceConfig,
                                           ModelConfig, NormConfig, OptimizerConfig, PPOConfig, RetrievalConfig,
-                                          RolloutConfig, SGLangConfig, TinyModelConfig, TrainerConfig, VLLMConfig)
+                                          MlflowConfig, RolloutConfig, SGLangConfig, TinyModelConfig, TrackersConfig,
+                                          TrainerConfig, VLLMConfig, WandbConfig)
 from areal_pipeline.errors import PermanentError
 
 
@@ -113,6 +115,7 @@ _GPU_LIST = Rule("a list of distinct GPU indices >= 0",
 _ADDRESSES = Rule("a list of distinct host:port addresses",
                   lambda addresses: all(isinstance(a, str) and _ADDRESS.fullmatch(a) for a in addresses)
                   and len(set(addresses)) == len(addresses))
+_NAMED = Rule("a non-empty name", lambda name: bool(name.strip()))
 _HOST = Rule("a host name or IP address", lambda host: bool(re.fullmatch(r"[\w.:-]+", host)))
 _NORM_LEVEL = one_of("group", "batch", "none")
 _DTYPES = ("float32", "bfloat16", "float16")  # model.DTYPES
@@ -184,6 +187,11 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                     "command_timeout": _POSITIVE, "gpus": _GPU_LIST, "memory_fraction": within(0, 1, open_low=True),
                     "weight_sync_master_address": _HOST, "weight_sync_master_port": _PORT,
                     "weight_sync_bucket_mb": _COUNT},
+    TrackersConfig: {"timeout": _POSITIVE},
+    WandbConfig: {"mode": one_of("online", "offline", "disabled"), "project": _NAMED},
+    MlflowConfig: {"experiment": _NAMED,
+                   "tracking_uri": Rule("empty or a URI (http://host:port, file:///path, sqlite:///path, ...)",
+                                        lambda uri: not uri or bool(re.match(r"[a-z][\w+.-]*:", uri)))},
 }
 
 Key = Callable[[str], str]  # a field name (or dotted path) within a section -> its dotted key in the config
@@ -272,10 +280,27 @@ def _weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]
                "from a directory: set it to one they read at the same path (a shared file system)")
 
 
+# A tracker's package, and what installs it
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard"),
+                    "wandb": ("wandb", "pip install 'areal-pipeline[wandb]'"),
+                    "mlflow": ("mlflow", "pip install 'areal-pipeline[mlflow]'")}
+
+
+def _trackers_are_installed(trackers: TrackersConfig, key: Key) -> Iterator[str]:
+    enabled = {"tensorboard": trackers.tensorboard, "wandb": trackers.wandb.enabled and trackers.wandb.mode != "disabled",
+               "mlflow": trackers.mlflow.enabled}
+    for name, on in enabled.items():
+        package, install = TRACKER_PACKAGES[name]
+        if on and importlib.util.find_spec(package) is None:
+            setting = key("tensorboard") if name == "tensorboard" else key(f"{name}.enabled")
+            yield f"{setting}=True: needs the {package} package, not installed here ({install})"
+
+
 # Rules between fields of one section, run once every field passed its own rules (they divide and compare them).
 CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {
     TinyModelConfig: (_attention_heads_divide,),
     RetrievalConfig: (_default_topk_within_max,),
+    TrackersConfig: (_trackers_are_installed,),
     ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, _weights_reach_the_servers,
                        _vllm_serves_the_embedded_model),
 }

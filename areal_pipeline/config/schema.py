@@ -311,6 +311,41 @@ class TrainerConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (pip install 'areal-pipeline[wandb]'): each iteration's metrics and the run's config."""
+
+    enabled: bool = False  # send the run to W&B
+    project: str = "areal-pipeline"  # the W&B project the run goes to
+    entity: str = ""  # the W&B team or user; empty: your default entity
+    # online: to the W&B server (log in first: `wandb login`) | offline: only to files, `wandb sync <dir>` uploads
+    # them later | disabled: nothing written
+    mode: str = "online"
+    dir: str = ""  # where W&B keeps its files (<dir>/wandb/); empty: $WANDB_DIR, else the run directory
+    tags: list[str] = field(default_factory=list)  # the W&B run's tags (the run id is always one)
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (pip install 'areal-pipeline[mlflow]'): each iteration's metrics, the config as params."""
+
+    enabled: bool = False  # send the run to MLflow
+    # The tracking server, e.g. http://127.0.0.1:5000; empty: $MLFLOW_TRACKING_URI, else MLflow's default
+    tracking_uri: str = ""
+    experiment: str = "areal-pipeline"  # the MLflow experiment (created when missing); a run is found by its run id
+
+
+@dataclass
+class TrackersConfig:
+    """The experiment trackers the run's metrics also go to, besides Prefect's artifacts (docs/trackers.md). A
+    tracker that cannot be reached is warned about and left out; the run goes on."""
+
+    tensorboard: bool = False  # write <run_dir>/tensorboard (needs the tensorboard package)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # Weights & Biases
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)  # an MLflow tracking server
+    timeout: float = 30.0  # seconds one call of a tracker may take before the tracker is left out of the run
+
+
+@dataclass
 class ExperimentConfig:
     run_id: str = "tiny-cpu"  # the run's name: its directory under output_dir, and its Prefect flow runs'
     output_dir: str = "runs"  # where runs (and the embedded model and retrieval indexes they build) are kept
@@ -326,7 +361,9 @@ class ExperimentConfig:
     keep_checkpoints: int = 2  # newest K kept
     eval_freq: int = 0  # pass@1 on the test split every N iterations (and after the last); 0: off
     eval_max_prompts: int = 0  # 0: the whole test split
-    tensorboard: bool = False  # also write <run_dir>/tensorboard (needs the tensorboard package)
+    # experiment trackers besides Prefect: TensorBoard, Weights & Biases, MLflow (the former top-level `tensorboard`
+    # key is trackers.tensorboard)
+    trackers: TrackersConfig = field(default_factory=TrackersConfig)
     # Iterations per Prefect flow run of the `train` flow (`<run>/iter-<k>`, or `<run>/iter-<k>..<k+n-1>`), each
     # node still a task run of its own. A flow run costs the Prefect API several synchronous calls and CPU beside
     # the nodes: worth it where an iteration takes minutes, not where it takes a fraction of a second.
