@@ -19,7 +19,8 @@ class LiveRun:
     progress: Optional[Any] = None  # flows.artifacts.Progress, while the iterations run
     control: Optional[Any] = None  # flows.control.RunControl: Prefect's cancel and pause of the train flow run
     events: Optional[Any] = None  # flows.events.RunEvents
-    artifacts_published_at: float = -math.inf  # when its iteration artifacts were last published (monotonic)
+    artifacts: Optional[Any] = None  # flows.artifacts.RunArtifacts: the run's live table and curves
+    artifacts_published_at: float = -math.inf  # when its last iteration card was published (monotonic)
 
     @property
     def run_id(self) -> str:
