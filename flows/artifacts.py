@@ -20,7 +20,10 @@ from prefect.client.schemas.actions import ArtifactUpdate
 from areal_pipeline.data.shards import read_table
 from areal_pipeline.metrics import metrics_table, plot_curves, run_history, significant, summarize
 from areal_pipeline.pipeline import Pipeline
+from areal_pipeline.utils import get_logger
 from tasks.runs import LiveRun
+
+logger = get_logger(__name__)
 
 SAMPLES_SHOWN = 4  # the best half and the worst half of an iteration's episodes, each from a prompt of its own
 SAMPLE_CHARS = 600
@@ -63,29 +66,42 @@ class RunArtifacts:
         self._run = run
 
     def __enter__(self) -> "RunArtifacts":
-        self.publish(force=True)
+        # made now, in this flow run; the curves are drawn once an iteration finishes (not on the way to the first)
+        self.publish(force=True, draw=False)
+        self._published_at = -float("inf")
         self._run.artifacts = self
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
         self._run.artifacts = None
-        if kind is None or issubclass(kind, Exception):
+        if kind is None:
             self.publish(force=True)
+        elif issubclass(kind, Exception):  # the run's own error is what its caller must see
+            self._publish_or_warn(force=True)
 
     def iteration_done(self, k: int) -> None:
         """Iteration k's record is written: bring the artifacts up to date if they are due."""
         if time.monotonic() - self._published_at >= self.interval_s:
-            self.publish()
+            self._publish_or_warn()
 
-    def publish(self, force: bool = False) -> None:
+    def _publish_or_warn(self, force: bool = False) -> None:
+        # the API away for a moment fails no iteration: the next update shows what this one would have
+        try:
+            self.publish(force=force)
+        except Exception as error:
+            logger.warning("run %s: could not update its table and curves artifacts: %s", self.run_id, error)
+
+    def publish(self, force: bool = False, draw: bool = True) -> None:
+        """Show what the run directory holds now (unless it is shown already and not `force`); `draw`: the
+        curves too."""
         with self._lock:
             records = run_history(self.pipeline.paths.run_dir)
-            newest = records[-1]["iteration"] if records else 0
+            newest = records[-1]["iteration"] if records else -1
             if not force and newest == self._shown:
                 return
             self._shown, self._published_at = newest, time.monotonic()
             self._table(records)
-            self._curves(records)
+            self._curves(records if draw else [])
 
     def _table(self, records: list[dict[str, Any]]) -> None:
         rows = metrics_table(records)
@@ -102,7 +118,7 @@ class RunArtifacts:
         png = plot_curves(records, run_dir / CURVES_PNG, title=self.run_id)
         self.summary = {"curve": str(png), **summarize(records)} if png is not None else {}
         if png is None:
-            markdown = f"# {self.run_id}: curves\n\nNo iteration has finished yet."
+            markdown = f"# {self.run_id}: curves\n\nThe curves appear here once an iteration of this run finishes."
         else:
             inline = base64.b64encode(png.read_bytes()).decode()
             markdown = (f"# {self.run_id}: curves\n\n![curves](data:image/png;base64,{inline})\n\n"
