@@ -216,6 +216,9 @@ def test_a_paused_run_holds_and_goes_on_when_resumed(server, warm_model, tmp_pat
     assert run.returncode == 0, out[-3000:]
     assert _iterations(tmp_path / "held") == list(range(1, HELD_RUN + 1))
     assert _train_flow_run(server, "held")["state_type"] == "COMPLETED"
+    # with the default interval between its updates, the run's table has every iteration
+    assert [row["iteration"] for row in json.loads(_artifact(server, "held-metrics")["data"])] == list(
+        range(1, HELD_RUN + 1))
     found = wait_until(lambda: (lambda f: f if f and f[-1]["event"] == "areal.run.finished" else None)(
         _events(server, "held")), 30, "the run's finished event", interval=1)
     assert found[-1]["payload"]["iterations"] == HELD_RUN
