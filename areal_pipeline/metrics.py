@@ -91,7 +91,10 @@ def plot_curves(records: list[dict[str, Any]], out: Path, title: str = "") -> Op
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(title)
-    fig.tight_layout()
+    # fixed margins (in inches: the title, the axes' labels): tight_layout would measure every text at each update
+    height = 3 * rows
+    fig.subplots_adjust(left=0.6 / (5 * columns), right=1 - 0.6 / (5 * columns), bottom=0.5 / height,
+                        top=1 - 0.55 / height, wspace=0.35, hspace=0.5)
     with atomic_path(Path(out)) as tmp:
         fig.savefig(tmp, format="png")
     plt.close(fig)
