@@ -225,6 +225,8 @@ def prepare_branch(plan: BranchPlan) -> dict[str, Any]:
         paths = RunPaths(tmp)
         for k in range(1, plan.at + 1):
             linked &= _link_tree(parent.iteration(k), paths.iteration(k))
+        if parent.evaluation(0).is_file():  # the initial policy is the parent's: its evaluation starts both curves
+            linked &= _link_tree(parent.iteration(0), paths.iteration(0))
         if plan.mode == "replay":
             for k in range(plan.at + 1, plan.last + 1):
                 linked &= _link_tree(parent.rollout(k), paths.rollout(k))

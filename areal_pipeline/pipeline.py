@@ -270,6 +270,12 @@ class Pipeline(PolicyVersions, LogprobSteps):
     def wants_evaluation(self, k: int) -> bool:
         return self.cfg.eval_freq > 0 and (k % self.cfg.eval_freq == 0 or k == self.cfg.total_iterations)
 
+    def wants_initial_evaluation(self, first: int) -> bool:
+        """Whether the run evaluates policy 0 (`evaluate(0)`, the start of its pass@1 curve) before iteration
+        `first`: where it evaluates at all, once, before its first iteration (a run continued from a later one, e.g.
+        a branch, does not bring its servers back to policy 0 for it; one it finds made is handed back cached)."""
+        return self.cfg.eval_freq > 0 and (first == 1 or self.paths.evaluation(0).is_file())
+
     @timed
     def checkpoint(self, k: int, served: Optional[dict] = None) -> dict[str, Any]:
         if not self.wants_checkpoint(k):
@@ -310,11 +316,14 @@ class Pipeline(PolicyVersions, LogprobSteps):
             "reward_mean": rollout["reward_mean"], "reward_std": rollout["reward_std"],
             "accuracy": rollout["accuracy"], "response_length": rollout["response_length"],
             "staleness": _staleness(k, rollout), "rollout_tokens_per_s": rollout["rollout_tokens_per_s"],
-            "advantage_std": batch.get("advantage_std"), "kl": batch.get("kl_mean"),
+            # None where the config computes no such thing: KL without a reference model, dual clipping without c_clip
+            "advantage_std": batch.get("advantage_std"),
+            "kl": batch.get("kl_mean") if self.cfg.ppo.kl_ctl != 0 else None,
             **{k2: update.get(k2) for k2 in ("loss", "entropy", "clip_fraction", "dual_clip_fraction", "approx_kl",
                                              "importance_weight", "behave_imp_weight", "behave_mask_fraction",
                                              "grad_norm", "lr")},
             "train_tokens_per_s": update.get("tokens_per_s"),
+            **({"dual_clip_fraction": None} if self.cfg.ppo.c_clip is None else {}),
             "eval_pass_at_1": evaluation.get("pass_at_1") if evaluation else None,
             "eval_reward": evaluation.get("reward_mean") if evaluation else None,
             **{f"time_{name}": round(s, 4) for name, s in self.step_seconds.get(k, {}).items()},
@@ -337,11 +346,15 @@ class Pipeline(PolicyVersions, LogprobSteps):
         return self.record_metrics(k, self._run_steps(k, due_steps(self, k)))
 
     def run_iterations(self, first: int, last: int) -> list[dict[str, Any]]:
-        """The plain loop over iterations first..last. As in the train flow, iteration k's metrics are recorded
+        """The plain loop over iterations first..last, after the initial policy's evaluation where the run makes one
+        (`wants_initial_evaluation`). As in the train flow, iteration k's metrics are recorded
         (in order, in a thread) while the next iteration runs, and in asynchronous mode iteration k+1's
         `ahead_nodes` run (in a thread) while iteration k updates."""
         def part(k: int, ahead: bool) -> list[Step]:
             return [step for step in due_steps(self, k) if (step.name in self.ahead_nodes) == ahead]
+
+        if self.wants_initial_evaluation(first):  # as the train flow's set-up node evaluate-0
+            self.evaluate(0)
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-iteration") as ahead_pool, \
                 ThreadPoolExecutor(max_workers=1, thread_name_prefix="report") as report_pool:

@@ -103,7 +103,7 @@ def cmd_train(args) -> None:
         from flows.api_server import prefect_api
         from flows.train import preimport_first_run, train
 
-        from areal_pipeline.metrics import read_metrics, summarize
+        from areal_pipeline.metrics import run_history, summarize
         from areal_pipeline.model import resolve_model_path
 
         resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
@@ -116,8 +116,7 @@ def cmd_train(args) -> None:
         with prefect_api(api_server):
             result = train(config_path=args.config, overrides=args.overrides, run_id=args.run_id,
                            iterations=args.iterations)
-    records = read_metrics(cfg.run_dir / "metrics.jsonl")
-    summary = summarize(records)
+    summary = summarize(run_history(cfg.run_dir))  # eval pass@1 from the initial policy's
     print(f"\nrun {cfg.run_id}: {summary.get('iterations', 0)} iterations in {cfg.run_dir}")
     if summary:
         print(f"  mean reward, first {summary['window']} iterations: {summary['reward_first']:.3f}")

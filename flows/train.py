@@ -28,7 +28,7 @@ from areal_pipeline.config import save_config, to_dict
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.run_dir import newest_completed_iteration, run_lock
 from areal_pipeline.run_spec import load_run
-from areal_pipeline.steps import due_steps, run_steps
+from areal_pipeline.steps import BY_NAME, due_steps, run_steps
 from areal_pipeline.utils import atomic_write_text
 from flows import artifacts, control, labels, overlap, run_logs, tracking
 from tasks import runs
@@ -156,9 +156,13 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
             first, cfg.total_iterations, per_run = planned_iterations(cfg)
             if first > 1:
                 logger.info("run %s: iterations 1..%d are finished; continuing at %d", cfg.run_id, first - 1, first)
+            if pipeline.wants_initial_evaluation(first):  # policy 0's pass@1, where the curve starts: evaluate-0
+                tasks.call_node(BY_NAME["evaluate"], cfg.run_id, 0, (None,))
             progress = artifacts.Progress(cfg.total_iterations, first - 1)
+            # the run's table and curves, while it runs and however it ends (flows/artifacts.py)
             # A flow waits for its heartbeat thread on exit (up to its period): too much for a child run per iteration.
-            with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            with artifacts.RunArtifacts(run) as published, \
+                    temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
                 # run events, and Prefect's Cancel / Pause of this flow run (see flows/control.py)
                 with control.watch(run, first, cfg.total_iterations, to_dict(cfg)) as watched:
                     with overlap.stop_everything_on_sigterm():
@@ -167,7 +171,7 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
             if watched.cancelled is not None:
                 status = "cancelled"
                 return control.cancelled_state(watched)
-            summary = artifacts.publish_curve(pipeline) or {}
+            summary = published.summary
             logger.info("run %s finished: %s", cfg.run_id, summary)
             status = "completed"
             return {"run_id": cfg.run_id, "run_dir": str(cfg.run_dir), **summary}

@@ -20,7 +20,8 @@ class LiveRun:
     control: Optional[Any] = None  # flows.control.RunControl: Prefect's cancel and pause of the train flow run
     events: Optional[Any] = None  # flows.events.RunEvents
     trackers: Optional[Any] = None  # areal_pipeline.trackers.Trackers: W&B, MLflow, TensorBoard (flows/tracking.py)
-    artifacts_published_at: float = -math.inf  # when its iteration artifacts were last published (monotonic)
+    artifacts: Optional[Any] = None  # flows.artifacts.RunArtifacts: the run's live table and curves
+    artifacts_published_at: float = -math.inf  # when its last iteration card was published (monotonic)
     tags: tuple[str, ...] = ()  # the Prefect tags of its flow runs (flows/labels.py)
 
     @property

@@ -71,6 +71,8 @@ def test_a_branch_under_the_same_config_continues_the_parent_bitwise(parent):
         assert os.path.samefile(run_dir / f"iter_{k}/rollout/part-00000.parquet",
                                 parent / f"iter_{k}/rollout/part-00000.parquet")
     assert not os.path.samefile(run_dir / "iter_3/update.json", parent / "iter_3/update.json")
+    # the initial policy's evaluation is the parent's too (iteration 0 of the curves), not made again
+    assert os.path.samefile(run_dir / "iter_0/eval.json", parent / "iter_0/eval.json")
     assert [r["iteration"] for r in _records(run_dir)] == [1, 2, 3, 4]
     assert _records(run_dir)[:2] == _records(parent)[:2]
     assert _same_weights(final_weights(run_dir, 4), final_weights(parent, 4))

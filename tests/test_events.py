@@ -100,6 +100,14 @@ def _train_flow_run(server: str, run_id: str) -> Optional[dict]:
     return runs[0] if runs else None
 
 
+def _artifact(server: str, key: str) -> dict:
+    """The one artifact of key `key` (the run's table and curves are updated in place: one version a run)."""
+    reply = httpx.post(f"{server}/artifacts/filter", json={"artifacts": {"key": {"any_": [key]}}})
+    reply.raise_for_status()
+    (artifact,) = reply.json()
+    return artifact
+
+
 def _paused(server: str, run_id: str) -> Optional[dict]:
     run = _train_flow_run(server, run_id)
     return run if run is not None and run["state_type"] == "PAUSED" else None
@@ -141,6 +149,9 @@ def test_a_collapsing_run_is_cancelled_by_its_guard_and_notified(server, warm_mo
         assert 3 <= len(finished) < 12, finished  # stopped soon after the reward fell
         assert processes_of(run.pid, forkserver=False) == []
         assert _train_flow_run(server, "collapse")["state_type"] == "CANCELLED"
+        # the cancelled run's table has every finished iteration, and its curves are there
+        assert [row["iteration"] for row in json.loads(_artifact(server, "collapse-metrics")["data"])] == finished
+        assert "data:image/png;base64," in _artifact(server, "collapse-reward-curve")["data"]
 
         # the events: started, one per finished iteration with its figures, then failed (cancelled)
         def complete_events():
@@ -205,6 +216,9 @@ def test_a_paused_run_holds_and_goes_on_when_resumed(server, warm_model, tmp_pat
     assert run.returncode == 0, out[-3000:]
     assert _iterations(tmp_path / "held") == list(range(1, HELD_RUN + 1))
     assert _train_flow_run(server, "held")["state_type"] == "COMPLETED"
+    # with the default interval between its updates, the run's table has every iteration
+    assert [row["iteration"] for row in json.loads(_artifact(server, "held-metrics")["data"])] == list(
+        range(1, HELD_RUN + 1))
     found = wait_until(lambda: (lambda f: f if f and f[-1]["event"] == "areal.run.finished" else None)(
         _events(server, "held")), 30, "the run's finished event", interval=1)
     assert found[-1]["payload"]["iterations"] == HELD_RUN

@@ -66,6 +66,67 @@ async def _artifacts(key: str):
         return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
 
 
+def assert_run_artifacts(run_dir: Path, run_id: str, iterations: list[int]) -> list[dict]:
+    """The run's table artifact has a row per iteration (`iterations`, 0 for the initial evaluation), figure for
+    figure its metrics.jsonl (significant digits), without columns no iteration fills; its curves artifact shows
+    the PNG. Returns the rows."""
+    from flows.artifacts import artifact_key
+
+    (table,) = asyncio.run(_artifacts(artifact_key(run_id, "metrics")))  # updated in place: one version a run
+    rows = json.loads(table.data)
+    assert [row["iteration"] for row in rows] == iterations
+    records = {r["iteration"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    for row in rows:
+        for name, value in row.items():
+            expected = records[row["iteration"]].get(name) if row["iteration"] else (
+                json.loads((run_dir / "iter_0" / "eval.json").read_text())["pass_at_1"]
+                if name == "eval_pass_at_1" else value)
+            assert value == (expected if not isinstance(expected, float) else float(f"{expected:.4g}")), name
+    assert all(any(row[name] is not None for row in rows) for name in rows[0])
+    # no reference model, no dual clip: no column of theirs
+    assert {"kl", "dual_clip_fraction"}.isdisjoint(rows[0]) and {"clip_fraction", "loss"} <= set(rows[0])
+    (curves,) = asyncio.run(_artifacts(artifact_key(run_id, "reward-curve")))
+    assert "data:image/png;base64," in curves.data
+    return rows
+
+
+def assert_samples(markdown: str, run_dir: Path, k: int) -> None:
+    """An iteration card's samples: the best and the worst episodes of iteration k, from different prompts, each
+    with its prompt, the data set's reference answer, its completion and reward, as the rollout shards hold them."""
+    from areal_pipeline.data.shards import read_table
+
+    rows = {(r["prompt_id"], r["sample_idx"]): r for r in read_table(run_dir / f"iter_{k}" / "rollout").to_pylist()}
+    (records_path,) = run_dir.parent.glob("_datasets/*/train.jsonl")
+    dataset = {r["prompt_id"]: r for r in map(json.loads, records_path.read_text().splitlines())}
+    shown = []
+    for section in markdown.split("### ")[1:]:
+        label, rest = section.split(": ", 1)
+        prompt_id, sample = rest.split(" (sample ", 1)
+        row = rows[(prompt_id, int(sample.split(")")[0]))]
+        assert label in ("best", "worst") and f"reward {row['reward']:.3g}" in section
+        assert f"**Prompt**\n\n```\n{dataset[prompt_id]['messages'][0]['content']}\n```" in section
+        assert f"**Reference answer**: `{dataset[prompt_id]['answer']}`" in section
+        assert f"**Completion**\n\n```\n{row['text']}\n```" in section or "`" in row["text"]
+        shown.append((label, prompt_id, row["reward"]))
+    assert len({prompt_id for _, prompt_id, _ in shown}) == len(shown) >= 2
+    assert shown[0][0] == "best" and shown[0][2] == max(r["reward"] for r in rows.values())
+    assert shown[-1][0] == "worst" and shown[-1][2] == min(r["reward"] for r in rows.values())
+
+
+async def _initial_evaluations(run_id: str):
+    """The evaluate-0 task runs of the train flow runs of `run_id` (given as an override)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId,
+                                                TaskRunFilter, TaskRunFilterName)
+
+    async with get_client() as client:
+        trains = await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])))
+        ids = [r.id for r in trains if f"run_id={run_id}" in (r.parameters.get("overrides") or [])
+               or r.parameters.get("run_id") == run_id]
+        return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)),
+                                           task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["evaluate-0"])))
+
+
 async def _library_logs(since):
     """Records of the project's own loggers (not Prefect's) that reached the Prefect API at or after `since` (a
     datetime: the worker's API holds the logs of earlier tests too)."""
@@ -205,11 +266,15 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     assert all(r.state.is_completed() for r in child_runs)
     assert_found_by_run_id("e2e", ["e2e/iter-1", "e2e/iter-2", "e2e/iter-3"])
     assert_nodes_do_not_overlap(sorted(child_runs, key=lambda r: r.name))
-    for what in ("metrics", "iteration", "reward-curve"):
-        artifacts = asyncio.run(_artifacts(f"e2e-{what}"))
-        assert artifacts, what
-    curve = asyncio.run(_artifacts("e2e-reward-curve"))[0]
-    assert "data:image/png;base64," in curve.data
+    assert_run_artifacts(run_dir, "e2e", [0, 1, 2, 3])
+    # the initial policy's evaluation, before iteration 1 (evaluate-0 in the flow's set-up)
+    initial = json.loads((run_dir / "iter_0" / "eval.json").read_text())
+    assert initial["version"] == 0 and initial["num_prompts"] == 8
+    evaluated_at = (run_dir / "iter_0" / "eval.json").stat().st_mtime_ns
+    # the last iteration's card: its metrics, and samples of the best and worst episodes, each with its prompt
+    (card,) = asyncio.run(_artifacts("e2e-iter-0003"))
+    assert "| reward_mean |" in card.data and card.description.startswith("e2e iteration 3")
+    assert_samples(card.data, run_dir, 3)
     library_logs = wait_until(lambda: asyncio.run(_library_logs(logs_since)), 30, "library logs in the Prefect API")
     assert any("inference servers ready" in log.message for log in library_logs)
     left = [p for p in processes_of(os.getpid(), forkserver=False) if p.pid not in before]
@@ -221,6 +286,43 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
                   overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="e2e"))
     assert again["iterations"] == 3 and len(asyncio.run(_flow_runs("e2e/iter-"))) == 3
     assert time.monotonic() - started < 120
+    # ... nor the initial evaluation: its node (in each run's set-up) finds its output made
+    assert (run_dir / "iter_0" / "eval.json").stat().st_mtime_ns == evaluated_at
+    evaluations = wait_until(lambda: (lambda found: found if len(found) == 2 and all(r.state.is_final() for r in found)
+                                      else None)(asyncio.run(_initial_evaluations("e2e"))),
+                             60, "the two runs' evaluate-0 task runs", interval=1)
+    assert all(r.state.is_completed() for r in evaluations)
+
+
+def test_a_failed_run_shows_its_table_and_curves_while_it_runs_and_after(prefect_api, tiny_model_dir, tmp_path,
+                                                                        monkeypatch):
+    """With the live artifacts updated after every iteration: read while iteration 3 updates, the run's table
+    holds iterations 0..2 and its curves are there; iteration 3 then fails, and after the failed run both hold
+    the iterations that finished."""
+    from areal_pipeline.pipeline import Pipeline
+    from flows import artifacts
+    from flows.train import train
+
+    monkeypatch.setattr(artifacts, "LIVE_INTERVAL_S", 0.0)
+    real_update = Pipeline.ppo_update
+    seen = {}
+
+    def failing_update(self, k, *inputs):
+        if k == 3:
+            def table():
+                found = asyncio.run(_artifacts("fails-metrics"))
+                return found if found and len(json.loads(found[0].data)) == 3 else None
+            seen["rows"] = [r["iteration"] for r in json.loads(wait_until(table, 60, "the live table")[0].data)]
+            seen["curves"] = asyncio.run(_artifacts("fails-reward-curve"))[0].data
+            raise ValueError("iteration 3 fails here")
+        return real_update(self, k, *inputs)
+
+    monkeypatch.setattr(Pipeline, "ppo_update", failing_update)
+    with pytest.raises(ValueError, match="iteration 3 fails here"):
+        train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
+              overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="fails", iterations=4))
+    assert seen["rows"] == [0, 1, 2] and "data:image/png;base64," in seen["curves"]
+    assert_run_artifacts(tmp_path / "fails", "fails", [0, 1, 2])
 
 
 def test_a_train_run_with_a_missing_config_fails_with_the_reason(prefect_api, tmp_path):

@@ -129,7 +129,9 @@ def assert_recorded(api_url: str, server_dir: Path, run_id: str) -> None:
         [("iteration", "COMPLETED")] * ITERATIONS + [("train", "COMPLETED")]), rows
     metrics = asyncio.run(_postgres_rows(server_dir, "SELECT count(*) AS n FROM artifact WHERE key = $1",
                                          artifact_key(run_id, "metrics")))
-    assert metrics[0]["n"] == ITERATIONS
+    assert metrics[0]["n"] == 1  # one table a train run, updated in place: a row per iteration (0: the initial eval)
+    (table,) = [a for a in artifacts if a.key == artifact_key(run_id, "metrics")]
+    assert [row["iteration"] for row in json.loads(table.data) if row["iteration"]] == list(range(1, ITERATIONS + 1))
 
 
 async def _parent_flow_run_id(client, flow_run):

@@ -143,6 +143,12 @@ def test_the_calls_the_project_makes_keep_their_parameters():
     assert {"flow", "flow_run"} <= _parameters(run_flow) and "flow_run_id" in _parameters(load_flow_run)
     assert {"ephemeral", "final"} <= _parameters(create_app)
     assert "updates" in _parameters(temporary_settings) and "max_workers" in _parameters(ThreadPoolTaskRunner)
+    # a run's table and curves artifacts are updated in place (flows/artifacts.py), as Prefect's own
+    # update_progress_artifact does
+    from prefect.client.schemas.actions import ArtifactUpdate
+
+    assert {"artifact_id", "artifact"} <= _parameters(SyncPrefectClient.update_artifact)
+    assert {"data", "description"} <= set(ArtifactUpdate.model_fields)
 
 
 def test_the_flows_carry_the_stop_hooks():
