@@ -78,7 +78,8 @@ def _start_forkserver_process() -> None:
 def processes_of(launcher_pid: int, forkserver: bool = True) -> list["psutil.Process"]:
     """The processes a command (`launcher_pid`) started and that are still there, as `psutil.Process`es: those
     whose environment names it (AREAL_PARENT_PID: launched services, the temporary API server, the forkserver and
-    every fork of it); the forkserver itself only with `forkserver`. Found after the command is gone too (killed),
+    every fork of it); the forkserver itself (and multiprocessing's resource tracker, which the forkserver's start
+    starts beside it, and which like it ends with the command) only with `forkserver`. Found after the command is gone too (killed),
     which is what checks for leftovers need."""
     import psutil
 
@@ -98,9 +99,10 @@ def _is_forkserver(proc) -> bool:
     import psutil
 
     try:
-        return "multiprocessing.forkserver" in " ".join(proc.cmdline())
+        command = " ".join(proc.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
+    return "multiprocessing.forkserver" in command or "multiprocessing.resource_tracker" in command
 
 
 def _run_service(module: str, argv: list[str], log_path: str, env: dict[str, str]) -> None:
