@@ -4,8 +4,8 @@
 
 Starts a standing Prefect server on PostgreSQL (`areal-pipeline prefect-server start`, on a port that is not
 Prefect's default, as a user's second server would be), trains the default config against it, then opens the
-UI's pages in Chromium and saves each as a PNG: the flow runs, the train run (its artifacts: the curves and the
-table of iterations), an iteration run's graph, and the artifacts. Stops the server at the end.
+UI's pages in Chromium and saves each as a PNG: the flow runs, the train run (named after the run id, tagged), an iteration
+run's graph, the artifacts, the curves, the table of every iteration and an iteration's card. Stops the server at the end.
 
 Needs Chromium (`apt-get install chromium`) and Playwright's Python package (`pip install playwright`, in any
 environment: this script runs the project's commands as subprocesses of `.venv`).
@@ -40,6 +40,13 @@ def flow_runs(url: str) -> list[dict]:
     return api(url, "/flow_runs/filter", {"sort": "START_TIME_ASC", "limit": 200})
 
 
+def artifact_id(url: str, key: str) -> str:
+    """The newest artifact of `key` (its page shows its content; the key's page, its history)."""
+    (found,) = api(url, "/artifacts/filter", {"artifacts": {"key": {"any_": [key]}}, "sort": "UPDATED_DESC",
+                                              "limit": 1})
+    return found["id"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=4299)
@@ -52,6 +59,7 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="areal-shots-"))
+    work.chmod(0o755)  # PostgreSQL runs as its own user when this runs as root
     server = CLI + ["prefect-server", "--dir", str(work / "server"), "--port", str(args.port),
                     "--pg-port", str(args.pg_port)]
     subprocess.run(server + ["start"], check=True, timeout=300)
@@ -68,14 +76,19 @@ def main() -> None:
         child = next(r for r in runs if r["name"].startswith("screenshots/iter-") and r["state_type"] == "COMPLETED")
         pages = {
             "flow-runs": f"{ui}/runs",
-            "train-run": f"{ui}/runs/flow-run/{parent['id']}?tab=Artifacts",
+            "train-run": f"{ui}/runs/flow-run/{parent['id']}",
             "iteration-graph": f"{ui}/runs/flow-run/{child['id']}",
             "artifacts": f"{ui}/artifacts",
+            "curves": f"{ui}/artifacts/artifact/{artifact_id(url, 'screenshots-reward-curve')}",
+            "metrics-table": f"{ui}/artifacts/artifact/{artifact_id(url, 'screenshots-metrics')}",
+            "iteration-card": f"{ui}/artifacts/artifact/{artifact_id(url, f'screenshots-iter-{args.iterations:04d}')}",
         }
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=args.chromium, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             for name, address in pages.items():
+                # the UI scrolls inside its own pane: a card's samples show on a taller page
+                page.set_viewport_size({"width": 1400, "height": 2400 if name == "iteration-card" else 1000})
                 page.goto(address, wait_until="networkidle", timeout=60_000)
                 page.wait_for_timeout(2500)  # the UI draws graphs and cards after its data arrives
                 page.screenshot(path=str(args.out / f"{name}.png"), full_page=True)
