@@ -22,6 +22,7 @@ from prefect.cache_policies import NO_CACHE
 
 from areal_pipeline.branching import (BranchError, BranchPlan, plan_branch, prepare_branch, regenerated_rollouts,
                                       restore_parent_policy)
+from flows import run_logs
 from flows.artifacts import artifact_key
 from flows.train import train
 
@@ -71,6 +72,7 @@ def branch(parent_run_id: str, at: int, run_id: str, overrides: Optional[list[st
     in a replay every iteration the parent recorded)."""
     if mode not in ("branch", "replay"):
         raise BranchError(f"mode {mode!r}: choose branch or replay")
+    run_logs.keep_completed_task_runs_from_the_api()
     logger = get_run_logger()
     plan = plan_branch(Path(output_dir) / parent_run_id, at, run_id, overrides, mode == "replay", iterations)
     record = reference_parent(plan)

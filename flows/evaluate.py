@@ -9,6 +9,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from areal_pipeline.evaluation import evaluate_checkpoint
 from areal_pipeline.run_spec import resolve_run_config
+from flows import run_logs
 from flows.artifacts import artifact_key
 
 
@@ -17,6 +18,7 @@ def evaluate(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[lis
              run_id: Optional[str] = None, checkpoint: str = "latest") -> dict[str, Any]:
     """Score `checkpoint` (a checkpoint directory, a Hugging Face model directory, or "latest": the run's
     newest checkpoint) on the config's test split."""
+    run_logs.keep_completed_task_runs_from_the_api()
     cfg = resolve_run_config(config_path, overrides, run_id)
     record = evaluate_checkpoint(cfg, checkpoint)
     model_dir = record.pop("model")

@@ -45,8 +45,8 @@ def start(run: Any) -> Optional[Trackers]:
     return trackers
 
 
-def log(run: Any, record: dict[str, Any]) -> None:
-    if run.trackers is not None:
+def log(run: Any, record: Optional[dict[str, Any]]) -> None:
+    if run.trackers is not None and record is not None:
         run.trackers.log(record)
 
 

@@ -25,6 +25,7 @@ from prefect.states import Cancelled
 
 import tasks
 from areal_pipeline.config import save_config, to_dict
+from areal_pipeline.metrics import initial_record
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.run_dir import newest_completed_iteration, run_lock
 from areal_pipeline.run_spec import load_run
@@ -158,6 +159,7 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
                 logger.info("run %s: iterations 1..%d are finished; continuing at %d", cfg.run_id, first - 1, first)
             if pipeline.wants_initial_evaluation(first):  # policy 0's pass@1, where the curve starts: evaluate-0
                 tasks.call_node(BY_NAME["evaluate"], cfg.run_id, 0, (None,))
+                tracking.log(run, initial_record(pipeline.paths))  # pass@1 at step 0 in the trackers too
             progress = artifacts.Progress(cfg.total_iterations, first - 1)
             # the run's table and curves, while it runs and however it ends (flows/artifacts.py)
             # A flow waits for its heartbeat thread on exit (up to its period): too much for a child run per iteration.

@@ -131,7 +131,7 @@ def _train(tmp_path, tiny_model_dir, run_id: str, iterations: int, *extra: str):
 
     overrides = fast_overrides(tmp_path, tiny_model_dir, run_id=run_id, iterations=iterations)
     return train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
-                 overrides=[o for o in overrides if not o.startswith("eval_")] + ["eval_freq=0", *extra])
+                 overrides=[o for o in overrides if not o.startswith("eval_freq")] + ["eval_freq=0", *extra])
 
 
 async def _flow_run_and_flow(flow_run_id: str):
@@ -161,18 +161,21 @@ def test_wandb_and_mlflow_get_every_iteration_the_config_and_the_prefect_link_ac
     trackers = ["trackers.wandb.enabled=true", "trackers.wandb.mode=offline", "trackers.wandb.tags=[grpo]",
                 "trackers.mlflow.enabled=true", f"trackers.mlflow.tracking_uri={mlflow_server}",
                 "trackers.mlflow.experiment=tracker-test"]
-    _train(tmp_path, tiny_model_dir, "tracked", 2, *trackers)
+    # evaluated before iteration 1 (evaluate-0: step 0 in the trackers), then at iteration 4 and at each run's last
+    _train(tmp_path, tiny_model_dir, "tracked", 2, *trackers, "eval_freq=4")
     run_dir = tmp_path / "tracked"
     # continued under the same run id: iterations 1-2 are finished, 3-4 run now
-    _train(tmp_path, tiny_model_dir, "tracked", 4, *trackers)
+    _train(tmp_path, tiny_model_dir, "tracked", 4, *trackers, "eval_freq=4")
+    initial = json.loads((run_dir / "iter_0" / "eval.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
 
     # W&B: one run (by its id) holds every iteration once, at its iteration's step, with the config and the link
     wandb_id = wandb_run_id("tracked", run_dir)
     history, config, notes = wandb_offline_run(wandb_dir, wandb_id)
-    assert [row["_step"] for row in history] == [1, 2, 3, 4]
-    for row, record in zip(history, records):
+    assert [row["_step"] for row in history] == [0, 1, 2, 3, 4]
+    assert history[0]["eval_pass_at_1"] == pytest.approx(initial["pass_at_1"]) and "reward_mean" not in history[0]
+    for row, record in zip(history[1:], records):
         assert row["reward_mean"] == pytest.approx(record["reward_mean"])
         assert row["grad_norm"] == pytest.approx(record["grad_norm"])
     assert config["run_id"] == "tracked" and config["total_iterations"] == 4
@@ -193,6 +196,8 @@ def test_wandb_and_mlflow_get_every_iteration_the_config_and_the_prefect_link_ac
     assert sorted(m.step for m in history) == [1, 2, 3, 4]
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx([r["reward_mean"] for r in records])
     assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "time_rollout")] == [1, 2, 3, 4]
+    passes = sorted(client.get_metric_history(mlflow_run.info.run_id, "eval_pass_at_1"), key=lambda m: m.step)
+    assert [m.step for m in passes] == [0, 2, 4] and passes[0].value == pytest.approx(initial["pass_at_1"])
     params = mlflow_run.data.params
     assert params["run_id"] == "tracked" and params["rollout.batch_size"] == "4" and params["seed"] == "1"
     assert params["total_iterations"] == "2"  # params are immutable: the first run's value stays

@@ -88,7 +88,7 @@ class Trackers:
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         for tracker in list(self.active):
-            if step <= self.state.get(tracker.name, {}).get("last_step", 0):
+            if step <= self.state.get(tracker.name, {}).get("last_step", -1):  # step 0: the initial evaluation
                 continue  # a continued run's iteration this tracker has already
             if self._call(tracker, "log", lambda t=tracker: t.log(step, metrics), default=False) is not False:
                 self.state.setdefault(tracker.name, {})["last_step"] = step
