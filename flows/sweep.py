@@ -6,7 +6,7 @@ Each combination is its own run (`<base>-lr=1e-3-n_samples=4`: its own run direc
 runs in a process of its own, as a worker runs a deployment's flow run: the sweep's task for it creates the
 `train` flow run through the API, as a child of that task (the UI shows the train runs under the sweep), and
 starts `python -c "from flows.sweep import child_main; child_main()"`, which runs exactly that flow run
-(PREFECT__FLOW_RUN_ID).
+(flows/created_runs.py).
 
 Why processes and not subflow calls in threads of this process: a train run is a process-sized thing. It keeps
 an inference server, a trainer and a Prefect client busy from one interpreter, so runs in threads of one process
@@ -22,6 +22,7 @@ services); a run whose sweep was killed outright exits by itself (utils.exit_whe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import logging
 import os
@@ -192,9 +193,9 @@ def run_one(config_path: str, run_id: str, overrides: list[str], iterations: Opt
     log = Path(run_dir) / "logs" / LOG_NAME
     log.parent.mkdir(parents=True, exist_ok=True)
     from areal_pipeline.utils import PARENT_PID_ENV
+    from flows.created_runs import environment_for
 
-    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT__FLOW_RUN_ID": str(flow_run.id),
-           PARENT_PID_ENV: str(os.getpid())}
+    env = {**os.environ, "PREFECT_API_URL": api_url, **environment_for(flow_run.id), PARENT_PID_ENV: str(os.getpid())}
     started = time.monotonic()
     with open(log, "ab") as out:
         child = subprocess.Popen([sys.executable, "-c", CHILD_COMMAND], env=env,
@@ -302,10 +303,8 @@ def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] 
 # ---------------------------------------------------------------- the processes
 
 def child_main() -> None:
-    """A sweep's run: the `train` flow run PREFECT__FLOW_RUN_ID names, as `areal-pipeline train` runs one (stop
-    signals, services forked from a fork of this process, the progress line and train.log)."""
-    from uuid import UUID
-
+    """A sweep's run: the `train` flow run the sweep created (flows/created_runs.py), as `areal-pipeline train`
+    runs one (stop signals, services forked from the forkserver, the progress line and train.log)."""
     from areal_pipeline import shutdown
     from areal_pipeline.services import start_forkserver
     from areal_pipeline.utils import exit_when_parent_dies
@@ -315,21 +314,22 @@ def child_main() -> None:
     exit_when_parent_dies()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from prefect.flow_engine import load_flow_run, run_flow
-
     from areal_pipeline.console import quiet_console
     from areal_pipeline.run_spec import resolve_run_config
     from flows.api_server import deliver_queued_logs_and_events
+    from flows.created_runs import run_created_flow_run
     from flows.events import listening
     from flows.train import train
 
-    flow_run = load_flow_run(UUID(os.environ["PREFECT__FLOW_RUN_ID"]))
-    params = flow_run.parameters
-    cfg = resolve_run_config(params["config_path"], params.get("overrides"), params.get("run_id"),
-                             params.get("iterations"))
-    try:
+    @contextlib.contextmanager
+    def console(params: dict[str, Any]):
+        cfg = resolve_run_config(params["config_path"], params.get("overrides"), params.get("run_id"),
+                                 params.get("iterations"))
         with quiet_console(cfg.run_id, cfg.run_dir, live=False) as progress, listening(progress):
-            run_flow(train, flow_run=flow_run)
+            yield
+
+    try:
+        run_created_flow_run(train, around=console)
     except KeyboardInterrupt:
         signum = shutdown.requested_by() or signal.SIGINT
         print(f"interrupted by {signal.Signals(signum).name}: servers and trainer were stopped", file=sys.stderr)

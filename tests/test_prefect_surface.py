@@ -1,13 +1,15 @@
 """What the project uses of Prefect (and of the standard library's forkserver), checked against the installed
 release: a Prefect release that removes or renames a name the code imports, or changes a call the code makes,
 fails here before it fails a run. pyproject.toml pins Prefect to a range; this is what makes the range honest.
-No private name of another package is used but the two wrapped ones, each with its test."""
+No private name of another package is used but the wrapped ones, each with its test (Prefect's engine entry
+points behind flows/created_runs.py)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import inspect
+import json
 import os
 import signal
 import subprocess
@@ -235,3 +237,41 @@ def test_the_attention_implementation_is_read_where_transformers_keeps_it(tiny_m
     for implementation in ("eager", "sdpa"):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=implementation)
         assert attention_implementation(model) == implementation
+
+
+A_CREATED_FLOW_RUN = """
+import contextlib, json, os, sys
+from prefect import flow, get_client
+from flows.created_runs import environment_for, run_created_flow_run
+
+@flow(name="double")
+def double(x: int) -> int:
+    return 2 * x
+
+with get_client(sync_client=True) as client:
+    created = client.create_flow_run(double, name="created-elsewhere", parameters={"x": 21})
+os.environ.update(environment_for(created.id))
+seen = []
+
+@contextlib.contextmanager
+def around(parameters):
+    seen.append(parameters)
+    yield
+
+result = run_created_flow_run(double, around=around)
+with get_client(sync_client=True) as client:
+    ended = client.read_flow_run(created.id)
+print(json.dumps({"result": result, "seen": seen, "state": ended.state.type.value, "name": ended.name,
+                  "same": str(ended.id) == str(created.id)}))
+"""
+
+
+def test_a_flow_run_created_through_the_api_runs_in_a_process_of_its_own(prefect_api):
+    """The sweep's runs (flows/created_runs.py, the one place that calls Prefect's engine entry points): the run the
+    client created is the one that runs, with its parameters, and ends Completed in the API."""
+    done = subprocess.run([sys.executable, "-c", A_CREATED_FLOW_RUN], cwd=REPO, timeout=300, capture_output=True,
+                          text=True, env={**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcome == {"result": 42, "seen": [{"x": 21}], "state": "COMPLETED", "name": "created-elsewhere",
+                       "same": True}

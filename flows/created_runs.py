@@ -1,0 +1,36 @@
+"""Running, in a process of its own, a flow run that the API already holds, as Prefect's workers do.
+
+Prefect has no public call for it: a worker starts `python -m prefect.engine` with the run's id in
+`PREFECT__FLOW_RUN_ID`, and that entry point calls `prefect.flow_engine.load_flow_run` and `run_flow` (in no
+module's `__all__`). A sweep's run needs the project's own set-up around it in that process (stop handlers, the
+forkserver, the console), so it calls the two itself: here, and nowhere else. tests/test_prefect_surface.py runs
+`run_created_flow_run` against the installed Prefect, so an upgrade that changes them fails there first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, ContextManager
+from uuid import UUID
+
+FLOW_RUN_ID_ENV = "PREFECT__FLOW_RUN_ID"  # the variable a Prefect worker names its flow run in
+
+
+def environment_for(flow_run_id: Any) -> dict[str, str]:
+    """The environment entries that make a new process's `run_created_flow_run` run `flow_run_id`."""
+    return {FLOW_RUN_ID_ENV: str(flow_run_id)}
+
+
+def _nothing_around(parameters: dict[str, Any]) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+def run_created_flow_run(flow: Any, around: Callable[[dict[str, Any]], ContextManager] = _nothing_around) -> Any:
+    """Run `flow` as the flow run `FLOW_RUN_ID_ENV` names (its parameters are those the run was created with),
+    inside `around(parameters)`; the flow's return value. Its state is reported to the API as any run's."""
+    from prefect.flow_engine import load_flow_run, run_flow
+
+    flow_run = load_flow_run(UUID(os.environ[FLOW_RUN_ID_ENV]))
+    with around(dict(flow_run.parameters)):
+        return run_flow(flow, flow_run=flow_run)
