@@ -316,14 +316,11 @@ class Pipeline(PolicyVersions, LogprobSteps):
             "reward_mean": rollout["reward_mean"], "reward_std": rollout["reward_std"],
             "accuracy": rollout["accuracy"], "response_length": rollout["response_length"],
             "staleness": _staleness(k, rollout), "rollout_tokens_per_s": rollout["rollout_tokens_per_s"],
-            # None where the config computes no such thing: KL without a reference model, dual clipping without c_clip
-            "advantage_std": batch.get("advantage_std"),
-            "kl": batch.get("kl_mean") if self.cfg.ppo.kl_ctl != 0 else None,
+            "advantage_std": batch.get("advantage_std"), "kl": batch.get("kl_mean"),
             **{k2: update.get(k2) for k2 in ("loss", "entropy", "clip_fraction", "dual_clip_fraction", "approx_kl",
                                              "importance_weight", "behave_imp_weight", "behave_mask_fraction",
                                              "grad_norm", "lr")},
             "train_tokens_per_s": update.get("tokens_per_s"),
-            **({"dual_clip_fraction": None} if self.cfg.ppo.c_clip is None else {}),
             "eval_pass_at_1": evaluation.get("pass_at_1") if evaluation else None,
             "eval_reward": evaluation.get("reward_mean") if evaluation else None,
             **{f"time_{name}": round(s, 4) for name, s in self.step_seconds.get(k, {}).items()},
@@ -331,6 +328,8 @@ class Pipeline(PolicyVersions, LogprobSteps):
             **({"baseline_reward": rollout["baseline_reward"]} if "baseline_reward" in rollout else {}),
             **{key: value for key, value in rollout.items() if key.startswith("agent/")},  # the workflow's facts
         }
+        # None where the config computes no such thing, rather than the 0.0 its step reports
+        record.update(dict.fromkeys(self._metrics_not_computed(), None))
         write_json(self.paths.metrics(k), record)
         with self._metrics_lock:
             if self._metrics_lines is None:  # what earlier runs of this run id recorded
@@ -340,6 +339,11 @@ class Pipeline(PolicyVersions, LogprobSteps):
             atomic_write_text(self.paths.metrics_jsonl,
                               "".join(self._metrics_lines[i] + "\n" for i in sorted(self._metrics_lines)))
         return record
+
+    def _metrics_not_computed(self) -> list[str]:
+        """The metrics the config never computes: KL without a reference model, dual clipping without c_clip."""
+        return [name for name, off in (("kl", self.cfg.ppo.kl_ctl == 0),
+                                       ("dual_clip_fraction", self.cfg.ppo.c_clip is None)) if off]
 
     def run_iteration(self, k: int) -> dict[str, Any]:
         """The plain (orchestrator-free) iteration: the same steps in the same order, with the same inputs."""

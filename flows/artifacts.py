@@ -123,7 +123,7 @@ class RunArtifacts:
             inline = base64.b64encode(png.read_bytes()).decode()
             markdown = (f"# {self.run_id}: curves\n\n![curves](data:image/png;base64,{inline})\n\n"
                         f"PNG: `{png}`  \nMetrics: `{self.pipeline.paths.metrics_jsonl}`\n\n"
-                        + "\n".join(f"- {k}: {significant(v)}" for k, v in summarize(records).items()))
+                        + "\n".join(f"- {k}: {significant(v)}" for k, v in self.summary.items() if k != "curve"))
         description = f"{self.run_id}: reward, pass@1, KL, entropy, grad norm, loss, staleness, throughput per iteration"
         if "curves" not in self._ids:
             self._ids["curves"] = create_markdown_artifact(key=artifact_key(self.run_id, "reward-curve"),

@@ -287,7 +287,7 @@ TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'areal-pipeline[
 
 
 def _trackers_are_installed(trackers: TrackersConfig, key: Key) -> Iterator[str]:
-    enabled = {"tensorboard": trackers.tensorboard, "wandb": trackers.wandb.enabled and trackers.wandb.mode != "disabled",
+    enabled = {"tensorboard": trackers.tensorboard, "wandb": trackers.wandb.active,
                "mlflow": trackers.mlflow.enabled}
     for name, on in enabled.items():
         package, install = TRACKER_PACKAGES[name]

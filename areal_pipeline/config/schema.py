@@ -323,6 +323,11 @@ class WandbConfig:
     dir: str = ""  # where W&B keeps its files (<dir>/wandb/); empty: $WANDB_DIR, else the run directory
     tags: list[str] = field(default_factory=list)  # the W&B run's tags (the run id is always one)
 
+    @property
+    def active(self) -> bool:
+        """Whether the run sends anything to W&B."""
+        return self.enabled and self.mode != "disabled"
+
 
 @dataclass
 class MlflowConfig:

@@ -39,7 +39,7 @@ def enabled_trackers(cfg: Any, run_dir: Path) -> list[Tracker]:
         from areal_pipeline.trackers.tensorboard_log import TensorBoardTracker
 
         trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
-    if cfg.trackers.wandb.enabled and cfg.trackers.wandb.mode != "disabled":
+    if cfg.trackers.wandb.active:
         from areal_pipeline.trackers.wandb_run import WandbTracker
 
         trackers.append(WandbTracker(cfg.trackers.wandb, run_dir))
