@@ -206,6 +206,14 @@ def time_left(limit: Optional[float] = None) -> Optional[float]:
     return left if limit is None else min(limit, left)
 
 
+class PeerTimeout(TimeoutError):
+    """A wait on another process (a rank, a server, a worker) ran past its own limit: the message names the peer."""
+
+    def __init__(self, peer: str, what: str, seconds: float):
+        super().__init__(f"{peer}: no {what} within {seconds:g} s")
+        self.peer, self.what, self.seconds = peer, what, seconds
+
+
 def raise_if_deadline_passed(error: BaseException) -> None:
     """Turn a timeout that the current deadline caused into DeadlineExceeded (other errors pass through)."""
     message = _deadline_passed()

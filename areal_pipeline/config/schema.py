@@ -117,6 +117,8 @@ class InferenceConfig:
     setup_timeout: float = 300.0  # seconds a server has to answer /health after its launch
     request_timeout: float = 3600.0  # seconds one generation request may take
     request_retries: int = 3  # retries of a request that failed to connect or got a 5xx, then an error
+    # seconds a paused server (a weight update in flight) may stay paused before its requests fail, naming it
+    pause_timeout: float = 600.0
     # the project's server: requests decoded together at most (more wait their turn)
     max_batch_size: int = 128
     context_length: int = 1024  # the project's server: longest prompt + generation it takes
@@ -197,6 +199,18 @@ class RolloutConfig:
     reward_timeout: float = 5.0
     reward_workers: int = 1  # processes of the reward pool that score answers
     shard_rows: int = 256  # trajectories per Parquet shard of a rollout
+    # An episode that fails (an inference, tool or reward server error or timeout, an agent that raised) is played
+    # again from a fresh environment with the same seed, up to this many times
+    episode_retries: int = 2
+    episode_retry_delay: float = 1.0  # seconds before an episode's first retry, doubling with each retry after it
+    episode_timeout: float = 1800.0  # seconds one attempt at an episode may take; 0: no limit but the node's
+    # When an episode's retries run out: drop (its group is left out of the batch) | mask (the group keeps the
+    # episodes that succeeded) | refill (the group is replaced by a reserve prompt's) | fail (the rollout node
+    # fails). A failed episode never scores 0
+    on_failure: str = "drop"
+    min_group_survivors: int = 2  # on_failure=mask: a group with fewer episodes left is dropped
+    # More than this fraction of an iteration's episodes failed for good: the rollout node fails, naming the causes
+    max_failure_rate: float = 0.2
     # sampling of the episodes' generations (evaluation: greedy, one sample)
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     # the selected workflow's own section (its config_class): the package's workflows share one, AgentConfig
@@ -272,6 +286,9 @@ class TrainerConfig:
     # servers leave (at least 1)
     num_threads: int = 0
     mb_max_tokens: int = 8192  # micro-batch token budget for packed sequences
+    # seconds a collective (the ranks' rendezvous and barriers, the weight-update group's broadcasts) may wait for
+    # its peers before it fails, naming them
+    collective_timeout: float = 600.0
     pack_sequences: bool = True  # false: one padded row per sequence (the slower baseline)
     # Sequences that start alike (a GRPO group's prompt) run their common prefix once, where it is at least as
     # long as each sequence's rest; the same logprobs and gradients for fewer forward tokens (sdpa/eager attention)

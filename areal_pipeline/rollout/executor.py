@@ -8,13 +8,13 @@ import hashlib
 import random
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from tqdm.auto import tqdm
 
 from areal_pipeline.data.shards import write_shards
 from areal_pipeline.data.trajectory import Trajectory
-from areal_pipeline.rollout.group import run_group
+from areal_pipeline.rollout.group import play_group, run_group
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -68,6 +68,36 @@ async def run_episodes(workflow, engine, records: list[dict[str, Any]], *, max_c
     finally:
         bar.close()
     return [t for group in groups for t in group]
+
+
+async def play_batch(workflow, engine, slots: dict[int, dict[str, Any]], *, max_concurrent_rollouts: int,
+                     n_samples: int, policy: Any, baseline: Any = None, recover: Any = None,
+                     refill: Optional[Callable[[int, int], dict[str, Any]]] = None,
+                     on_group: Optional[Callable[[Any], None]] = None, progress: bool = True) -> list[Any]:
+    """The groups of the prompts `slots` (batch position -> record) under the failure policy `policy`
+    (group.play_group), at most `max_concurrent_rollouts` episodes in flight: their `failures.GroupResult`s in slot
+    order. `on_group(result)` is called as each group ends (the episode journal writes it then); `refill(slot, j)`
+    gives the j-th reserve prompt of a group that `rollout.on_failure=refill` replaces (a pure function, so a rerun
+    refills with the same prompts).
+
+    Interface frozen for #35; refills are filled in by the failure-policy work."""
+    gate = asyncio.Semaphore(max(1, max_concurrent_rollouts // max(1, n_samples)))
+    bar = tqdm(total=len(slots), desc="rollout", unit="group", disable=not progress, leave=False)
+
+    async def one(slot, data):
+        async with gate:
+            result = await play_group(workflow, engine, data, n_samples, baseline, slot=slot, policy=policy,
+                                      recover=recover)
+        if on_group is not None:
+            on_group(result)
+        bar.update(1)
+        return result
+
+    try:
+        results = await asyncio.gather(*(one(slot, data) for slot, data in sorted(slots.items())))
+    finally:
+        bar.close()
+    return list(results)
 
 
 def rollout_stats(trajectories: list[Trajectory], seconds: float) -> dict[str, float]:

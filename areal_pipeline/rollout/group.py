@@ -139,3 +139,22 @@ class GroupEngine:
         for task in list(self._sending):
             task.cancel()
         await asyncio.gather(*self._sending, return_exceptions=True)
+
+
+async def play_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples: int, baseline: Optional[Any] = None,
+                     *, slot: int, policy: Any, recover: Optional[Any] = None) -> Any:
+    """The group of prompt `data` (batch position `slot`) under the failure policy `policy` (failures.FailurePolicy):
+    a `failures.GroupResult`. `recover`, where given, is awaited before an episode that failed at an inference server
+    is played again (it brings a restarted server back to the expected weights).
+
+    Interface frozen for #35; the retries and the mask/refill outcomes are filled in by the failure-policy work."""
+    from areal_pipeline.rollout.failures import EpisodeFailure, EpisodesFailed, GroupResult
+
+    try:
+        trajectories = await run_group(workflow, engine, data, n_samples, baseline)
+    except Exception as error:
+        if policy.on_failure == "fail":
+            raise EpisodesFailed(f"prompt {data.get('prompt_id')}: {type(error).__name__}: {error}") from error
+        failure = EpisodeFailure(cause="agent", retryable=True, message=f"{type(error).__name__}: {error}")
+        return GroupResult(slot, data.get("prompt_id"), [], failures=[failure], outcome="dropped")
+    return GroupResult(slot, data.get("prompt_id"), trajectories)
