@@ -118,6 +118,11 @@ def last_line(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
+def module_of(argv: list[str]) -> Optional[str]:
+    """The module a `python -m module ...` command line runs."""
+    return argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None
+
+
 def short(text: str, limit: int = 150) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -306,13 +311,13 @@ class Sweep:
     def kill_service(self, name: str, trigger: str, which: str) -> Outcome:
         """kill -9 the run's inference server or trainer rank; the run should recover by itself (node retries)."""
         popen, log, run_dir, what = self.start_and_wait_for(name, (trigger,))
-        wanted = {"inference server": lambda cmd: "areal_pipeline.inference.server" in cmd,
-                  "trainer rank": lambda cmd: "areal_pipeline.training.trainer_server" in cmd
-                  and "areal_pipeline.training.client" not in cmd}[which]
+        # the module a service runs, not a mention: the forkserver's command line names the modules it preloads
+        wanted = {"inference server": "areal_pipeline.inference.server",
+                  "trainer rank": "areal_pipeline.training.trainer_server"}[which]
         victims = []
         for proc in processes_of(popen.pid):
             try:
-                if wanted(" ".join(proc.cmdline())):
+                if module_of(proc.cmdline()) == wanted:
                     proc.kill()
                     victims.append(proc)
             except psutil.NoSuchProcess:
