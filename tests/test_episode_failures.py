@@ -451,3 +451,26 @@ def test_the_retrieval_server_killed_and_restarted_mid_rollout_costs_retries_not
     assert failure_stats(groups)["retries/retrieval"] >= 8  # every episode's first search hit the dead server
     assert [_rows(g.trajectories) for g in groups] == [_rows(g.trajectories) for g in reference]
     assert all(t.metadata["num_searches"] == 1 for g in groups for t in g.trajectories)
+
+
+def test_the_iteration_card_lists_the_failed_episodes_and_the_table_keeps_one_rate(tmp_path):
+    from areal_pipeline.pipeline import Pipeline
+    from areal_pipeline.run_spec import load_config
+    from flows.artifacts import failures_markdown, table_metrics
+
+    pipeline = Pipeline(load_config("configs/tiny_cpu.yaml", [f"output_dir={tmp_path}", "run_id=r"]))
+    ok, dropped = _failing_batch("drop", {("b", 1): 1, ("b", 2): 1})
+    write_rollout_shards(ok.trajectories, pipeline.paths.rollout(1), run_id="r", iteration=1, seconds=1.0,
+                         rows_per_shard=4, groups=[ok])
+    assert failures_markdown(pipeline, 1) == ""  # nothing failed
+    assert failures_markdown(pipeline, 2) == ""  # no rollout (yet)
+    write_rollout_shards(ok.trajectories, pipeline.paths.rollout(1), run_id="r", iteration=1, seconds=1.0,
+                         rows_per_shard=4, groups=[ok, dropped])
+    card = failures_markdown(pipeline, 1)
+    assert "2 episode(s) failed for good (rollout.on_failure=drop)" in card
+    assert f"| inference | {SERVER} | 2 | InferenceServerError: inference server {SERVER}/generate: HTTP 503 |" in card
+    record = {"reward_mean": 1.0, **rollout_stats(ok.trajectories, 1.0, [ok, dropped])}
+    assert record["failures/inference"] == 2
+    shown = table_metrics(record)
+    assert shown["failure_rate"] == 2 / 6 and shown["groups_dropped"] == 1
+    assert not any(key.startswith(("failures/", "retries/")) for key in shown)
