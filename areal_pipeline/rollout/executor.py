@@ -53,7 +53,11 @@ async def run_episodes(workflow, engine, records: list[dict[str, Any]], *, max_c
                        n_samples: int = 1, baseline: Any = None, progress: bool = True) -> list[Trajectory]:
     """Each record's group of `n_samples` episodes (group.run_group; with `baseline`, the baseline workflow's episode
     beside them), with at most `max_concurrent_rollouts` episodes in flight, whole groups at a time; return the
-    trajectories in record order, each group's in episode order."""
+    trajectories in record order, each group's in episode order.
+
+    Strict: the first episode that fails fails it (no failure policy). Evaluation plays its episodes so: a score
+    left out would bias pass@1, so a reward that times out or crashes fails the evaluate node, whose Prefect retry
+    plays the evaluation again. Training's rollout plays its groups with `play_batch`."""
     gate = asyncio.Semaphore(max(1, max_concurrent_rollouts // max(1, n_samples)))
     bar = tqdm(total=len(records), desc="rollout", unit="group", disable=not progress, leave=False)
 
