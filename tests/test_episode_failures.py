@@ -28,7 +28,7 @@ from areal_pipeline.rollout.failures import (EpisodeFailure, EpisodesFailed, Fai
                                              failure_stats)
 from areal_pipeline.rollout.group import play_group, run_group
 from areal_pipeline.tools.retrieval_client import RetrievalError
-from areal_pipeline.utils import DeadlineExceeded
+from areal_pipeline.utils import DeadlineExceeded, PeerTimeout
 from areal_pipeline.workflows.openai_agent import AgentError
 
 SERVER = "127.0.0.1:30001"
@@ -157,6 +157,7 @@ class _Expired(ProcessExpired):
     (AgentError("agent failed"), ("agent", True, None)),
     (RuntimeError("a workflow's own error"), ("agent", True, None)),
     (KeyError("answer"), ("agent", False, None)),
+    (PeerTimeout("trainer rank 1", "reply", 600), ("agent", True, "trainer rank 1")),
 ])
 def test_classify_names_the_cause_the_peer_and_whether_a_retry_may_pass(error, expected):
     failure = classify(error)

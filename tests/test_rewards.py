@@ -135,7 +135,8 @@ def test_pool_hanging_call_times_out_and_pool_recovers(pool):
 
 
 def test_pool_raising_call_is_a_reward_error_with_truncated_args(pool):
-    with pytest.raises(RewardError, match=r"_reward_helpers.fail\('xxx.*\.\.\. raised ValueError\('bad reward") as raised:
+    message = r"_reward_helpers.fail\('xxx.*\.\.\. raised ValueError\('bad reward"
+    with pytest.raises(RewardError, match=message) as raised:
         pool.score(fail, "x" * 10_000)
     assert len(str(raised.value)) < 500
     assert not isinstance(raised.value, (RewardTimeout, RewardCrash))

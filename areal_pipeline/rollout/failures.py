@@ -128,8 +128,10 @@ def classify(error: BaseException) -> Optional[EpisodeFailure]:
         return EpisodeFailure("reward_error", False, message, error.peer)
     if isinstance(error, AgentError):
         return EpisodeFailure("agent", is_transient(error), message)
-    # any other error a workflow raised: the agent's, retried when it may pass (a ValueError will not)
-    return EpisodeFailure("agent", is_transient(error), message)
+    # any other error a workflow raised: the agent's, retried when it may pass (a ValueError will not); a wait on
+    # another process that ran out (utils.PeerTimeout) names that process
+    peer = getattr(error, "peer", None)
+    return EpisodeFailure("agent", is_transient(error), message, peer if isinstance(peer, str) else None)
 
 
 def _failed_groups(groups: Iterable[GroupResult]) -> list[tuple[GroupResult, EpisodeFailure]]:
