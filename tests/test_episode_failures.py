@@ -391,7 +391,7 @@ def test_a_hanging_reward_is_a_reward_timeout_never_a_zero(tiny_model_dir, tmp_p
         pool.warm_up(workflow.reward_fn)[0].result(timeout=60)
         start = time.monotonic()
         result = asyncio.run(play_group(workflow, _scripted(tokenizer), DATA, 2, slot=0, policy=policy))
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 60  # two timeouts of 1 s each, and the replaced workers' start
     assert (result.outcome, result.trajectories) == ("dropped", [])
     assert [(f.cause, f.attempt) for f in result.failures] == [("reward_timeout", 2)] * 2
     assert failure_stats([result])["failures/reward_timeout"] == 2
@@ -422,7 +422,8 @@ def test_the_retrieval_server_killed_and_restarted_mid_rollout_costs_retries_not
                                    RetrievalClient(address, retries=0), max_turns=3, topk=2)
     slots = {i: {"prompt_id": f"q{i}", "question": "Where?", "answer": ["Paris"], "sampling_seed": 11 * i + 1,
                  "messages": [{"role": "user", "content": "Where?"}]} for i in range(4)}
-    policy = FailurePolicy(episode_retries=4, episode_retry_delay=1.0, episode_timeout=120)
+    # retries 1, 2, 4, ... s apart: room for a restart on a busy machine
+    policy = FailurePolicy(episode_retries=6, episode_retry_delay=1.0, episode_timeout=120)
 
     def batch():
         return asyncio.run(play_batch(workflow, ScriptedEngine(respond), slots, max_concurrent_rollouts=8,
