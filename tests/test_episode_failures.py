@@ -240,6 +240,11 @@ def test_refill_tries_further_reserves_then_drops():
     assert (result.outcome, result.prompt_id, len(result.failures), result.episodes) == ("dropped", "b", 4, 8)
 
 
+def test_refill_without_reserves_to_take_is_an_error_not_a_drop():
+    with pytest.raises(ValueError, match="rollout.on_failure=refill: the rollout passes no refill"):
+        _group(Flaky(), {"prompt_id": "a"}, policy=FailurePolicy(on_failure="refill", **FAST))
+
+
 def test_fail_raises_naming_the_cause_and_the_peer():
     with pytest.raises(EpisodesFailed, match=rf"prompt b \(slot 1\), sample 1: inference 1 @{SERVER} .*HTTP 503"):
         _failing_batch("fail", {("b", 1): 1})

@@ -162,6 +162,8 @@ async def play_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples
     siblings go on meanwhile. An error classify() does not call an episode's fault fails the group as itself."""
     from areal_pipeline.rollout.failures import EpisodesFailed, GroupResult, describe_failures
 
+    if policy.on_failure == "refill" and refill is None:
+        raise ValueError("rollout.on_failure=refill: the rollout passes no refill(slot, j) to take reserve prompts from")
     result = await _play(workflow, engine, data, n_samples, baseline, slot, policy, recover)
     if not result.failures:
         return result
@@ -169,7 +171,7 @@ async def play_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples
         first = result.failures[0]
         raise EpisodesFailed(f"prompt {data.get('prompt_id')} (slot {slot}), sample {first.sample_idx}: "
                              f"{describe_failures(result.failures)}; after {first.attempt} attempt(s): {first.message}")
-    if policy.on_failure == "refill" and refill is not None:
+    if policy.on_failure == "refill":
         failures, retried, episodes = list(result.failures), list(result.retried), result.episodes
         for j in range(REFILL_TRIES):
             reserve = refill(slot, j)
