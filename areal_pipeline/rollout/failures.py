@@ -106,7 +106,6 @@ def classify(error: BaseException) -> Optional[EpisodeFailure]:
     from areal_pipeline.rewards.pool import RewardCrash, RewardError, RewardLoadError, RewardTimeout
     from areal_pipeline.tools.retrieval_client import RetrievalError
     from areal_pipeline.utils import DeadlineExceeded
-    from areal_pipeline.workflows.openai_agent import AgentError
 
     if not isinstance(error, Exception) or isinstance(error, asyncio.CancelledError):
         return None  # KeyboardInterrupt, SystemExit, cancellation: the rollout is stopping
@@ -126,10 +125,9 @@ def classify(error: BaseException) -> Optional[EpisodeFailure]:
     if isinstance(error, RewardError):
         # the user's reward code raised on this answer: it raises again on the same tokens
         return EpisodeFailure("reward_error", False, message, error.peer)
-    if isinstance(error, AgentError):
-        return EpisodeFailure("agent", is_transient(error), message)
-    # any other error a workflow raised: the agent's, retried when it may pass (a ValueError will not); a wait on
-    # another process that ran out (utils.PeerTimeout) names that process
+    # any other error a workflow raised (an OpenAI agent's AgentError, whose cause is the agent's exception) is the
+    # agent's, retried when it may pass (a ValueError will not); a wait on another process that ran out
+    # (utils.PeerTimeout) names that process
     peer = getattr(error, "peer", None)
     return EpisodeFailure("agent", is_transient(error), message, peer if isinstance(peer, str) else None)
 
