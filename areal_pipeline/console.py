@@ -46,6 +46,16 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+def failures_text(record: dict[str, Any]) -> str:
+    """"fail 3 (retrieval 2, reward_timeout 1)": an iteration's episodes that failed for good (its `failures/<cause>`
+    metrics, most first); "" when none did."""
+    counts = sorted(((int(n), key.partition("/")[2]) for key, n in record.items()
+                     if key.startswith("failures/") and n), key=lambda c: (-c[0], c[1]))
+    if not counts:
+        return ""
+    return f"fail {sum(n for n, _ in counts)} (" + ", ".join(f"{cause} {n}" for n, cause in counts) + ")"
+
+
 class ProgressLine:
     """The run's progress as one line; fed by the run's events (`started`, `iteration`, `finished`, `failed`)."""
 
@@ -58,6 +68,7 @@ class ProgressLine:
         self.done = 0
         self.reward: Optional[float] = None
         self.pass_at_1: Optional[float] = None
+        self.failures = ""  # the last iteration's episodes that failed for good, per cause: "fail 3 (...)"
         self._times: list[float] = []  # wall time at each finished iteration (the start first)
         self._shown = False  # a live line is on the screen
         self._printed_at = (0, 0.0)  # (iteration, time) of the last line printed to a pipe
@@ -78,6 +89,7 @@ class ProgressLine:
             self.reward = record.get("reward_mean", self.reward)
             if record.get("eval_pass_at_1") is not None:
                 self.pass_at_1 = record["eval_pass_at_1"]
+            self.failures = failures_text(record)
             self._times.append(time.monotonic())
             self.draw(force=k >= self.last)
 
@@ -107,6 +119,8 @@ class ProgressLine:
         parts = [f"{self.run_id} [{bar}] {self.done}/{self.last}"]
         parts.append(f"reward {self.reward:.3f}" if self.reward is not None else "reward -")
         parts.append(f"pass@1 {self.pass_at_1:.3f}" if self.pass_at_1 is not None else "pass@1 -")
+        if self.failures:
+            parts.append(self.failures)
         rate = self.seconds_per_iteration()
         if rate is not None:
             parts.append(f"{rate:.2f} s/it")

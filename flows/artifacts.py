@@ -104,7 +104,7 @@ class RunArtifacts:
             self._curves(records if draw else [])
 
     def _table(self, records: list[dict[str, Any]]) -> None:
-        rows = metrics_table(records)
+        rows = metrics_table([table_metrics(r) for r in records])
         description = f"{self.run_id}: metrics of every iteration so far ({len(rows)} rows; iteration 0: the initial " \
                       "policy's evaluation)"
         if "metrics" not in self._ids:
@@ -161,9 +161,40 @@ def publish_iteration(run: LiveRun, k: int, record: dict[str, Any]) -> bool:
     create_markdown_artifact(
         key=iteration_key(run_id, k),
         markdown=(f"# {run_id} / iteration {k}\n\n## Metrics\n\n| metric | value |\n|---|---|\n{metrics}\n\n"
-                  f"## Sample trajectories\n\n{samples_markdown(pipeline, k)}\n\n## Outputs\n" + "\n".join(links)),
+                  f"{failures_markdown(pipeline, k)}## Sample trajectories\n\n{samples_markdown(pipeline, k)}\n\n"
+                  "## Outputs\n" + "\n".join(links)),
         description=f"{run_id} iteration {k}: metrics, samples (best and worst) and outputs")
     return True
+
+
+def table_metrics(record: dict[str, Any]) -> dict[str, Any]:
+    """A metrics record as the run's table shows it: `failure_rate` and the group counts, not a column per cause
+    (`failures/<cause>`, `retries/<cause>`: the iteration's card lists them)."""
+    return {key: value for key, value in record.items() if not key.startswith(("failures/", "retries/"))}
+
+
+def failures_markdown(pipeline: Pipeline, k: int) -> str:
+    """Iteration k's episodes that failed for good, as its rollout's manifest lists them: a table of cause, peer,
+    count and the first message; "" when none failed."""
+    from areal_pipeline.data.shards import has_manifest, read_manifest
+
+    out = pipeline.paths.rollout(k)
+    failures = read_manifest(out).get("failures") if has_manifest(out) else None
+    if not failures:
+        return ""
+    counts: dict[tuple[str, str], list] = {}
+    for f in failures:
+        entry = counts.setdefault((f["cause"], f.get("peer") or "-"), [0, f.get("message", "")])
+        entry[0] += 1
+    rows = "\n".join(f"| {cause} | {peer} | {n} | {_cell(message)} |"
+                     for (cause, peer), (n, message) in sorted(counts.items(), key=lambda c: -c[1][0]))
+    return (f"## Failed episodes\n\n{len(failures)} episode(s) failed for good (rollout.on_failure="
+            f"{pipeline.cfg.rollout.on_failure}):\n\n| cause | peer | episodes | first message |\n|---|---|---|---|\n"
+            f"{rows}\n\n")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")[:200]
 
 
 def pick_samples(rows: list[dict[str, Any]], n: int = SAMPLES_SHOWN) -> list[tuple[str, dict[str, Any]]]:

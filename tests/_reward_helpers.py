@@ -19,3 +19,13 @@ def hang_or_fail_on_marker(completion: str, answer: str) -> float:
     if completion == "fail":
         raise ValueError("bad reward")
     return float(completion == answer)
+
+
+def hang_after_writing_pid(path: str, *_args: object) -> float:
+    """Writes its worker's pid to `path` (for a test to kill it mid-score), then hangs."""
+    import os
+
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+    return 1.0

@@ -116,6 +116,19 @@ BAD_VALUES = [
 ]
 
 
+def test_masking_failed_episodes_needs_groups_that_can_keep_enough_survivors():
+    overrides = ["rollout.on_failure=mask", "rollout.gconfig.n_samples=2", "rollout.min_group_survivors=3"]
+    with pytest.raises(ConfigError, match=r"^rollout.min_group_survivors=3: must be <= rollout.gconfig.n_samples=2 "
+                                          r"with rollout.on_failure='mask'"):
+        load_config(REPO / "configs/tiny_cpu.yaml", overrides)
+    # the same sizes are fine where failed groups are dropped, and a group of 3 can keep 3
+    assert load_config(REPO / "configs/tiny_cpu.yaml", ["rollout.on_failure=drop", *overrides[1:]])
+    assert load_config(REPO / "configs/tiny_cpu.yaml", [*overrides[:1], "rollout.gconfig.n_samples=3",
+                                                        *overrides[2:]]).rollout.min_group_survivors == 3
+    with pytest.raises(ConfigError, match=r"rollout.on_failure='retry': must be one of drop, mask, refill, fail"):
+        load_config(REPO / "configs/tiny_cpu.yaml", ["rollout.on_failure=retry"])
+
+
 def test_sglangs_python_must_be_executable(tmp_path):
     script = tmp_path / "python"
     script.write_text("#!/bin/sh\n")

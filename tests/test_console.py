@@ -36,6 +36,17 @@ def test_the_progress_line_on_a_terminal_and_on_a_pipe():
     assert 10 <= len(lines) <= 14 and lines[-1].startswith("r [") and " 102/102 " in lines[-1]
 
 
+def test_the_progress_line_shows_the_episodes_that_failed_in_the_last_iteration():
+    out = io.StringIO()
+    line = ProgressLine("r", out, live=False)
+    line.started(1, 2)
+    line.iteration(1, {"reward_mean": 0.5, "failures/reward_timeout": 1, "failures/retrieval": 2,
+                       "retries/retrieval": 5, "failure_rate": 0.05})
+    assert "reward 0.500  pass@1 -  fail 3 (retrieval 2, reward_timeout 1)  " in line.text()
+    line.iteration(2, {"reward_mean": 0.5, "failure_rate": 0.0, "retries/agent": 1})
+    assert "fail" not in line.text()  # retries that passed are no failure
+
+
 def test_log_records_go_to_the_file_and_warnings_above_the_line(tmp_path):
     stream = io.StringIO()
     logger = logging.getLogger("areal_pipeline.test_console")

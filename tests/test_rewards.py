@@ -3,16 +3,18 @@ import itertools
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from _reward_helpers import fail, hang, hang_or_fail_on_marker
+from _reward_helpers import fail, hang, hang_after_writing_pid, hang_or_fail_on_marker
 from conftest import data_dirs
 
 from areal_pipeline.rewards import RewardPool, extract_answer, extract_reference, math_reward
+from areal_pipeline.rewards.pool import RewardCrash, RewardError, RewardTimeout
 
 TIMEOUT = 2.0
 
@@ -123,59 +125,83 @@ def test_pool_scores(pool):
     assert pool.score(math_reward, "The answer is 4", "#### 5") == 0.0
 
 
-def test_pool_hanging_call_times_out_and_pool_recovers(pool, caplog):
+def test_pool_hanging_call_times_out_and_pool_recovers(pool):
     pool.score(math_reward, "1", "1")  # worker start-up is not part of the timeout
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="areal_pipeline.rewards"):
-        assert pool.score(hang, "some completion", "#### 18") == 0.0
+    with pytest.raises(RewardTimeout, match=r"_reward_helpers.hang\('some completion', '#### 18'\) ran past 2 s"):
+        pool.score(hang, "some completion", "#### 18")  # never a score of 0.0
     assert time.monotonic() - start < TIMEOUT + 2.0
-    [record] = caplog.records
-    assert record.levelno == logging.WARNING
-    assert "_reward_helpers.hang" in record.message and "some completion" in record.message
-    assert "timed out" in record.message
     assert pool.score(math_reward, "\\boxed{18}", "#### 18") == 1.0
 
 
-def test_pool_raising_call_scores_zero_with_truncated_args(pool, caplog):
-    with caplog.at_level(logging.WARNING, logger="areal_pipeline.rewards"):
-        assert pool.score(fail, "x" * 10_000) == 0.0
-    [record] = caplog.records
-    assert "_reward_helpers.fail" in record.message and "bad reward" in record.message
-    assert len(record.message) < 500
+def test_pool_raising_call_is_a_reward_error_with_truncated_args(pool):
+    message = r"_reward_helpers.fail\('xxx.*\.\.\. raised ValueError\('bad reward"
+    with pytest.raises(RewardError, match=message) as raised:
+        pool.score(fail, "x" * 10_000)
+    assert len(str(raised.value)) < 500
+    assert not isinstance(raised.value, (RewardTimeout, RewardCrash))
 
 
 def test_pool_ascore_many_concurrent_calls(pool):
     async def main():
         good = [pool.ascore(math_reward, f"The answer is {i}.", f"#### {i % 3}") for i in range(60)]
-        return await asyncio.gather(pool.ascore(hang, "stuck"), *good)
+        return await asyncio.gather(pool.ascore(hang, "stuck"), *good, return_exceptions=True)
 
     stuck, *scores = asyncio.run(main())
-    assert stuck == 0.0
+    assert isinstance(stuck, RewardTimeout) and "'stuck'" in str(stuck)
     assert scores == [1.0 if i == i % 3 else 0.0 for i in range(60)]
 
 
-def test_pool_ascore_many_scores_a_group_in_one_job_with_failures_scored_zero(pool, caplog):
-    calls = [("7", "7"), ("fail", "7"), ("3", "7"), ("7", "7")]
-    with caplog.at_level(logging.WARNING, logger="areal_pipeline.rewards"):
-        assert asyncio.run(pool.ascore_many(hang_or_fail_on_marker, calls)) == [1.0, 0.0, 0.0, 1.0]
-    [record] = caplog.records
-    assert "hang_or_fail_on_marker" in record.message and "bad reward" in record.message
+def test_pool_ascore_many_scores_a_group_in_one_job_and_a_raising_call_fails_it(pool):
+    with pytest.raises(RewardError, match=r"hang_or_fail_on_marker\('fail', '7'\) raised ValueError\('bad reward"):
+        asyncio.run(pool.ascore_many(hang_or_fail_on_marker, [("7", "7"), ("fail", "7"), ("3", "7"), ("7", "7")]))
+    assert asyncio.run(pool.ascore_many(hang_or_fail_on_marker, [("7", "7"), ("3", "7"), ("7", "7")])) == [1.0, 0.0,
+                                                                                                          1.0]
     assert asyncio.run(pool.ascore_many(hang_or_fail_on_marker, [])) == []
     assert asyncio.run(pool.ascore_many(hang_or_fail_on_marker, [("5", "5")])) == [1.0]
 
 
-def test_pool_ascore_many_with_a_hanging_call_rescores_the_others_one_by_one(pool, caplog):
+def test_pool_ascore_many_with_a_hanging_call_rescores_one_by_one_and_names_it(pool, caplog):
     calls = [("1", "1"), ("hang", "1"), ("2", "1")]
     pool.score(math_reward, "1", "1")  # worker start-up is not part of the timeout
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="areal_pipeline.rewards"):
-        assert asyncio.run(pool.ascore_many(hang_or_fail_on_marker, calls)) == [1.0, 0.0, 0.0]
+        with pytest.raises(RewardTimeout, match=r"hang_or_fail_on_marker\('hang', '1'\) ran past 2 s"):
+            asyncio.run(pool.ascore_many(hang_or_fail_on_marker, calls))
     # the job's timeout (3 calls' worth), then the hanging call's own one
     assert time.monotonic() - start < 4 * TIMEOUT + 3.0
-    messages = [r.message for r in caplog.records]
-    assert any("one by one" in m for m in messages)
-    assert sum("timed out" in m and "'hang'" in m for m in messages) == 1
+    assert any("one by one" in r.message for r in caplog.records)
     assert pool.score(math_reward, "\\boxed{18}", "#### 18") == 1.0
+
+
+def test_a_killed_worker_is_a_reward_crash_and_the_pool_goes_on(pool, tmp_path):
+    """SIGKILL of the worker mid-score (the OOM killer's way): RewardCrash naming its pid, never 0.0; the next
+    call runs on a fresh worker."""
+    pid_file = tmp_path / "pid"
+
+    async def main():
+        scoring = asyncio.ensure_future(pool.ascore(hang_after_writing_pid, str(pid_file)))
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the reward call never started"
+            await asyncio.sleep(0.05)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        return await asyncio.gather(scoring, return_exceptions=True)
+
+    [crash] = asyncio.run(main())
+    assert isinstance(crash, RewardCrash), crash
+    assert crash.peer == f"reward worker pid {pid_file.read_text()}" and "died scoring" in str(crash)
+    assert pool.score(math_reward, "\\boxed{18}", "#### 18") == 1.0
+
+
+def test_close_is_bounded_and_stops_a_busy_worker():
+    pool = RewardPool(max_workers=1, timeout=60.0)
+    future = pool._submit(hang, ("forever",))
+    time.sleep(0.5)
+    start = time.monotonic()
+    pool.close(timeout=1.0)
+    assert time.monotonic() - start < 10.0
+    assert future.done()
 
 
 def test_warm_up_starts_the_workers_with_the_reward_module_imported():
@@ -239,7 +265,7 @@ import os, sys, time
 import psutil
 from areal_pipeline import forkserver
 forkserver.start(["areal_pipeline.rewards.math"])  # as `train` starts the services' forkserver
-from areal_pipeline.rewards.pool import RewardPool, RewardReference
+from areal_pipeline.rewards.pool import RewardPool, RewardReference, RewardTimeout
 
 with RewardPool(1, timeout=2.0) as pool:
     assert pool.score(RewardReference("areal_pipeline.rewards.math:math_reward"), "#### 42", "42") == 1.0
@@ -247,7 +273,11 @@ with RewardPool(1, timeout=2.0) as pool:
     workers = [p for p in psutil.Process().children(recursive=True) if p.ppid() != os.getpid()]
     print("WORKERS", [(" ".join(p.parent().cmdline()), p.parent().ppid() == os.getpid()) for p in workers],
           flush=True)
-    assert pool.score(RewardReference("loud_reward:hang"), "x") == 0.0  # timed out: the worker is replaced
+    try:
+        pool.score(RewardReference("loud_reward:hang"), "x")
+        raise AssertionError("a hanging reward scored")
+    except RewardTimeout:  # timed out: the worker is replaced
+        pass
     assert pool.score(RewardReference("loud_reward:loud"), "y") == 1.0
 print("DONE", flush=True)
 '''

@@ -18,7 +18,8 @@ from areal_pipeline.data.shards import read_trajectories, verify_shards
 from areal_pipeline.inference.client import RemoteSGLangEngine
 from areal_pipeline.inference.types import ModelRequest, ModelResponse
 from areal_pipeline.model import load_model, load_tokenizer
-from areal_pipeline.rollout.group import run_group
+from areal_pipeline.rollout.failures import FailurePolicy
+from areal_pipeline.rollout.group import play_group, run_group
 from areal_pipeline.rewards import exact_match_reward, f1_reward
 from areal_pipeline.run_spec import build_workflow, load_config
 from areal_pipeline.tools.retrieval_client import RetrievalClient
@@ -159,17 +160,26 @@ def test_max_tokens_bounds_the_whole_episode(tokenizer, retrieval):
         assert len(req.input_ids) + req.sampling.max_new_tokens <= budget
 
 
-def test_a_failing_retrieval_ends_the_episode_not_the_batch(tokenizer, tmp_path):
+def test_a_failing_retrieval_fails_the_episode_and_never_scores_zero(tokenizer, tmp_path):
+    """A retrieval that fails after its retries is the episode's failure, named (server and cause): the failure
+    policy drops the group (or retries it); no row with reward 0 stands in for it."""
     dead = f"127.0.0.1:{find_free_port()}"
     cfg = load_config("configs/search_agent.yaml", [f"output_dir={tmp_path}", "rollout.gconfig.n_samples=2",
                                                     "rollout.agent.retrieval.request_retries=1"])
     workflow = build_workflow(cfg, tokenizer, InlinePool(), tool_addresses={"retrieval": dead})
     engine = ScriptedEngine(lambda req, turn: _enc(tokenizer, f"<search>{PERSON}</search>"))
-    trajectories = play(workflow, engine, DATA, cfg.rollout.gconfig.n_samples)
-    assert len(trajectories) == 2
-    for t in trajectories:
-        assert (t.reward, t.stop_reason, t.num_turns) == (0.0, "retrieval_error", 1)
-        assert t.metadata["error"].startswith(f"retrieval server {dead}: ClientConnectorError")
+    with pytest.raises(RetrievalError, match=rf"^retrieval server {dead}: ClientConnectorError") as raised:
+        play(workflow, engine, DATA, cfg.rollout.gconfig.n_samples)
+    assert (raised.value.address, raised.value.status) == (dead, None)
+    assert len(engine.calls) == 2
+    policy = FailurePolicy(episode_retries=1, episode_retry_delay=0.01)
+    result = asyncio.run(play_group(workflow, engine, DATA, 2, slot=0, policy=policy))
+    assert (result.outcome, result.trajectories) == ("dropped", [])
+    assert [(f.cause, f.peer, f.retryable, f.sample_idx, f.attempt) for f in result.failures] == [
+        ("retrieval", dead, True, 0, 2), ("retrieval", dead, True, 1, 2)]
+    assert [(f.cause, f.attempt) for f in result.retried] == [("retrieval", 1), ("retrieval", 1)]
+    # two attempts of two episodes, each a first turn (its search) that the dead server failed
+    assert len(engine.calls) == 2 + 4
 
 
 class _ScriptedFirstTurn:

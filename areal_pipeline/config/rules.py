@@ -245,6 +245,13 @@ def _vllm_serves_the_embedded_model(cfg: ExperimentConfig, key: Key) -> Iterator
 
 
 
+def _mask_keeps_enough_survivors(rollout: RolloutConfig, key: Key) -> Iterator[str]:
+    if rollout.on_failure == "mask" and rollout.gconfig.n_samples < rollout.min_group_survivors:
+        yield (f"{key('min_group_survivors')}={rollout.min_group_survivors}: must be <= "
+               f"{key('gconfig.n_samples')}={rollout.gconfig.n_samples} with {key('on_failure')}='mask', or every "
+               "group with a failed episode is dropped")
+
+
 def _evaluation_has_prompts(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
     d = cfg.dataset
     empty = ("dataset.max_test_size" if d.max_test_size == 0 else
@@ -304,6 +311,7 @@ def _trackers_are_installed(trackers: TrackersConfig, key: Key) -> Iterator[str]
 CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {
     TinyModelConfig: (_attention_heads_divide,),
     RetrievalConfig: (_default_topk_within_max,),
+    RolloutConfig: (_mask_keeps_enough_survivors,),
     TrackersConfig: (_trackers_are_installed,),
     ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, _weights_reach_the_servers,
                        _vllm_serves_the_embedded_model),

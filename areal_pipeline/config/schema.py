@@ -195,7 +195,8 @@ class RolloutConfig:
     # the updates of up to eta earlier iterations. 0: synchronous.
     max_head_offpolicyness: int = 0
     max_concurrent_rollouts: int = 128  # episodes in flight at once (each a group of gconfig.n_samples)
-    # seconds a reward function may take on one answer before it scores 0 (its worker is killed and replaced)
+    # seconds a reward function may take on one answer: past it its worker is killed and replaced, and the episode
+    # fails with cause reward_timeout (rollout.on_failure), never a score of 0
     reward_timeout: float = 5.0
     reward_workers: int = 1  # processes of the reward pool that score answers
     shard_rows: int = 256  # trajectories per Parquet shard of a rollout

@@ -2,7 +2,11 @@
 
 A reward function parses untrusted model output (sympy on adversarial LaTeX can hang), so it
 runs out of process: pebble kills a worker whose call runs past the timeout and starts a new
-one. A call that times out or raises scores 0.0 and the rollout goes on.
+one. A score is never made up: a call that runs past the timeout raises RewardTimeout, a worker
+that died under a call (killed, out of memory) RewardCrash, and a reward function that raised on
+the answer RewardError (the user's reward code: it raises again on the same answer). The rollout
+decides what an episode that failed so becomes (rollout/failures.py, `rollout.on_failure`): it
+plays it again after a timeout or a crash, never after a RewardError.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import pebble
+from pebble import ProcessExpired
 
 logger = logging.getLogger("areal_pipeline.rewards")
 
@@ -108,6 +113,39 @@ class RewardPoolError(RuntimeError):
             "processes that import the parent's __main__ script: a script that starts work at import time "
             "needs an `if __name__ == '__main__':` guard."
         )
+        self.peer = f"reward worker of {_name(fn)}"
+
+
+class RewardCrash(RewardPoolError):
+    """The worker scoring a call died under it (killed, out of memory; pebble's ProcessExpired, or a pool whose
+    workers broke): another attempt runs on a fresh worker."""
+
+    def __init__(self, fn: Callable[..., Any], error: BaseException):
+        super().__init__(fn, error)
+        if isinstance(error, ProcessExpired):  # one worker died, not the pool: no start-up advice
+            RuntimeError.__init__(self, f"reward worker pid {error.pid} died scoring {_name(fn)} ({error})")
+            self.peer = f"reward worker pid {error.pid}"
+
+
+class RewardTimeout(TimeoutError):
+    """A reward call ran past the pool's timeout (its worker was killed)."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, timeout: float):
+        super().__init__(f"reward {_name(fn)}{_shown(args)} ran past {timeout:g} s")
+        self.peer = f"reward {_name(fn)}"
+
+
+class RewardError(RuntimeError):
+    """The reward function raised on an answer: the user's reward code, which raises again on the same answer."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, error: Any):
+        super().__init__(f"reward {_name(fn)}{_shown(args)} raised {error}")
+        self.peer = f"reward {_name(fn)}"
+
+
+def _shown(args: tuple) -> str:
+    shown = repr(args)
+    return shown[:_MAX_ARGS_CHARS] + "..." if len(shown) > _MAX_ARGS_CHARS else shown
 
 
 class RewardPool:
@@ -138,69 +176,71 @@ class RewardPool:
     def _submit(self, fn: Callable[..., Any], args: tuple) -> Future:
         return self._pool.schedule(fn, args=args, timeout=self.timeout)
 
-    def _warn(self, fn: Callable[..., Any], args: tuple, error: Exception) -> None:
-        shown = repr(args)
-        if len(shown) > _MAX_ARGS_CHARS:
-            shown = shown[:_MAX_ARGS_CHARS] + "..."
-        if isinstance(error, TimeoutError):
-            reason = f"timed out after {self.timeout}s"
-        else:
-            reason = repr(error)
-        logger.warning("reward %s%s scored 0.0: %s", _name(fn), shown, reason)
+    def _failure(self, fn: Callable[..., Any], args: tuple, error: BaseException) -> Exception:
+        """The error a failed call raises (RewardLoadError and cancellation are re-raised as they are)."""
+        if isinstance(error, (RewardLoadError, asyncio.CancelledError)) or not isinstance(error, Exception):
+            raise error
+        if isinstance(error, (ProcessExpired, BrokenProcessPool)):
+            return RewardCrash(fn, error)
+        if isinstance(error, TimeoutError):  # pebble's: the call ran past the timeout and its worker was killed
+            return RewardTimeout(fn, args, self.timeout)
+        return RewardError(fn, args, repr(error))
 
     def score(self, fn: Callable[..., Any], *args: Any) -> float:
-        """Blocking: `fn(*args)` as a float, or 0.0 if it times out or raises."""
+        """Blocking: `fn(*args)` as a float; RewardTimeout, RewardCrash or RewardError (module doc) when it fails."""
         try:
-            return float(self._submit(fn, args).result())
-        except BrokenProcessPool as error:
-            raise RewardPoolError(fn, error) from error
-        except RewardLoadError:
-            raise
-        except Exception as error:
-            self._warn(fn, args, error)
-            return 0.0
+            result = self._submit(fn, args).result()
+        except BaseException as error:
+            raise self._failure(fn, args, error) from error
+        return self._float(fn, args, result)
 
     async def ascore(self, fn: Callable[..., Any], *args: Any) -> float:
         """`score` for asyncio; many calls may be awaited at once, they queue for the workers."""
         try:
-            return float(await asyncio.wrap_future(self._submit(fn, args)))
-        except BrokenProcessPool as error:
-            raise RewardPoolError(fn, error) from error
-        except RewardLoadError:
-            raise
-        except Exception as error:
-            self._warn(fn, args, error)
-            return 0.0
+            result = await asyncio.wrap_future(self._submit(fn, args))
+        except BaseException as error:
+            raise self._failure(fn, args, error) from error
+        return self._float(fn, args, result)
+
+    @staticmethod
+    def _float(fn: Callable[..., Any], args: tuple, result: Any) -> float:
+        try:
+            return float(result)
+        except (TypeError, ValueError) as error:
+            raise RewardError(fn, args, f"a score that is no number: {result!r}") from error
 
     async def ascore_many(self, fn: Callable[..., Any], calls: list[tuple]) -> list[float]:
         """`ascore` for each args tuple of `calls` (e.g. a GRPO group's completions), sent to one worker as
         one job: a group pays for one round trip to the pool instead of one per sample. The job's timeout is
         the per-call timeout times the number of calls; if it runs past it, each call is scored again on its
-        own, so that only a call that hangs by itself scores 0.0."""
+        own, so that the RewardTimeout names the call that hangs by itself."""
         if len(calls) <= 1:
             return [await self.ascore(fn, *args) for args in calls]
         try:
             future = self._pool.schedule(_score_each, args=(fn, list(calls)), timeout=self.timeout * len(calls))
             results = await asyncio.wrap_future(future)
-        except BrokenProcessPool as error:
-            raise RewardPoolError(fn, error) from error
-        except RewardLoadError:
-            raise
-        except Exception as error:  # the job timed out (or could not be sent): score the calls one by one
-            logger.warning("reward job of %d calls failed (%r); scoring them one by one", len(calls), error)
+        except BaseException as error:
+            failure = self._failure(fn, calls[0], error)
+            if not isinstance(failure, RewardTimeout):
+                raise failure from error
+            logger.warning("reward job of %d calls ran past %g s; scoring them one by one", len(calls),
+                           self.timeout * len(calls))
             return list(await asyncio.gather(*(self.ascore(fn, *args) for args in calls)))
-        scores = []
         for args, result in zip(calls, results):
             if isinstance(result, str):
-                self._warn(fn, args, RuntimeError(result))
-                result = 0.0
-            scores.append(result)
-        return scores
+                raise RewardError(fn, args, result)
+        return [self._float(fn, args, result) for args, result in zip(calls, results)]
 
-    def close(self) -> None:
-        """Waits for the calls already submitted (each bounded by the timeout), then stops."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Waits up to `timeout` seconds for the calls already submitted (each bounded by the pool's timeout), then
+        stops the workers, killing those still busy."""
         self._pool.close()
-        self._pool.join()
+        try:
+            self._pool.join(timeout)
+        except TimeoutError:
+            logger.warning("reward calls still running after %g s: stopping the reward workers", timeout)
+            self._pool.stop()
+            self._pool.join()
 
     def __enter__(self) -> RewardPool:
         return self

@@ -53,7 +53,11 @@ async def run_episodes(workflow, engine, records: list[dict[str, Any]], *, max_c
                        n_samples: int = 1, baseline: Any = None, progress: bool = True) -> list[Trajectory]:
     """Each record's group of `n_samples` episodes (group.run_group; with `baseline`, the baseline workflow's episode
     beside them), with at most `max_concurrent_rollouts` episodes in flight, whole groups at a time; return the
-    trajectories in record order, each group's in episode order."""
+    trajectories in record order, each group's in episode order.
+
+    Strict: the first episode that fails fails it (no failure policy). Evaluation plays its episodes so: a score
+    left out would bias pass@1, so a reward that times out or crashes fails the evaluate node, whose Prefect retry
+    plays the evaluation again. Training's rollout plays its groups with `play_batch`."""
     gate = asyncio.Semaphore(max(1, max_concurrent_rollouts // max(1, n_samples)))
     bar = tqdm(total=len(records), desc="rollout", unit="group", disable=not progress, leave=False)
 
@@ -78,16 +82,14 @@ async def play_batch(workflow, engine, slots: dict[int, dict[str, Any]], *, max_
     (group.play_group), at most `max_concurrent_rollouts` episodes in flight: their `failures.GroupResult`s in slot
     order. `on_group(result)` is called as each group ends (the episode journal writes it then); `refill(slot, j)`
     gives the j-th reserve prompt of a group that `rollout.on_failure=refill` replaces (a pure function, so a rerun
-    refills with the same prompts).
-
-    Interface frozen for #35; refills are filled in by the failure-policy work."""
+    refills with the same prompts; `refill_prompt` is one)."""
     gate = asyncio.Semaphore(max(1, max_concurrent_rollouts // max(1, n_samples)))
     bar = tqdm(total=len(slots), desc="rollout", unit="group", disable=not progress, leave=False)
 
     async def one(slot, data):
         async with gate:
             result = await play_group(workflow, engine, data, n_samples, baseline, slot=slot, policy=policy,
-                                      recover=recover)
+                                      recover=recover, refill=refill)
         if on_group is not None:
             on_group(result)
         bar.update(1)
@@ -100,7 +102,32 @@ async def play_batch(workflow, engine, slots: dict[int, dict[str, Any]], *, max_
     return list(results)
 
 
-def rollout_stats(trajectories: list[Trajectory], seconds: float) -> dict[str, float]:
+def refill_prompt(records: list[dict[str, Any]], seed: int, iteration: int, slot: int, j: int,
+                  batch_size: int) -> dict[str, Any]:
+    """The j-th reserve prompt of batch position `slot` of iteration `iteration` (1-based, as `episode_seed`: its
+    prompts are `select_batch(records, iteration - 1, ...)`): a record not in that batch, with its own sampling seed.
+    A pure function, so a rerun refills with the same prompts; the reserves of distinct (slot, j) differ while the
+    data set has prompts enough, taken from a shuffle of its own (seeded "{seed}-refill-{iteration}")."""
+    if iteration < 1 or not 0 <= slot < batch_size or j < 0:
+        raise ValueError(f"refill_prompt: iteration {iteration} (from 1), slot {slot} (0..{batch_size - 1}) and "
+                         f"j {j} (from 0) out of range")
+    taken = {r["prompt_id"] for r in select_batch(records, iteration - 1, batch_size, seed)}
+    order = list(range(len(records)))
+    random.Random(f"{seed}-refill-{iteration}").shuffle(order)
+    reserves = [records[i] for i in order if records[i]["prompt_id"] not in taken]
+    if not reserves:
+        raise ValueError(f"rollout.on_failure=refill: iteration {iteration}'s batch holds every prompt of the data "
+                         "set, none is left to refill a group with")
+    record = reserves[(j * batch_size + slot) % len(reserves)]
+    return {**record, "sampling_seed": episode_seed(seed, iteration, f"refill/{slot}/{j}/{record['prompt_id']}")}
+
+
+def rollout_stats(trajectories: list[Trajectory], seconds: float, groups: Optional[list[Any]] = None
+                  ) -> dict[str, float]:
+    """The iteration's rollout metrics; with `groups` (play_batch's GroupResults) its failure metrics too
+    (failures.failure_stats)."""
+    from areal_pipeline.rollout.failures import failure_stats
+
     n = max(1, len(trajectories))
     rewards = [t.reward for t in trajectories]
     mean = sum(rewards) / n
@@ -120,6 +147,7 @@ def rollout_stats(trajectories: list[Trajectory], seconds: float) -> dict[str, f
         "rollout_tokens_per_s": generated / seconds if seconds > 0 else 0.0,
         **baseline_stats(trajectories),
         **agent_stats(trajectories),
+        **(failure_stats(groups) if groups is not None else {}),
     }
 
 
@@ -156,11 +184,17 @@ async def rollout_to_shards(workflow, engine, records, out_dir: Path, *, run_id:
 
 
 def write_rollout_shards(trajectories: list[Trajectory], out_dir: Path, *, run_id: str, iteration: int,
-                         seconds: float, rows_per_shard: int, extra_manifest: Optional[dict] = None) -> dict[str, Any]:
-    stats = rollout_stats(trajectories, seconds)
+                         seconds: float, rows_per_shard: int, extra_manifest: Optional[dict] = None,
+                         groups: Optional[list[Any]] = None) -> dict[str, Any]:
+    """The shards and their manifest: "stats" (rollout_stats) and, with `groups` (play_batch's GroupResults), the
+    "failures" of the episodes that failed for good (failures.failure_records)."""
+    from areal_pipeline.rollout.failures import failure_records
+
+    stats = rollout_stats(trajectories, seconds, groups)
+    extra = {"stats": stats, **({"failures": failure_records(groups)} if groups is not None else {}),
+             **(extra_manifest or {})}
     manifest = write_shards(trajectories, out_dir, run_id=run_id, iteration=iteration,
-                            rows_per_shard=rows_per_shard, extra_manifest={"stats": stats, **(extra_manifest or {})},
-                            overwrite=True)
+                            rows_per_shard=rows_per_shard, extra_manifest=extra, overwrite=True)
     logger.info("rollout %s iter %d: %d trajectories, reward %.3f, %.0f tok/s", run_id, iteration,
                 len(trajectories), stats["reward_mean"], stats["rollout_tokens_per_s"])
     return manifest

@@ -15,9 +15,13 @@ sent them, rather than one HTTP request each.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Optional
+import dataclasses
+from typing import Any, Callable, Optional
 
 from areal_pipeline.data.trajectory import Trajectory
+from areal_pipeline.utils import get_logger
+
+logger = get_logger(__name__)
 
 # Sample i of an episode seeded s samples with seed s + SAMPLE_STRIDE * i (and a workflow's turn t adds its own
 # stride, rlvr.sample_seed): the seeds of one prompt's samples never coincide.
@@ -141,20 +145,127 @@ class GroupEngine:
         await asyncio.gather(*self._sending, return_exceptions=True)
 
 
+REFILL_TRIES = 3  # reserve prompts tried, one after another, for a group that on_failure=refill replaces
+
+
 async def play_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples: int, baseline: Optional[Any] = None,
-                     *, slot: int, policy: Any, recover: Optional[Any] = None) -> Any:
+                     *, slot: int, policy: Any, recover: Optional[Any] = None,
+                     refill: Optional[Callable[[int, int], dict[str, Any]]] = None) -> Any:
     """The group of prompt `data` (batch position `slot`) under the failure policy `policy` (failures.FailurePolicy):
     a `failures.GroupResult`. `recover`, where given, is awaited before an episode that failed at an inference server
-    is played again (it brings a restarted server back to the expected weights).
+    is played again (it brings a restarted server back to the expected weights). `refill(slot, j)` gives the j-th
+    reserve prompt of a group that `on_failure=refill` replaces.
 
-    Interface frozen for #35; the retries and the mask/refill outcomes are filled in by the failure-policy work."""
-    from areal_pipeline.rollout.failures import EpisodeFailure, EpisodesFailed, GroupResult
+    Each episode (and the baseline's) plays in its own attempts: a failure that classify() calls retryable is played
+    again, from a fresh `arun_episode` with the same seed (so a retry that succeeds makes the tokens an undisturbed
+    run makes), after `episode_retry_delay` seconds, doubling; each attempt has `episode_timeout` seconds. Its
+    siblings go on meanwhile. An error classify() does not call an episode's fault fails the group as itself."""
+    from areal_pipeline.rollout.failures import EpisodesFailed, GroupResult, describe_failures
 
+    if policy.on_failure == "refill" and refill is None:
+        raise ValueError("rollout.on_failure=refill: the rollout passes no refill(slot, j) to take reserve prompts from")
+    result = await _play(workflow, engine, data, n_samples, baseline, slot, policy, recover)
+    if not result.failures:
+        return result
+    if policy.on_failure == "fail":
+        first = result.failures[0]
+        raise EpisodesFailed(f"prompt {data.get('prompt_id')} (slot {slot}), sample {first.sample_idx}: "
+                             f"{describe_failures(result.failures)}; after {first.attempt} attempt(s): {first.message}")
+    if policy.on_failure == "refill":
+        failures, retried, episodes = list(result.failures), list(result.retried), result.episodes
+        for j in range(REFILL_TRIES):
+            reserve = refill(slot, j)
+            tried = await _play(workflow, engine, reserve, n_samples, baseline, slot, policy, recover)
+            failures += tried.failures
+            retried += tried.retried
+            episodes += tried.episodes
+            if not tried.failures:
+                return GroupResult(slot, reserve.get("prompt_id"), tried.trajectories, failures, retried, "refilled",
+                                   replaced_prompt_id=data.get("prompt_id"), episodes=episodes)
+        return GroupResult(slot, data.get("prompt_id"), [], failures, retried, "dropped", episodes=episodes)
+    return result
+
+
+async def _play(workflow: Any, engine: Any, data: dict[str, Any], n_samples: int, baseline: Optional[Any], slot: int,
+                policy: Any, recover: Optional[Any]) -> Any:
+    """One prompt's group, each episode in its own attempts: outcome ok, masked (`on_failure=mask` and at least
+    `min_group_survivors` episodes left) or dropped."""
+    from areal_pipeline.rollout.failures import GroupResult
+
+    if n_samples < 1:
+        raise ValueError(f"a group needs at least one episode, got n_samples={n_samples}")
+    prompt_id = data.get("prompt_id")
+    shared = GroupEngine(engine)
+
+    def player(agent: Any, episode: dict[str, Any]) -> Callable[[], Any]:
+        return lambda: agent.arun_episode(shared, episode)
+
+    players = [player(workflow, episode_data(data, i)) for i in range(n_samples)]
+    if baseline is not None:
+        unseeded = {key: value for key, value in data.items() if key != "sampling_seed"}
+        players.append(player(baseline, {**unseeded, "sample_idx": n_samples}))
+    tasks = [asyncio.ensure_future(_attempts(play, i, prompt_id, policy, recover)) for i, play in enumerate(players)]
     try:
-        trajectories = await run_group(workflow, engine, data, n_samples, baseline)
-    except Exception as error:
-        if policy.on_failure == "fail":
-            raise EpisodesFailed(f"prompt {data.get('prompt_id')}: {type(error).__name__}: {error}") from error
-        failure = EpisodeFailure(cause="agent", retryable=True, message=f"{type(error).__name__}: {error}")
-        return GroupResult(slot, data.get("prompt_id"), [], failures=[failure], outcome="dropped")
-    return GroupResult(slot, data.get("prompt_id"), trajectories)
+        outcomes = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:  # an error that is no episode's fault (or a cancellation): the siblings need not finish
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await shared.aclose()
+    retried = [f for _, tries, _ in outcomes for f in tries]
+    failures = [failure for _, _, failure in outcomes if failure is not None]
+    group = []
+    for i, (result, _, _) in enumerate(outcomes[:n_samples]):
+        if result is None:
+            continue
+        for t in episode_trajectories(result, workflow):
+            t.group_id, t.sample_idx = data.get("prompt_id", t.group_id), i
+            group.append(t)
+    if baseline is not None:
+        result = outcomes[n_samples][0]
+        if result is None:  # no baseline, no advantage for any of the group's episodes
+            return GroupResult(slot, prompt_id, [], failures, retried, "dropped", episodes=len(players))
+        rewards = [t.reward for t in episode_trajectories(result, baseline)]
+        if not rewards:
+            raise ValueError(f"the baseline episode of prompt {prompt_id} made no trajectory")
+        for t in group:
+            t.baseline_reward = sum(rewards) / len(rewards)
+    if not failures:
+        return GroupResult(slot, prompt_id, group, retried=retried, episodes=len(players))
+    survivors = sum(result is not None for result, _, _ in outcomes[:n_samples])
+    if policy.on_failure == "mask" and survivors >= policy.min_group_survivors:
+        return GroupResult(slot, prompt_id, group, failures, retried, "masked", episodes=len(players))
+    return GroupResult(slot, prompt_id, [], failures, retried, "dropped", episodes=len(players))
+
+
+async def _attempts(play: Callable[[], Any], sample_idx: int, prompt_id: Any, policy: Any,
+                    recover: Optional[Any]) -> tuple[Any, list, Any]:
+    """(the episode's result or None, the failed attempts a later one got past, the failure that ended it or
+    None)."""
+    from areal_pipeline.rollout.failures import MESSAGE_CHARS, EpisodeFailure, classify
+
+    retried: list[EpisodeFailure] = []
+    for attempt in range(1, policy.episode_retries + 2):
+        try:
+            async with asyncio.timeout(policy.episode_timeout or None) as limit:
+                return await play(), retried, None
+        except Exception as error:
+            if limit.expired():
+                failure = EpisodeFailure("episode_timeout", True,
+                                         f"the episode ran past rollout.episode_timeout={policy.episode_timeout:g} s"
+                                         [:MESSAGE_CHARS])
+            else:
+                failure = classify(error)
+                if failure is None:
+                    raise
+        failure = dataclasses.replace(failure, sample_idx=sample_idx, attempt=attempt, prompt_id=prompt_id)
+        if not failure.retryable or attempt > policy.episode_retries:
+            return None, retried, failure
+        retried.append(failure)
+        logger.warning("episode %d of prompt %s failed (%s: %s); attempt %d of %d in %g s", sample_idx, prompt_id,
+                       failure.where(), failure.message, attempt + 1, policy.episode_retries + 1,
+                       policy.episode_retry_delay * 2 ** (attempt - 1))
+        await asyncio.sleep(policy.episode_retry_delay * 2 ** (attempt - 1))
+        if failure.cause == "inference" and recover is not None:
+            await recover()
+    raise AssertionError("unreachable: the last attempt returns")

@@ -3,14 +3,15 @@
     client = RetrievalClient("127.0.0.1:8000", retries=3)
     docs = await client.retrieve(["capital of France"], topk=3)      # [[{"id", "title", "contents"}, ...]]
 
-Every failure comes out as `RetrievalError`, so a workflow can end an episode cleanly on it.
+Every failure comes out as `RetrievalError`, naming the server (`address`) and, for an error reply, its `status`: the
+rollout's failure policy (rollout/failures.py) plays the episode again, unless the server refused the request (4xx).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import Any, Optional
 
 import aiohttp
 
@@ -20,7 +21,9 @@ logger = get_logger(__name__)
 
 
 class RetrievalError(RuntimeError):
-    pass
+    def __init__(self, message: str, address: Optional[str] = None, status: Optional[int] = None):
+        super().__init__(message)
+        self.address, self.status = address, status
 
 
 class RetrievalClient:
@@ -32,7 +35,7 @@ class RetrievalClient:
     async def retrieve(self, queries: list[str], topk: int) -> list[list[dict[str, Any]]]:
         url = f"http://{self.address}/retrieve"
         payload = {"queries": queries, "topk": topk, "return_scores": False}
-        last_error = ""
+        last_error, status = "", None
         for attempt in range(self.retries + 1):
             if attempt:
                 logger.warning("retrieval at %s failed (%s); retry %d/%d", self.address, last_error, attempt,
@@ -47,12 +50,12 @@ class RetrievalClient:
                         if resp.status < 400:
                             return _results(body, len(queries))
                         message = body.get("error", {}).get("message") if isinstance(body, dict) else body
-                        last_error = f"HTTP {resp.status}: {message}"
+                        last_error, status = f"HTTP {resp.status}: {message}", resp.status
                         if resp.status < 500:
                             break
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-                last_error = f"{type(e).__name__}: {e}"
-        raise RetrievalError(f"retrieval server {self.address}: {last_error}")
+                last_error, status = f"{type(e).__name__}: {e}", None
+        raise RetrievalError(f"retrieval server {self.address}: {last_error}", self.address, status)
 
 
 class LocalRetrievalClient:
@@ -71,7 +74,7 @@ class LocalRetrievalClient:
         try:
             body = await asyncio.to_thread(self._retrieve, {"queries": queries, "topk": topk})
         except Exception as e:
-            raise RetrievalError(f"in-process retrieval: {e}") from e
+            raise RetrievalError(f"in-process retrieval: {e}", "in-process") from e
         return body["result"]
 
 

@@ -44,10 +44,12 @@ since the trainer recomputes logprobs at that temperature. An episode is one run
 `gconfig.n_samples` of them per prompt (the GRPO group, `group_id` = the prompt), and each request is seeded from the
 episode's seed unless the agent gives `seed`.
 
-Failures: an agent that raises fails the rollout with its error and the prompt it was on, as any workflow's error
-does. A failure of the inference servers reaches the rollout as itself (a transient fault, retried by the node),
-whatever the agent made of it. A request the server refuses (a conversation outgrowing the context) reaches the agent
-as `openai.BadRequestError`, for it to handle.
+Failures: an agent that raises fails its episode with an AgentError naming the prompt; the rollout's failure policy
+(rollout/failures.py, `rollout.on_failure`) plays the episode again when the agent's own exception may pass (a
+connection error, a timeout; not a ValueError), else drops, masks or refills its group. A failure of the inference
+servers reaches the rollout as itself (cause `inference`, the server named), whatever the agent made of it. A
+request the server refuses (a conversation outgrowing the context) reaches the agent as `openai.BadRequestError`,
+for it to handle.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ class OpenAIAgentConfig:
 
 
 class AgentError(RuntimeError):
-    """The user's agent raised; its exception is the cause (and decides whether a retry may help)."""
+    """The user's agent raised; its exception is the cause (and decides whether a retry may help:
+    errors.is_transient)."""
 
 
 @functools.lru_cache(maxsize=32)

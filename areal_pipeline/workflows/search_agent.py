@@ -10,8 +10,8 @@ cut off by `max_new_tokens` before a closed tag goes on in the next generation (
 episode ends at an answer, at EOS or a stopped turn with no action, after `agent.max_turns` generations, or
 when the sequence would pass `agent.max_tokens` (prompt and all turns). Reward: F1 (or exact match,
 `agent.reward`) of the answer against the reference answers; 0 without an answer. A retrieval that still fails
-after `retrieval.request_retries` retries ends the episode with reward 0 and stop_reason "retrieval_error" (the
-message in metadata["error"]) rather than failing the batch.
+after `retrieval.request_retries` retries raises its RetrievalError: the episode failed, which is no answer of the
+model's to score 0; the rollout plays it again or drops, masks or refills its group (`rollout.on_failure`).
 """
 
 from __future__ import annotations
@@ -171,8 +171,6 @@ class SearchAgentWorkflow:
                    max_query_chars=r.max_query_chars, prompt=agent.prompt, information=agent.information)
 
     async def arun_episode(self, engine, data: dict[str, Any]) -> Trajectory:
-        from areal_pipeline.tools.retrieval_client import RetrievalError  # aiohttp: imported once episodes run
-
         messages = search_prompt(data, self.prompt)
         seq = SequenceBuilder(search_prompt_ids(self.tokenizer, messages, self.prompt))
         rid = uuid.uuid4().hex
@@ -180,7 +178,6 @@ class SearchAgentWorkflow:
         queries: list[str] = []
         pending = ""  # text of generations cut off by length since the last action: a tag may span them
         prediction: Optional[str] = None
-        error: Optional[str] = None
         stop_reason, server = "max_turns", ""
         for turn in range(self.max_turns):
             budget = min(self.gconfig.max_new_tokens, self.max_tokens - len(seq))
@@ -207,11 +204,7 @@ class SearchAgentWorkflow:
             queries.append(content)
             if turn + 1 == self.max_turns:
                 break  # no turn left to read the results in
-            try:
-                docs = (await self.retrieval.retrieve([content[: self.max_query_chars]], self.topk))[0]
-            except RetrievalError as e:
-                error, stop_reason = str(e), "retrieval_error"
-                break
+            docs = (await self.retrieval.retrieve([content[: self.max_query_chars]], self.topk))[0]
             information = self.tokenizer.encode(format_information(docs, self.information),
                                                 add_special_tokens=False)
             if len(seq) + len(information) >= self.max_tokens:
@@ -224,8 +217,6 @@ class SearchAgentWorkflow:
         # searched / num_searches: numbers the rollout aggregates per iteration (agent/<key> in the metrics)
         metadata = {"answer": data.get("answer"), "prediction": prediction, "queries": queries, "turns": turns,
                     "server": server, "searched": float(bool(queries)), "num_searches": len(queries)}
-        if error is not None:
-            metadata["error"] = error
         return seq.trajectory(
             prompt_id=data["prompt_id"],
             group_id=data["prompt_id"],
