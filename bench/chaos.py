@@ -11,9 +11,13 @@ moment (uniform over the reference's wall time) and a target among the processes
 - orchestrator: the `train` command itself (its services end with it); the same command is run again;
 - inference server, trainer rank, reward worker: the run should recover by itself (an episode's retry or the
   node's); if it fails instead, the same command is run again;
-- prefect api: the run's temporary API server; the run stops at its next node and the same command is run again.
+- prefect api: the run's temporary API server; the run stops at its next node and the same command is run again;
+- tool server (the search agent's retrieval server): the episodes that met it are retried.
 
 A round takes at most `--kills-per-round` kills, then runs to its end; rounds go on until every kill is spent.
+A run that neither recovers nor stops within twice the reference's time plus a minute after a kill hangs: it is
+killed, counted, and the round goes on with a rerun. `--workflow search` plays the search agent instead, whose
+BM25 retrieval server (a tool server) joins the targets.
 
 The ledger of each finished round, from its files:
 - skipped: a prompt of `select_batch(k)` missing from iteration k's batch shards and not accounted for as a
@@ -45,14 +49,20 @@ from typing import Optional
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from faults import RUN_ID, SMALL, Sweep, gone_within, last_line, module_of, short  # noqa: E402
+from faults import REPO, RUN_ID, RUN_TIMEOUT_S, SMALL, Sweep, gone_within, last_line, module_of, short  # noqa: E402
 
 from areal_pipeline.checksums import sha256_file  # noqa: E402
 from areal_pipeline.forkserver import processes_of  # noqa: E402
 
 ETA = 1  # async mode's rollout.max_head_offpolicyness
 MAX_RERUNS = 8  # a round that needs more reruns than its kills plus this is not recovering
-TARGETS = ("orchestrator", "inference server", "trainer rank", "reward worker", "prefect api")
+HANG_FACTOR, HANG_SLACK_S = 2.0, 60.0  # a run still going this long after a kill hangs
+TARGETS = ("orchestrator", "inference server", "trainer rank", "reward worker", "prefect api", "tool server")
+# workflow -> (config, overrides): the arithmetic task (bench/faults.py's small settings), or the search agent
+# with its BM25 retrieval server (a tool server to kill)
+WORKFLOWS = {"rlvr": ("configs/tiny_cpu.yaml", SMALL),
+             "search": ("configs/search_agent.yaml", ["rollout.batch_size=4", "rollout.gconfig.n_samples=4",
+                                                      "save_freq=1", "eval_freq=0"])}
 
 
 @dataclass
@@ -71,6 +81,7 @@ class Round:
     index: int
     kills: list[Kill] = field(default_factory=list)
     reruns: int = 0
+    hangs: int = 0  # runs that neither recovered nor stopped within about a run's time after a kill
     finished: bool = False
     seconds: float = 0.0
     ledger: dict = field(default_factory=dict)
@@ -112,7 +123,8 @@ def ledger(run_dir: Path) -> dict:
 
 # ----- kills -------------------------------------------------------------------------------------------------
 SERVICE_MODULES = {"inference server": "areal_pipeline.inference.server",
-                   "trainer rank": "areal_pipeline.training.trainer_server", "prefect api": "flows.api_server"}
+                   "trainer rank": "areal_pipeline.training.trainer_server", "prefect api": "flows.api_server",
+                   "tool server": "areal_pipeline.tools.retrieval_server"}
 
 
 def is_forkserver(argv: list[str]) -> bool:
@@ -143,16 +155,23 @@ def victims(target: str, run_pid: int) -> list[psutil.Process]:
 
 
 class Chaos(Sweep):
-    def __init__(self, work: Path, mode: str, iterations: int, rng: random.Random):
+    def __init__(self, work: Path, mode: str, iterations: int, rng: random.Random, workflow: str = "rlvr"):
         super().__init__(work)
         self.mode, self.iterations, self.rng = mode, iterations, rng
+        self.config, self.overrides = WORKFLOWS[workflow]
+        if workflow != "rlvr":  # the workflow's own embedded model (its warm start), built once for every run
+            from areal_pipeline.run_spec import load_config
+            from areal_pipeline.model import resolve_model_path
+
+            cfg = load_config(REPO / self.config)
+            self.model = resolve_model_path(cfg.model, work, cfg.seed)
         self.reference_s = 0.0
 
     def train(self, name: str, output_dir: Path, *extra: str):
-        overrides = [*SMALL, f"total_iterations={self.iterations}"]
+        overrides = [*self.overrides, f"total_iterations={self.iterations}"]
         if self.mode == "async":
             overrides.append(f"rollout.max_head_offpolicyness={ETA}")
-        return self.command(name, "train", "--config", "configs/tiny_cpu.yaml", f"output_dir={output_dir}",
+        return self.command(name, "train", "--config", self.config, f"output_dir={output_dir}",
                             f"run_id={RUN_ID}", f"model.path={self.model}", *overrides, *extra)
 
     def reference(self) -> Path:
@@ -203,10 +222,17 @@ class Chaos(Sweep):
                 if target == "orchestrator":
                     popen.wait()
                     break
-            code, text = self.finish(popen, log)
+            # after a kill, the run recovers or stops within about a run's time; longer is a hang
+            killed = bool(result.kills) and not result.kills[-1].after
+            limit = HANG_FACTOR * self.reference_s + HANG_SLACK_S if killed else RUN_TIMEOUT_S
+            waited = time.monotonic()
+            code, text = self.finish(popen, log, timeout=limit)
+            hung = time.monotonic() - waited >= limit
             left = gone_within(popen.pid, 30)
-            if result.kills:
-                result.kills[-1].after = (result.kills[-1].after or
+            if hung:
+                result.hangs += 1
+            if killed:
+                result.kills[-1].after = (f"HUNG: no end {limit:.0f} s after the kill, killed" if hung else
                                           f"exit {code}" + (f" ({short(last_line(text), 90)})" if code else ""))
             if left:
                 result.note += f" left behind after exit {code}: {'; '.join(left)};"
@@ -223,13 +249,14 @@ class Chaos(Sweep):
 
 
 def survived(r: Round) -> bool:
-    return (r.finished and r.same_weights is not False and not r.ledger.get("skipped")
+    return (r.finished and not r.hangs and r.same_weights is not False and not r.ledger.get("skipped")
             and not r.ledger.get("trained_twice") and r.ledger.get("max_staleness", 0) <= ETA
             and "left behind" not in r.note)
 
 
-def run_mode(work: Path, mode: str, kills: int, per_round: int, iterations: int, seed: int) -> tuple[list[Round], float]:
-    chaos = Chaos(work / mode, mode, iterations, random.Random(f"{seed}-{mode}"))
+def run_mode(work: Path, mode: str, kills: int, per_round: int, iterations: int, seed: int, workflow: str
+             ) -> tuple[list[Round], float]:
+    chaos = Chaos(work / mode, mode, iterations, random.Random(f"{seed}-{mode}"), workflow)
     try:
         chaos.reference()
         rounds: list[Round] = []
@@ -245,7 +272,7 @@ def run_mode(work: Path, mode: str, kills: int, per_round: int, iterations: int,
                   f"{len(r.ledger.get('trained_twice', []))}, failures accounted "
                   f"{r.ledger.get('failures_accounted', 0)}, max staleness {r.ledger.get('max_staleness')}"
                   + ("" if r.same_weights is None else f", weights {'equal' if r.same_weights else 'DIFFER'}")
-                  + (f"; {r.note}" if r.note else "") + ("" if survived(r) else "  <- NOT SURVIVED"), flush=True)
+                  + (f", {r.hangs} HUNG" if r.hangs else "") + (f"; {r.note}" if r.note else "") + ("" if survived(r) else "  <- NOT SURVIVED"), flush=True)
             if not r.kills and not r.finished:
                 break  # no progress possible
         return rounds, chaos.reference_s
@@ -260,6 +287,8 @@ def main() -> None:
     p.add_argument("--mode", choices=("sync", "async", "both"), default="both")
     p.add_argument("--iterations", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workflow", choices=sorted(WORKFLOWS), default="rlvr",
+                   help="search: the search agent, its retrieval server among the targets")
     p.add_argument("--quick", action="store_true", help="2 kills per mode, 3 iterations (CI)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     args = p.parse_args()
@@ -267,17 +296,20 @@ def main() -> None:
         args.kills, args.kills_per_round, args.iterations = 2, 2, 3
     modes = ("sync", "async") if args.mode == "both" else (args.mode,)
     work = Path(tempfile.mkdtemp(prefix="chaos-"))
-    figures: dict = {"kills_per_mode": args.kills, "iterations": args.iterations, "seed": args.seed}
+    figures: dict = {"kills_per_mode": args.kills, "iterations": args.iterations, "seed": args.seed,
+                     "workflow": args.workflow}
     ok = True
     try:
         for mode in modes:
-            rounds, reference_s = run_mode(work, mode, args.kills, args.kills_per_round, args.iterations, args.seed)
+            rounds, reference_s = run_mode(work, mode, args.kills, args.kills_per_round, args.iterations, args.seed,
+                                           args.workflow)
             kills = [k for r in rounds for k in r.kills]
             done = [r for r in rounds if r.finished]
             figures[mode] = {
                 "kills": len(kills), "kills_survived": sum(len(r.kills) for r in rounds if survived(r)),
                 "by_target": dict(Counter(k.target for k in kills)),
                 "rounds": len(rounds), "rounds_finished": len(done),
+                "hangs": sum(r.hangs for r in rounds),
                 "prompts_skipped": sum(len(r.ledger.get("skipped", [])) for r in rounds),
                 "prompts_trained_twice": sum(len(r.ledger.get("trained_twice", [])) for r in rounds),
                 "failures_accounted": sum(r.ledger.get("failures_accounted", 0) for r in rounds),
