@@ -167,3 +167,118 @@ def test_past_the_failure_rate_only_the_failed_groups_are_played_again(tmp_path)
     assert manifest["num_rows"] == 6 and manifest["stats"]["groups_dropped"] == 1
     assert manifest["stats"]["failures/reward_crash"] == 2 and manifest["stats"]["failure_rate"] == 0.25
     assert manifest["failures"][0] == {"slot": 2, "prompt_id": "p2", **failure.as_record()}
+
+
+# ----- the rollout node, with real servers ---------------------------------------------------------------------------
+def _pipeline_config(tmp_path: Path, model_dir: Path, *more: str):
+    # one group at a time (max_concurrent_rollouts = n_samples), so that a failure lands after some groups ended
+    return load_config(None, [f"output_dir={tmp_path}", f"model.path={model_dir}", "total_iterations=2",
+                              "rollout.batch_size=4", "rollout.gconfig.n_samples=4", "rollout.max_concurrent_rollouts=4",
+                              "rollout.gconfig.max_new_tokens=16", "dataset.arithmetic_train_size=64", *more])
+
+
+def test_a_retried_rollout_node_plays_only_the_missing_groups(tiny_model_dir, tmp_path, caplog):
+    """The node's first attempt fails at its last group (rollout.on_failure=fail): its retry in the same process
+    loads the 3 groups on disk (one of them corrupted meanwhile: named, played again) and plays the rest; the shards
+    are those of a rollout that ran straight through."""
+    from areal_pipeline.pipeline import Pipeline
+    from areal_pipeline.run_dir import run_lock
+
+    cfg = _pipeline_config(tmp_path, tiny_model_dir, "rollout.on_failure=fail")
+    pipeline = Pipeline(cfg)
+    played = []
+    caplog.set_level(logging.INFO, logger="areal_pipeline")
+    with run_lock(cfg.run_dir):
+        try:
+            pipeline.start()
+            real_episodes = pipeline._episodes
+            workflow = pipeline._workflow()
+
+            class Counting:  # the workflow, counting the groups it plays
+                async def arun_episode(self, engine, data):
+                    if data["sample_idx"] == 0:
+                        played.append(data["prompt_id"])
+                    return await workflow.arun_episode(engine, data)
+            pipeline._workflow = Counting
+            poisoned = [*real_episodes(1)[:3], {**real_episodes(1)[3], "messages": None}]
+            pipeline._episodes = lambda k: poisoned
+            with pytest.raises(Exception, match="'NoneType' object is not iterable"):
+                pipeline.rollout(1)
+            journal = pipeline.journal(1)
+            assert sorted(p.name for p in journal.directory.glob("g-*")) == [f"g-0000{i}.parquet" for i in range(3)]
+            assert not (cfg.run_dir / "iter_1" / "rollout" / "manifest.json").exists()
+            journal.path(1).write_bytes(journal.path(1).read_bytes()[:100])  # a torn file
+            pipeline._episodes = real_episodes
+            played.clear()
+            resumed = pipeline.rollout(1)  # the retry
+            ids = [r["prompt_id"] for r in real_episodes(1)]
+            assert played == [ids[1], ids[3]]  # the corrupt group and the failed one, nothing else
+            assert "resuming iteration 1: 2/4 groups on disk" in caplog.text
+            assert f"{journal.path(1)} is unusable" in caplog.text
+            assert not journal.directory.exists()
+            manifest = read_manifest(cfg.run_dir / "iter_1" / "rollout")
+
+            # the same rollout straight through
+            (cfg.run_dir / "iter_1" / "rollout" / "manifest.json").unlink()
+            played.clear()
+            straight = pipeline.rollout(1)
+            assert played == ids
+        finally:
+            pipeline.close()
+            pipeline.services.stop()
+    again = read_manifest(cfg.run_dir / "iter_1" / "rollout")
+    assert manifest["content_sha256"] == again["content_sha256"]
+    assert resumed["num_trajectories"] == straight["num_trajectories"] == 16
+    assert resumed["reward_mean"] == straight["reward_mean"] and resumed["cached"] is straight["cached"] is False
+
+
+# ----- kill -9 of the command, rerun --------------------------------------------------------------------------------
+def _kill_overrides(tmp_path: Path, model_dir: Path, run_id: str, *more: str) -> list[str]:
+    from test_flows import fast_overrides
+
+    # eight groups, one at a time, of long generations (the random tiny model rarely stops early): iteration 2's
+    # rollout lasts long enough for the test to see its first groups on disk and kill the command then
+    return [*fast_overrides(tmp_path, model_dir, run_id=run_id), "save_freq=1", "rollout.batch_size=8",
+            "rollout.max_concurrent_rollouts=4", "rollout.gconfig.max_new_tokens=96", *more]
+
+
+def _kill_when(run, predicate, what: str) -> None:
+    from areal_pipeline.forkserver import processes_of
+    from test_flows import wait_until
+
+    wait_until(lambda: predicate() or run.poll() is not None, 600, what, interval=0.01)
+    assert run.poll() is None, run.stdout.read()
+    run.kill()  # SIGKILL: no clean-up code runs
+    run.wait()
+    wait_until(lambda: processes_of(run.pid) == [], 30, "the killed run's services to exit")
+
+
+def _groups_on_disk(run_dir: Path, k: int) -> list[str]:
+    return sorted(p.name for p in (run_dir / f"iter_{k}" / "rollout.episodes").glob("g-*.parquet"))
+
+
+def test_a_killed_rollout_resumes_from_its_journal_to_the_same_weights(prefect_api, tiny_model_dir, tmp_path):
+    from test_flows import cli, final_weights
+
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    config = ["--config", "configs/tiny_cpu.yaml"]
+    reference = cli("train", *config, *_kill_overrides(tmp_path, tiny_model_dir, "ref"), env=env)
+    victim_dir = tmp_path / "victim"
+    victim = cli("train", *config, *_kill_overrides(tmp_path, tiny_model_dir, "victim"), env=env)
+    _kill_when(victim, lambda: len(_groups_on_disk(victim_dir, 2)) >= 2, "2 groups of iteration 2 on disk")
+    on_disk = _groups_on_disk(victim_dir, 2)
+    assert 2 <= len(on_disk) < 8 and not (victim_dir / "iter_2" / "rollout" / "manifest.json").exists()
+
+    out, _ = reference.communicate(timeout=600)
+    assert reference.returncode == 0, out
+    rerun = cli("train", *config, *_kill_overrides(tmp_path, tiny_model_dir, "victim"), env=env)
+    out, _ = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, out
+    log = (victim_dir / "logs" / "train.log").read_text()
+    assert f"resuming iteration 2: {len(on_disk)}/8 groups on disk" in log, log[-3000:]
+    assert not (victim_dir / "iter_2" / "rollout.episodes").exists()
+    for k in (1, 2, 3):
+        assert (read_manifest(victim_dir / f"iter_{k}" / "rollout")["content_sha256"]
+                == read_manifest(tmp_path / "ref" / f"iter_{k}" / "rollout")["content_sha256"]), k
+    a, b = final_weights(tmp_path / "ref", 3), final_weights(victim_dir, 3)
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
