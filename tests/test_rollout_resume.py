@@ -282,3 +282,42 @@ def test_a_killed_rollout_resumes_from_its_journal_to_the_same_weights(prefect_a
                 == read_manifest(tmp_path / "ref" / f"iter_{k}" / "rollout")["content_sha256"]), k
     a, b = final_weights(tmp_path / "ref", 3), final_weights(victim_dir, 3)
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_a_killed_async_run_keeps_the_groups_it_played_ahead(prefect_api, tiny_model_dir, tmp_path):
+    """eta = 1: the command is killed while iteration 3's groups, played ahead during iteration 2, are on disk and
+    not yet its shards. The rerun reuses them (playing only the rest), and the run trains every prompt of every
+    iteration exactly once (the batch shards against `select_batch`), within the staleness bound."""
+    from collections import Counter
+
+    from areal_pipeline.pipeline import Pipeline
+    from test_flows import cli
+
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    overrides = _kill_overrides(tmp_path, tiny_model_dir, "async", "rollout.max_head_offpolicyness=1")
+    run_dir = tmp_path / "async"
+    victim = cli("train", "--config", "configs/tiny_cpu.yaml", *overrides, env=env)
+    _kill_when(victim, lambda: len(_groups_on_disk(run_dir, 3)) >= 2, "2 groups of iteration 3 on disk")
+    on_disk = _groups_on_disk(run_dir, 3)
+    assert len(on_disk) < 8 and not (run_dir / "iter_3" / "rollout" / "manifest.json").exists()
+
+    rerun = cli("train", "--config", "configs/tiny_cpu.yaml", *overrides, env=env)
+    out, _ = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, out
+    log = (run_dir / "logs" / "train.log").read_text()
+    assert f"async rollout: reusing {len(on_disk)}/8 groups of iteration 3 from its journal" in log, log[-3000:]
+
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", overrides)
+    pipeline = Pipeline(cfg)
+    for k in (1, 2, 3):
+        trained = Counter(zip(*read_table(run_dir / f"iter_{k}" / "batch", schema=None).select(
+            ["prompt_id", "sample_idx"]).to_pydict().values()))
+        expected = Counter((r["prompt_id"], i) for r in pipeline._episodes(k) for i in range(4))
+        assert trained == expected, k  # no prompt skipped, none trained twice
+        assert not (run_dir / f"iter_{k}" / "rollout.episodes").exists()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [1, 2, 3]
+    assert all(0 <= m["staleness"] <= 1 for m in metrics), metrics
+
+
+REPO = Path(__file__).resolve().parents[1]
