@@ -1,8 +1,9 @@
 """One RL iteration as steps that any orchestrator can call: the Prefect tasks wrap them one to one, and a
 plain loop (`run_plain`) calls the same functions, in the order and with the inputs of the table in steps.py
 (each step takes the records of the steps before it that it needs). Beside it: the run's directory and lock
-(run_dir.py), its processes (services.py), the restoring of policy versions (policy_versions.py), the reference
-and proximal logprob passes (logprob_steps.py), evaluation (evaluation.py).
+(run_dir.py), the rollout node and its episode journal (rollout_steps.py), its processes (services.py), the
+restoring of policy versions (policy_versions.py), the reference and proximal logprob passes (logprob_steps.py),
+evaluation (evaluation.py).
 
 Every step is idempotent and backed by its output on disk: it first looks for its complete output (a
 manifest or record written last, atomically) and returns that instead of redoing the work. State that lives
@@ -17,9 +18,10 @@ in processes is restored on demand instead of being assumed:
 Within one process, what the services last reported (healthy, at version v) is believed until a step fails or
 a process exits: then every service is asked again (see `Services`).
 
-Rollouts are seeded per episode (seed, iteration, prompt), so a rerun of a half-finished rollout samples the
-same tokens; with `ppo.recompute_logprob` the trainer's "old" logprobs are recomputed from those tokens, so a
-rerun after a crash reaches the same final weights bit for bit.
+Rollouts are seeded per episode (seed, iteration, prompt), and every finished group is journaled, so a rerun of
+a half-finished rollout plays only the missing groups and they sample the same tokens; with
+`ppo.recompute_logprob` the trainer's "old" logprobs are recomputed from those tokens, so a rerun after a crash
+reaches the same final weights bit for bit.
 """
 
 from __future__ import annotations

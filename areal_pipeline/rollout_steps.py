@@ -94,7 +94,8 @@ class RolloutSteps:
         def refill(slot: int, j: int) -> dict[str, Any]:
             record = _refill_prompt(self.records(self.cfg.dataset.train_split), self.cfg.seed, k, slot, j,
                                     self.cfg.rollout.batch_size)
-            return {**record, "sampling_seed": episode_seed(self.cfg.seed, k, f"refill/{slot}/{j}/{record['prompt_id']}")}
+            seed = episode_seed(self.cfg.seed, k, f"refill/{slot}/{j}/{record['prompt_id']}")
+            return {**record, "sampling_seed": seed}
         return refill
 
     def _episodes(self, k: int) -> list[dict[str, Any]]:

@@ -132,7 +132,8 @@ def test_resumed_and_uninterrupted_rollouts_write_the_same_content(tmp_path):
     resumed = finish_rollout([groups[3], *loaded.values()], tmp_path / "b" / "rollout", journal, policy=policy,
                              n_samples=2, seconds=7.0, rows_per_shard=3)
     assert not journal.directory.exists()  # removed once the shards are written
-    assert resumed["content_sha256"] == straight["content_sha256"] == content_sha256(read_table(tmp_path / "a" / "rollout"))
+    written = content_sha256(read_table(tmp_path / "a" / "rollout"))
+    assert resumed["content_sha256"] == straight["content_sha256"] == written
     assert {k: v for k, v in resumed["stats"].items() if "seconds" not in k and "per_s" not in k} == {
         k: v for k, v in straight["stats"].items() if "seconds" not in k and "per_s" not in k}
     assert [t.prompt_id for t in read_trajectories(tmp_path / "b" / "rollout")] == ["p0", "p0", "p1", "p1", "p2",
@@ -173,7 +174,8 @@ def test_past_the_failure_rate_only_the_failed_groups_are_played_again(tmp_path)
 def _pipeline_config(tmp_path: Path, model_dir: Path, *more: str):
     # one group at a time (max_concurrent_rollouts = n_samples), so that a failure lands after some groups ended
     return load_config(None, [f"output_dir={tmp_path}", f"model.path={model_dir}", "total_iterations=2",
-                              "rollout.batch_size=4", "rollout.gconfig.n_samples=4", "rollout.max_concurrent_rollouts=4",
+                              "rollout.batch_size=4", "rollout.gconfig.n_samples=4",
+                              "rollout.max_concurrent_rollouts=4",
                               "rollout.gconfig.max_new_tokens=16", "dataset.arithmetic_train_size=64", *more])
 
 
