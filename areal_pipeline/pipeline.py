@@ -58,6 +58,7 @@ from areal_pipeline.utils import atomic_write_text, get_logger, import_in_backgr
 
 logger = get_logger(__name__)
 
+FAILURE_METRICS = ("failure_rate", "groups_dropped", "groups_refilled", "episodes_masked")
 
 
 class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
@@ -249,6 +250,9 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
             # the mean reward of the baseline episodes, where the advantage asks for them (ReMax's greedy ones)
             **({"baseline_reward": rollout["baseline_reward"]} if "baseline_reward" in rollout else {}),
             **{key: value for key, value in rollout.items() if key.startswith("agent/")},  # the workflow's facts
+            # the failure policy's counts (rollout/failures.py): failed and retried episodes by cause, groups dropped
+            **{key: value for key, value in rollout.items() if key.startswith(("failures/", "retries/"))
+               or key in FAILURE_METRICS},
         }
         # None where the config computes no such thing, rather than the 0.0 its step reports
         record.update(dict.fromkeys(self._metrics_not_computed(), None))

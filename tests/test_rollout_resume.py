@@ -14,7 +14,6 @@ import torch
 
 from areal_pipeline.data.shards import content_sha256, read_manifest, read_table, read_trajectories
 from areal_pipeline.data.trajectory import Trajectory
-from areal_pipeline.rollout.executor import select_batch
 from areal_pipeline.rollout.failures import EpisodeFailure, FailurePolicy, GroupResult, RolloutFailureRate
 from areal_pipeline.rollout.journal import EpisodeJournal, episodes_digest, finish_rollout
 from areal_pipeline.run_spec import load_config
@@ -225,6 +224,11 @@ def test_a_retried_rollout_node_plays_only_the_missing_groups(tiny_model_dir, tm
             played.clear()
             straight = pipeline.rollout(1)
             assert played == ids
+
+            # a journal left beside complete shards (a kill between the manifest and its removal) is removed
+            pipeline.journal(1).open()
+            pipeline.journal(1).writer(dict(enumerate(pipeline._episodes(1))))(GroupResult(0, ids[0], []))
+            assert pipeline.rollout(1)["cached"] is True and not journal.directory.exists()
         finally:
             pipeline.close()
             pipeline.services.stop()
@@ -232,6 +236,43 @@ def test_a_retried_rollout_node_plays_only_the_missing_groups(tiny_model_dir, tm
     assert manifest["content_sha256"] == again["content_sha256"]
     assert resumed["num_trajectories"] == straight["num_trajectories"] == 16
     assert resumed["reward_mean"] == straight["reward_mean"] and resumed["cached"] is straight["cached"] is False
+
+
+def test_episodes_failing_together_share_one_recovery_of_the_servers(tiny_model_dir, tmp_path):
+    """The rollout's `recover` hook after the inference server died: restarted and given the expected version once
+    for a burst of failed episodes; a later failure recovers again."""
+    import asyncio
+
+    from areal_pipeline.pipeline import Pipeline
+    from areal_pipeline.run_dir import run_lock
+    from areal_pipeline.utils import run_async
+
+    cfg = _pipeline_config(tmp_path, tiny_model_dir, "eval_freq=0")
+    pipeline = Pipeline(cfg)
+    calls = []
+    with run_lock(cfg.run_dir):
+        try:
+            pipeline.start()
+            pipeline.run_iteration(1)
+            pipeline.sync_servers(1)
+            server = pipeline.services.inference[0]
+            server.popen.kill()
+            server.popen.wait(10)
+            recover_servers = pipeline.recover_servers
+            pipeline.recover_servers = lambda *args: (calls.append(args), recover_servers(*args))[1]
+            recover = pipeline.recover_hook(1)
+
+            async def failures():
+                await asyncio.gather(*(recover() for _ in range(5)))  # five episodes failed at once
+                await recover()  # a later one
+            run_async(failures())
+            assert calls == [(1, False), (1, False)]
+            assert pipeline.services.inference[0].popen.pid != server.popen.pid
+            pipeline.services.forget_served()
+            assert pipeline.server_versions() == [1]  # the restarted server got version 1 back
+        finally:
+            pipeline.close()
+            pipeline.services.stop()
 
 
 # ----- kill -9 of the command, rerun --------------------------------------------------------------------------------
