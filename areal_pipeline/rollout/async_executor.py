@@ -131,25 +131,25 @@ class AsyncRolloutExecutor:
             await asyncio.gather(*iterations)
 
     async def _iteration(self, k: int, engine, in_flight: asyncio.Semaphore) -> None:
-        slots = dict(enumerate(self.batch_for(k)))
-        journal = self.journal_for(k) if self.journal_for is not None else None
-        done: dict[int, GroupResult] = {}
-        if journal is not None:
-            done = await asyncio.to_thread(journal.load, slots, k - 1 - self.eta)
+        episodes: list[asyncio.Future] = []
+        try:
+            slots = dict(enumerate(self.batch_for(k)))
+            journal = self.journal_for(k) if self.journal_for is not None else None
+            # Loaded here, not in a thread: the groups of iteration k must queue for `in_flight` before those of
+            # any later iteration (a journal is empty but after a restart, when reading it is all there is to do).
+            done = journal.load(slots, k - 1 - self.eta) if journal is not None else {}
             if done:
                 logger.info("async rollout: reusing %d/%d groups of iteration %d from its journal",
                             len(done), len(slots), k)
-            write = journal.writer(slots)
 
-        async def group(slot, data):
-            async with in_flight:
-                result = await play_group(self.workflow, engine, data, self.n_samples, self.baseline, slot=slot,
-                                          policy=self.policy, recover=self.recover)
-            if journal is not None:
-                await asyncio.to_thread(write, result)
-            return result
-        episodes = [asyncio.ensure_future(group(slot, d)) for slot, d in slots.items() if slot not in done]
-        try:
+            async def group(slot, data):
+                async with in_flight:
+                    result = await play_group(self.workflow, engine, data, self.n_samples, self.baseline, slot=slot,
+                                              policy=self.policy, recover=self.recover)
+                if journal is not None:
+                    await asyncio.to_thread(journal.write, result, data.get("sampling_seed"))
+                return result
+            episodes = [asyncio.ensure_future(group(slot, d)) for slot, d in slots.items() if slot not in done]
             played = await asyncio.gather(*episodes)
             self._batches[k].set_result(sorted([*done.values(), *played], key=lambda g: g.slot))
         except asyncio.CancelledError:
