@@ -364,3 +364,57 @@ def test_a_killed_async_run_keeps_the_groups_it_played_ahead(prefect_api, tiny_m
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def test_an_async_failure_keeps_every_iteration_s_finished_groups(tmp_path, caplog):
+    """eta = 1: iteration 1 fails at its last group while iteration 2 was played ahead. A new executor (the node's
+    retry) plays iteration 1's failed group only, and iteration 2 not at all."""
+    import asyncio
+    import contextlib
+
+    from areal_pipeline.rollout.async_executor import AsyncRolloutExecutor
+
+    played = []
+
+    class Workflow:
+        def __init__(self, fail: bool):
+            self.fail = fail
+
+        async def arun_episode(self, engine, data):
+            played.append((data["k"], data["n"]))
+            if self.fail and (data["k"], data["n"]) == (1, 3):
+                await asyncio.sleep(0.3)  # iteration 2's groups end first
+                raise ConnectionError("tool server gone")
+            return _trajectory(data["prompt_id"], data["sample_idx"])
+
+    @contextlib.asynccontextmanager
+    async def no_engine():
+        yield None
+
+    def executor(fail: bool) -> AsyncRolloutExecutor:
+        return AsyncRolloutExecutor(
+            first_iteration=1, last_iteration=2, eta=1, version=0, workflow=Workflow(fail), engine_factory=no_engine,
+            batch_for=lambda k: [{"prompt_id": f"p{k}-{n}", "sampling_seed": n, "k": k, "n": n} for n in range(4)],
+            max_concurrent_rollouts=16, n_samples=1, policy=FailurePolicy(episode_retries=0, on_failure="fail"),
+            journal_for=lambda k: EpisodeJournal(tmp_path / f"iter_{k}" / "rollout.episodes", run_id="r",
+                                                 iteration=k, batch_size=4, digest="d"))
+    first = executor(fail=True)
+    first.start()
+    try:
+        with pytest.raises(Exception, match="tool server gone"):
+            first.collect(1, timeout=30)
+        assert [g.slot for g in first.collect(2, timeout=30)] == [0, 1, 2, 3]
+    finally:
+        first.stop()
+    played.clear()
+    caplog.set_level(logging.INFO, logger="areal_pipeline")
+    retry = executor(fail=False)
+    retry.start()
+    try:
+        groups = {k: retry.collect(k, timeout=30) for k in (1, 2)}
+    finally:
+        retry.stop()
+    assert played == [(1, 3)]
+    assert [g.prompt_id for g in groups[1]] == [f"p1-{n}" for n in range(4)]
+    assert [g.prompt_id for g in groups[2]] == [f"p2-{n}" for n in range(4)]
+    assert "reusing 3/4 groups of iteration 1" in caplog.text and "reusing 4/4 groups of iteration 2" in caplog.text
