@@ -1,8 +1,9 @@
 """One RL iteration as steps that any orchestrator can call: the Prefect tasks wrap them one to one, and a
 plain loop (`run_plain`) calls the same functions, in the order and with the inputs of the table in steps.py
 (each step takes the records of the steps before it that it needs). Beside it: the run's directory and lock
-(run_dir.py), its processes (services.py), the restoring of policy versions (policy_versions.py), the reference
-and proximal logprob passes (logprob_steps.py), evaluation (evaluation.py).
+(run_dir.py), the rollout node and its episode journal (rollout_steps.py), its processes (services.py), the
+restoring of policy versions (policy_versions.py), the reference and proximal logprob passes (logprob_steps.py),
+evaluation (evaluation.py).
 
 Every step is idempotent and backed by its output on disk: it first looks for its complete output (a
 manifest or record written last, atomically) and returns that instead of redoing the work. State that lives
@@ -17,9 +18,10 @@ in processes is restored on demand instead of being assumed:
 Within one process, what the services last reported (healthy, at version v) is believed until a step fails or
 a process exits: then every service is asked again (see `Services`).
 
-Rollouts are seeded per episode (seed, iteration, prompt), so a rerun of a half-finished rollout samples the
-same tokens; with `ppo.recompute_logprob` the trainer's "old" logprobs are recomputed from those tokens, so a
-rerun after a crash reaches the same final weights bit for bit.
+Rollouts are seeded per episode (seed, iteration, prompt), and every finished group is journaled, so a rerun of
+a half-finished rollout plays only the missing groups and they sample the same tokens; with
+`ppo.recompute_logprob` the trainer's "old" logprobs are recomputed from those tokens, so a rerun after a crash
+reaches the same final weights bit for bit.
 """
 
 from __future__ import annotations
@@ -45,21 +47,21 @@ from areal_pipeline.model import load_tokenizer, resolve_model_path
 from areal_pipeline.policy_eval import evaluate_policy
 from areal_pipeline.policy_versions import PolicyVersions
 from areal_pipeline.rewards.pool import RewardPool
-from areal_pipeline.rollout.executor import episode_seed, rollout_to_shards, select_batch, write_rollout_shards
+from areal_pipeline.rollout_steps import RolloutSteps, shards_record
 from areal_pipeline.run_dir import RunPaths, read_json, run_lock, write_json
-from areal_pipeline.run_spec import RunSpec, assemble, build_workflow
+from areal_pipeline.run_spec import RunSpec, assemble
 from areal_pipeline.services import Services
 from areal_pipeline.steps import STEPS, Step, due_steps, run_steps, timed
 from areal_pipeline.training.loss_registry import make_loss
 from areal_pipeline.training.ppo import write_batch
-from areal_pipeline.utils import (atomic_write_text, get_logger, import_in_background, raise_if_deadline_passed,
-                                  run_async, time_left)
+from areal_pipeline.utils import atomic_write_text, get_logger, import_in_background
 
 logger = get_logger(__name__)
 
+FAILURE_METRICS = ("failure_rate", "groups_dropped", "groups_refilled", "episodes_masked")
 
 
-class Pipeline(PolicyVersions, LogprobSteps):
+class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
     def __init__(self, cfg: ExperimentConfig | RunSpec, log_dir: Optional[Path] = None):
         self.spec = cfg if isinstance(cfg, RunSpec) else assemble(cfg)  # a config is assembled here
         cfg = self.cfg = self.spec.cfg
@@ -133,90 +135,11 @@ class Pipeline(PolicyVersions, LogprobSteps):
 
     # ----- the DAG's nodes -------------------------------------------------------------------------
     @timed
-    def rollout(self, k: int, progress: bool = False) -> dict[str, Any]:
-        out = self.paths.rollout(k)
-        # A corrupt earlier output is cleared and generated again: episodes are seeded, so the tokens are the same.
-        if keep_if_intact(out):
-            return _shards_record(out, read_manifest(out), cached=True)
-        if self.cfg.rollout.max_head_offpolicyness > 0:
-            served = self.sync_servers(k - 1 - self.cfg.rollout.max_head_offpolicyness, or_newer=True)["version"]
-            return self._collect_async(k, served)
-        self.sync_servers(k - 1)
-        batch = self._episodes(k)
-        workflow, baseline = self._workflow(), self._baseline_workflow()
-
-        async def run():
-            async with self._engine() as engine:
-                return await rollout_to_shards(
-                    workflow, engine, batch, out, run_id=self.cfg.run_id, iteration=k,
-                    max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
-                    n_samples=self.cfg.rollout.gconfig.n_samples, rows_per_shard=self.cfg.rollout.shard_rows,
-                    baseline=baseline, progress=progress, extra_manifest={"policy_version": k - 1})
-        return _shards_record(out, run_async(run()), cached=False)
-
-    def _episodes(self, k: int) -> list[dict[str, Any]]:
-        """Iteration k's episodes: its prompts (a pure function of k), each with its sampling seed."""
-        return [{**r, "sampling_seed": episode_seed(self.cfg.seed, k, r["prompt_id"])}
-                for r in select_batch(self.records(self.cfg.dataset.train_split), k - 1,
-                                      self.cfg.rollout.batch_size, self.cfg.seed)]
-
-    def _workflow(self):
-        return build_workflow(self.spec, self.tokenizer, self.reward_pool, **self._tool_kwargs())
-
-    def _baseline_workflow(self):
-        """The workflow of the baseline episode the rollout adds per prompt, where `ppo.advantage` asks for one (the
-        greedy completion ReMax subtracts): the run's workflow, decoding greedily; else None."""
-        import dataclasses
-
-        from areal_pipeline.training.advantage_registry import make_advantage
-
-        if not make_advantage(self.cfg.ppo).greedy_baseline:
-            return None
-        greedy = dataclasses.replace(self.cfg.rollout.gconfig, n_samples=1, greedy=True)
-        cfg = dataclasses.replace(self.cfg, rollout=dataclasses.replace(self.cfg.rollout, gconfig=greedy))
-        return build_workflow(self.spec, self.tokenizer, self.reward_pool, cfg=cfg, **self._tool_kwargs())
-
-    def _collect_async(self, k: int, served_version: int) -> dict[str, Any]:
-        """Asynchronous mode: iteration k's episodes from the background executor (started on first use,
-        from this iteration on), written as the iteration's shards."""
-        from areal_pipeline.rollout.async_executor import AsyncRolloutExecutor
-
-        if self._async_rollout is None:
-            self._async_rollout = AsyncRolloutExecutor(
-                first_iteration=k, last_iteration=self.cfg.total_iterations,
-                eta=self.cfg.rollout.max_head_offpolicyness, version=served_version, batch_for=self._episodes,
-                workflow=self._workflow(), engine_factory=self._engine,
-                max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
-                n_samples=self.cfg.rollout.gconfig.n_samples, baseline=self._baseline_workflow())
-            self._async_rollout.start()
-        started = time.perf_counter()
-        try:
-            trajectories = self._async_rollout.collect(k, timeout=time_left())
-        except TimeoutError as error:
-            raise_if_deadline_passed(error)
-            raise
-        except Exception:
-            # The executor keeps iteration k's failure for good: drop it, so that this node's retry starts a
-            # fresh one at iteration k (the later iterations it had admitted are generated again).
-            self._async_rollout.stop()
-            self._async_rollout = None
-            raise
-        manifest = write_rollout_shards(trajectories, self.paths.rollout(k), run_id=self.cfg.run_id, iteration=k,
-                                        seconds=time.perf_counter() - started,
-                                        rows_per_shard=self.cfg.rollout.shard_rows,
-                                        extra_manifest={"policy_version": k - 1})
-        return _shards_record(self.paths.rollout(k), manifest, cached=False)
-
-    def _tool_kwargs(self) -> dict[str, Any]:
-        tools = {name: p.address for name, p in self.services.tools.items()}
-        return {"tool_addresses": tools} if tools else {}
-
-    @timed
     def advantages(self, k: int, episodes: Optional[dict] = None, ref: Optional[dict] = None) -> dict[str, Any]:
         """`episodes`: the rollout step's record (its shards); `ref`: the ref_logprobs step's, where KL is on."""
         out = self.paths.batch(k)
         if keep_if_intact(out):  # a corrupt earlier output is cleared and computed again
-            return _shards_record(out, read_manifest(out), cached=True)
+            return shards_record(out, read_manifest(out), cached=True)
         return self._write_batch(k, episodes, ref)
 
     def _write_batch(self, k: int, episodes: Optional[dict] = None, ref: Optional[dict] = None) -> dict[str, Any]:
@@ -232,7 +155,7 @@ class Pipeline(PolicyVersions, LogprobSteps):
             extra = {"ref_logprobs": pq.read_table(ref["path"]).column("logprobs").to_pylist()}
         manifest = write_batch(rollout, out, self.cfg.ppo, run_id=self.cfg.run_id, iteration=k,
                                extra_token_columns=extra, rows_per_shard=self.cfg.rollout.shard_rows)
-        return {**_shards_record(out, manifest, cached=False), "seconds": time.perf_counter() - started}
+        return {**shards_record(out, manifest, cached=False), "seconds": time.perf_counter() - started}
 
     @timed
     def ppo_update(self, k: int, batch: Optional[dict] = None, proximal: Optional[dict] = None) -> dict[str, Any]:
@@ -327,6 +250,9 @@ class Pipeline(PolicyVersions, LogprobSteps):
             # the mean reward of the baseline episodes, where the advantage asks for them (ReMax's greedy ones)
             **({"baseline_reward": rollout["baseline_reward"]} if "baseline_reward" in rollout else {}),
             **{key: value for key, value in rollout.items() if key.startswith("agent/")},  # the workflow's facts
+            # the failure policy's counts (rollout/failures.py): failed and retried episodes by cause, groups dropped
+            **{key: value for key, value in rollout.items() if key.startswith(("failures/", "retries/"))
+               or key in FAILURE_METRICS},
         }
         # None where the config computes no such thing, rather than the 0.0 its step reports
         record.update(dict.fromkeys(self._metrics_not_computed(), None))
@@ -404,11 +330,6 @@ def run_together(steps: list[Callable[[], Any]]) -> list[Any]:
     with ThreadPoolExecutor(max_workers=len(steps), thread_name_prefix="start") as pool:
         futures = [pool.submit(step) for step in steps]
     return [future.result() for future in futures]
-
-
-def _shards_record(out: Path, manifest: dict, cached: bool) -> dict[str, Any]:
-    """A step's record of the shards it wrote (or found): where they are, how many rows, and their stats."""
-    return {**manifest["stats"], "shards": str(out), "rows": manifest["num_rows"], "cached": cached}
 
 
 def _staleness(k: int, rollout_stats: dict) -> int:

@@ -143,6 +143,13 @@ class PolicyVersions:
         self._prune_weights(keep=version)
         return {"version": version, "pushed": True, "seconds": time.perf_counter() - started}
 
+    def recover_servers(self, version: int, or_newer: bool = False) -> dict[str, Any]:
+        """After episodes failed at an inference server: ask every service again (a server that died is restarted,
+        at version 0) and bring the servers back to `version` (`or_newer` as in `sync_servers`)."""
+        with self._trainer_lock:
+            self.services.distrust()
+            return self.sync_servers(version, or_newer)
+
     def _push_weights(self, version: int, or_newer: bool) -> int:
         """Push `version` (`or_newer`: the trainer's newest, if newer) to every server; returns what was pushed."""
         if or_newer:

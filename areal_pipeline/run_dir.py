@@ -54,6 +54,10 @@ class RunPaths:
     def rollout(self, k: int) -> Path:
         return self.iteration(k) / "rollout"
 
+    def episodes(self, k: int) -> Path:
+        """Iteration k's episode journal (rollout/journal.py): beside its rollout shards, never among them."""
+        return self.iteration(k) / "rollout.episodes"
+
     def batch(self, k: int) -> Path:
         return self.iteration(k) / "batch"
 

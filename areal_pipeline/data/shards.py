@@ -19,6 +19,7 @@ tries to read it as Parquet, so pass the part files, not the directory, to panda
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from datetime import datetime, timezone
@@ -152,6 +153,40 @@ def _clear(out: Path) -> None:
             stale.unlink(missing_ok=True)
 
 
+def trajectory_table(trajectories: list[Trajectory], run_id: str, iteration: int) -> pa.Table:
+    """Trajectories as a table of TRAJECTORY_SCHEMA (the rows `write_shards` writes)."""
+    return _to_table(trajectories, run_id, iteration)
+
+
+# What differs between any two runs of the same episodes: the run's name, the servers' timing and address. The
+# content digest leaves them out, so that a rerun's rollout can be compared with an uninterrupted one's.
+VOLATILE_COLUMNS = ("run_id",)
+VOLATILE_METADATA = ("latency", "server")
+
+
+def content_sha256(table: pa.Table) -> str:
+    """sha256 of a rollout table's episodes: every column but VOLATILE_COLUMNS, each row's metadata without
+    VOLATILE_METADATA. Equal digests mean equal tokens, logprobs, versions, rewards and texts, row for row."""
+    digest = hashlib.sha256()
+    for name in table.column_names:
+        if name in VOLATILE_COLUMNS:
+            continue
+        values = table.column(name).to_pylist()
+        if name == "metadata":
+            values = [_without_volatile(value) for value in values]
+        digest.update(json.dumps([name, values], ensure_ascii=False,
+                                 separators=(",", ":")).encode("utf-8"))
+    return digest.hexdigest()
+
+
+def _without_volatile(metadata: str | None) -> Any:
+    if metadata is None:
+        return None
+    record = json.loads(metadata)
+    return {key: value for key, value in record.items() if key not in VOLATILE_METADATA} if isinstance(
+        record, dict) else record
+
+
 def _to_table(trajectories: list[Trajectory], run_id: str, iteration: int) -> pa.Table:
     columns: dict[str, list] = {name: [getattr(t, name) for t in trajectories] for name in _TRAJECTORY_COLUMNS}
     columns["run_id"] = [run_id] * len(trajectories)
@@ -273,7 +308,13 @@ def _check_rows(path: Path, shard: dict, rows: int) -> int:
 
 
 def read_trajectories(out_dir: str | os.PathLike) -> list[Trajectory]:
-    columns = read_table(out_dir).to_pydict()
+    return table_trajectories(read_table(out_dir))
+
+
+def table_trajectories(table: pa.Table) -> list[Trajectory]:
+    """The trajectories of a table of TRAJECTORY_SCHEMA (the inverse of `trajectory_table`, float32 values and
+    all)."""
+    columns = table.to_pydict()
     n = len(columns["prompt_id"])
     return [
         Trajectory(

@@ -12,8 +12,14 @@ update pauses the servers: in-flight generations come back with partial tokens a
 under the new weights, each token tagged with the version that produced it; the staleness of an iteration
 (k - 1 minus its oldest token's version) never exceeds eta.
 
-`collect(k)` waits for iteration k's episodes and hands them over; the rollout node writes them as shards, and
-from then on they are the iteration's inputs (a rerun trains on exactly them).
+`collect(k)` waits for iteration k's groups (`failures.GroupResult`s, played under the run's failure policy by
+`group.play_group`, as in synchronous mode) and hands them over; the rollout node writes them as shards, and from
+then on they are the iteration's inputs (a rerun trains on exactly them).
+
+With `journal_for`, every group of every iteration is written to that iteration's episode journal as it ends
+(rollout/journal.py), so the work done ahead survives a killed orchestrator and a stopped or failed executor: a new
+executor loads the journal of each iteration it admits and plays only the missing groups. A group on disk with a
+token older than its iteration's bound (k - 1 - eta) is played again, so the staleness bound holds across restarts.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ import concurrent.futures
 import threading
 from typing import Any, Callable, Optional
 
-from areal_pipeline.data.trajectory import Trajectory
-from areal_pipeline.rollout.group import run_group
+from areal_pipeline.rollout.failures import FailurePolicy, GroupResult
+from areal_pipeline.rollout.group import play_group
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -33,8 +39,10 @@ logger = get_logger(__name__)
 class AsyncRolloutExecutor:
     def __init__(self, *, first_iteration: int, last_iteration: int, eta: int, version: int,
                  batch_for: Callable[[int], list[dict[str, Any]]], workflow, engine_factory,
-                 max_concurrent_rollouts: int, n_samples: int, baseline=None):
-        """`n_samples` episodes a prompt and `baseline` as `executor.run_episodes` runs them."""
+                 max_concurrent_rollouts: int, n_samples: int, baseline=None, policy: Optional[FailurePolicy] = None,
+                 journal_for: Optional[Callable[[int], Any]] = None, recover=None):
+        """`n_samples` episodes a prompt, `baseline`, the failure `policy` and `recover` as `executor.play_batch`
+        takes them; `journal_for(k)`: iteration k's `journal.EpisodeJournal` (None: nothing is journaled)."""
         self.first_iteration = first_iteration
         self.last_iteration = last_iteration
         self.eta = eta
@@ -44,6 +52,9 @@ class AsyncRolloutExecutor:
         self.max_concurrent_rollouts = max_concurrent_rollouts
         self.n_samples = n_samples
         self.baseline = baseline
+        self.policy = policy or FailurePolicy()
+        self.journal_for = journal_for
+        self.recover = recover
         self._version = version
         self._loop = asyncio.new_event_loop()
         self._batches: dict[int, concurrent.futures.Future] = {
@@ -66,16 +77,16 @@ class AsyncRolloutExecutor:
         except RuntimeError:  # the loop is not running yet, or is done (every iteration produced)
             self._version = max(self._version, version)
 
-    def collect(self, k: int, timeout: Optional[float] = None) -> list[Trajectory]:
+    def collect(self, k: int, timeout: Optional[float] = None) -> list[GroupResult]:
         if k not in self._batches:
             raise ValueError(f"iteration {k} is outside this executor's range "
                              f"{self.first_iteration}..{self.last_iteration}, or older than one collected since")
-        trajectories = self._batches[k].result(timeout)
+        groups = self._batches[k].result(timeout)
         # The executor keeps what it delivered only until a later iteration is collected (a retried rollout
         # node may collect k again), not for the whole run.
         for old in [i for i in self._batches if i < k]:
             self._batches.pop(old, None)
-        return trajectories
+        return groups
 
     def stop(self) -> None:
         if self._main is not None:
@@ -120,17 +131,31 @@ class AsyncRolloutExecutor:
             await asyncio.gather(*iterations)
 
     async def _iteration(self, k: int, engine, in_flight: asyncio.Semaphore) -> None:
-        async def group(data):
-            async with in_flight:
-                return await run_group(self.workflow, engine, data, self.n_samples, self.baseline)
-        episodes = [asyncio.ensure_future(group(d)) for d in self.batch_for(k)]
+        episodes: list[asyncio.Future] = []
         try:
-            groups = await asyncio.gather(*episodes)
-            self._batches[k].set_result([t for group in groups for t in group])
+            slots = dict(enumerate(self.batch_for(k)))
+            journal = self.journal_for(k) if self.journal_for is not None else None
+            # Loaded here, not in a thread: the groups of iteration k must queue for `in_flight` before those of
+            # any later iteration (a journal is empty but after a restart, when reading it is all there is to do).
+            done = journal.load(slots, k - 1 - self.eta) if journal is not None else {}
+            if done:
+                logger.info("async rollout: reusing %d/%d groups of iteration %d from its journal",
+                            len(done), len(slots), k)
+
+            async def group(slot, data):
+                async with in_flight:
+                    result = await play_group(self.workflow, engine, data, self.n_samples, self.baseline, slot=slot,
+                                              policy=self.policy, recover=self.recover)
+                if journal is not None:
+                    await asyncio.to_thread(journal.write, result, data.get("sampling_seed"))
+                return result
+            episodes = [asyncio.ensure_future(group(slot, d)) for slot, d in slots.items() if slot not in done]
+            played = await asyncio.gather(*episodes)
+            self._batches[k].set_result(sorted([*done.values(), *played], key=lambda g: g.slot))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # surfaces in collect(k), i.e. in iteration k's rollout node
-            for task in episodes:  # the iteration is lost: its other episodes need not finish
+            for task in episodes:  # its groups still playing need not finish (the finished ones are journaled)
                 task.cancel()
             logger.exception("async rollout of iteration %d failed", k)
             self._batches[k].set_exception(e)

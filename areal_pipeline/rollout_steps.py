@@ -1,0 +1,171 @@
+"""The rollout node: an iteration's episodes, played where they are missing and written as its rollout shards.
+
+Every group is written to the iteration's episode journal (rollout/journal.py) as it ends, so that a killed command,
+a retried node or a restarted asynchronous executor plays only the groups not yet on disk; when every batch position
+has its group, they become the iteration's shards and the journal is removed. Episodes are seeded (seed, iteration,
+prompt), so a group played again samples the same tokens: a resumed rollout's `content_sha256` is an uninterrupted
+one's.
+
+`RolloutSteps` is the part of `Pipeline` that does this (a mixin: it reads the pipeline's config, paths, services,
+trainer lock and policy versions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, Callable
+
+from areal_pipeline.data.shards import keep_if_intact, read_manifest
+from areal_pipeline.rollout.executor import episode_seed, play_batch, select_batch
+from areal_pipeline.rollout.failures import FailurePolicy
+from areal_pipeline.rollout.journal import EpisodeJournal, episodes_digest, finish_rollout
+from areal_pipeline.run_spec import build_workflow
+from areal_pipeline.steps import timed
+from areal_pipeline.utils import get_logger, raise_if_deadline_passed, run_async, time_left
+
+logger = get_logger(__name__)
+
+
+class RolloutSteps:
+    @timed
+    def rollout(self, k: int, progress: bool = False) -> dict[str, Any]:
+        out = self.paths.rollout(k)
+        # A corrupt earlier output is cleared and generated again: episodes are seeded, so the tokens are the same.
+        if keep_if_intact(out):
+            self.journal(k).remove()  # one left by a kill between the manifest and its removal
+            return shards_record(out, read_manifest(out), cached=True)
+        if self.cfg.rollout.max_head_offpolicyness > 0:
+            served = self.sync_servers(k - 1 - self.cfg.rollout.max_head_offpolicyness, or_newer=True)["version"]
+            return self._collect_async(k, served)
+        self.sync_servers(k - 1)
+        slots = dict(enumerate(self._episodes(k)))
+        journal = self.journal(k)
+        groups = journal.load(slots)
+        if groups:
+            logger.info("resuming iteration %d: %d/%d groups on disk", k, len(groups), len(slots))
+        missing = {slot: record for slot, record in slots.items() if slot not in groups}
+        workflow, baseline = self._workflow(), self._baseline_workflow()
+        started = time.perf_counter()
+
+        async def run():
+            async with self._engine() as engine:
+                return await play_batch(
+                    workflow, engine, missing, max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
+                    n_samples=self.cfg.rollout.gconfig.n_samples, policy=FailurePolicy.of(self.cfg.rollout),
+                    baseline=baseline, recover=self.recover_hook(k - 1), refill=self._refill(k),
+                    on_group=journal.writer(missing), progress=progress)
+        played = run_async(run()) if missing else []
+        return self._finish_rollout(k, [*groups.values(), *played], time.perf_counter() - started)
+
+    def journal(self, k: int) -> EpisodeJournal:
+        """Iteration k's episode journal."""
+        return EpisodeJournal(self.paths.episodes(k), run_id=self.cfg.run_id, iteration=k,
+                              batch_size=self.cfg.rollout.batch_size, digest=self._episodes_digest)
+
+    @property
+    def _episodes_digest(self) -> str:
+        if getattr(self, "_digest", None) is None:
+            self._digest = episodes_digest(self.cfg)
+        return self._digest
+
+    def _finish_rollout(self, k: int, groups: list, seconds: float) -> dict[str, Any]:
+        manifest = finish_rollout(groups, self.paths.rollout(k), self.journal(k),
+                                  policy=FailurePolicy.of(self.cfg.rollout),
+                                  n_samples=self.cfg.rollout.gconfig.n_samples, seconds=seconds,
+                                  rows_per_shard=self.cfg.rollout.shard_rows, extra_manifest={"policy_version": k - 1})
+        return shards_record(self.paths.rollout(k), manifest, cached=False)
+
+    def recover_hook(self, version: int, or_newer: bool = False) -> Callable[[], Any]:
+        """The `recover` of `executor.play_batch`: restarts dead inference servers and brings them back to `version`
+        (`PolicyVersions.recover_servers`, in a thread). The episodes that fail together (a server died under all of
+        them) share one recovery: a call while one runs waits for that one."""
+        running: list[asyncio.Future] = []
+
+        async def recover() -> None:
+            if not running or running[0].done():
+                running[:] = [asyncio.ensure_future(asyncio.to_thread(self.recover_servers, version, or_newer))]
+            await asyncio.shield(running[0])
+        return recover
+
+    def _refill(self, k: int) -> Callable[[int, int], dict[str, Any]]:
+        """The j-th reserve prompt of batch position `slot` (rollout.on_failure=refill), seeded as a batch's."""
+        def refill(slot: int, j: int) -> dict[str, Any]:
+            record = _refill_prompt(self.records(self.cfg.dataset.train_split), self.cfg.seed, k, slot, j,
+                                    self.cfg.rollout.batch_size)
+            seed = episode_seed(self.cfg.seed, k, f"refill/{slot}/{j}/{record['prompt_id']}")
+            return {**record, "sampling_seed": seed}
+        return refill
+
+    def _episodes(self, k: int) -> list[dict[str, Any]]:
+        """Iteration k's episodes: its prompts (a pure function of k), each with its sampling seed."""
+        return [{**r, "sampling_seed": episode_seed(self.cfg.seed, k, r["prompt_id"])}
+                for r in select_batch(self.records(self.cfg.dataset.train_split), k - 1,
+                                      self.cfg.rollout.batch_size, self.cfg.seed)]
+
+    def _workflow(self):
+        return build_workflow(self.spec, self.tokenizer, self.reward_pool, **self._tool_kwargs())
+
+    def _baseline_workflow(self):
+        """The workflow of the baseline episode the rollout adds per prompt, where `ppo.advantage` asks for one (the
+        greedy completion ReMax subtracts): the run's workflow, decoding greedily; else None."""
+        from areal_pipeline.training.advantage_registry import make_advantage
+
+        if not make_advantage(self.cfg.ppo).greedy_baseline:
+            return None
+        greedy = dataclasses.replace(self.cfg.rollout.gconfig, n_samples=1, greedy=True)
+        cfg = dataclasses.replace(self.cfg, rollout=dataclasses.replace(self.cfg.rollout, gconfig=greedy))
+        return build_workflow(self.spec, self.tokenizer, self.reward_pool, cfg=cfg, **self._tool_kwargs())
+
+    def _collect_async(self, k: int, served_version: int) -> dict[str, Any]:
+        """Asynchronous mode: iteration k's groups from the background executor (started on first use, from this
+        iteration on; it journals every group it plays), written as the iteration's shards."""
+        from areal_pipeline.rollout.async_executor import AsyncRolloutExecutor
+
+        eta = self.cfg.rollout.max_head_offpolicyness
+        if self._async_rollout is None:
+            self._async_rollout = AsyncRolloutExecutor(
+                first_iteration=k, last_iteration=self.cfg.total_iterations, eta=eta, version=served_version,
+                batch_for=self._episodes, workflow=self._workflow(), engine_factory=self._engine,
+                max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
+                n_samples=self.cfg.rollout.gconfig.n_samples, baseline=self._baseline_workflow(),
+                policy=FailurePolicy.of(self.cfg.rollout), journal_for=self.journal,
+                recover=self.recover_hook(k - 1 - eta, or_newer=True))
+            self._async_rollout.start()
+        started = time.perf_counter()
+        try:
+            groups = self._async_rollout.collect(k, timeout=time_left())
+        except TimeoutError as error:
+            raise_if_deadline_passed(error)
+            raise
+        except Exception:
+            # The executor keeps iteration k's failure for good: drop it, so that this node's retry starts a
+            # fresh one at iteration k. What it played of any iteration is in the journals, and is not played again.
+            self._async_rollout.stop()
+            self._async_rollout = None
+            raise
+        return self._finish_rollout(k, groups, time.perf_counter() - started)
+
+    def _tool_kwargs(self) -> dict[str, Any]:
+        tools = {name: p.address for name, p in self.services.tools.items()}
+        return {"tool_addresses": tools} if tools else {}
+
+
+def shards_record(out, manifest: dict, cached: bool) -> dict[str, Any]:
+    """A step's record of the shards it wrote (or found): where they are, how many rows, and their stats."""
+    return {**manifest["stats"], "shards": str(out), "rows": manifest["num_rows"], "cached": cached}
+
+
+# TODO(merge): WP1's executor.refill_prompt (records, seed, iteration, slot, j, batch_size)
+def _refill_prompt(records: list[dict[str, Any]], seed: int, iteration: int, slot: int, j: int,
+                   batch_size: int) -> dict[str, Any]:
+    import random
+
+    own = {r["prompt_id"] for r in select_batch(records, iteration - 1, batch_size, seed)}
+    order = list(range(len(records)))
+    random.Random(f"{seed}-refill-{iteration}").shuffle(order)
+    reserve = [records[i] for i in order if records[i]["prompt_id"] not in own]
+    if not reserve:
+        raise ValueError(f"iteration {iteration}: no reserve prompt to refill with (the batch holds every prompt)")
+    return reserve[(slot * batch_size + j) % len(reserve)]
