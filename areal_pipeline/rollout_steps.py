@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from typing import Any, Callable
 
 from areal_pipeline.data.shards import keep_if_intact, read_manifest
-from areal_pipeline.rollout.executor import episode_seed, play_batch, select_batch
+from areal_pipeline.rollout.executor import episode_seed, play_batch, refill_prompt, select_batch
 from areal_pipeline.rollout.failures import FailurePolicy
 from areal_pipeline.rollout.journal import EpisodeJournal, episodes_digest, finish_rollout
 from areal_pipeline.run_spec import build_workflow
@@ -72,8 +73,7 @@ class RolloutSteps:
 
     def _finish_rollout(self, k: int, groups: list, seconds: float) -> dict[str, Any]:
         manifest = finish_rollout(groups, self.paths.rollout(k), self.journal(k),
-                                  policy=FailurePolicy.of(self.cfg.rollout),
-                                  n_samples=self.cfg.rollout.gconfig.n_samples, seconds=seconds,
+                                  policy=FailurePolicy.of(self.cfg.rollout), seconds=seconds,
                                   rows_per_shard=self.cfg.rollout.shard_rows, extra_manifest={"policy_version": k - 1})
         return shards_record(self.paths.rollout(k), manifest, cached=False)
 
@@ -91,12 +91,8 @@ class RolloutSteps:
 
     def _refill(self, k: int) -> Callable[[int, int], dict[str, Any]]:
         """The j-th reserve prompt of batch position `slot` (rollout.on_failure=refill), seeded as a batch's."""
-        def refill(slot: int, j: int) -> dict[str, Any]:
-            record = _refill_prompt(self.records(self.cfg.dataset.train_split), self.cfg.seed, k, slot, j,
-                                    self.cfg.rollout.batch_size)
-            seed = episode_seed(self.cfg.seed, k, f"refill/{slot}/{j}/{record['prompt_id']}")
-            return {**record, "sampling_seed": seed}
-        return refill
+        return functools.partial(refill_prompt, self.records(self.cfg.dataset.train_split), self.cfg.seed, k,
+                                 batch_size=self.cfg.rollout.batch_size)
 
     def _episodes(self, k: int) -> list[dict[str, Any]]:
         """Iteration k's episodes: its prompts (a pure function of k), each with its sampling seed."""
@@ -131,7 +127,7 @@ class RolloutSteps:
                 max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
                 n_samples=self.cfg.rollout.gconfig.n_samples, baseline=self._baseline_workflow(),
                 policy=FailurePolicy.of(self.cfg.rollout), journal_for=self.journal,
-                recover=self.recover_hook(k - 1 - eta, or_newer=True))
+                recover=self.recover_hook(k - 1 - eta, or_newer=True), refill_for=self._refill)
             self._async_rollout.start()
         started = time.perf_counter()
         try:
@@ -155,17 +151,3 @@ class RolloutSteps:
 def shards_record(out, manifest: dict, cached: bool) -> dict[str, Any]:
     """A step's record of the shards it wrote (or found): where they are, how many rows, and their stats."""
     return {**manifest["stats"], "shards": str(out), "rows": manifest["num_rows"], "cached": cached}
-
-
-# TODO(merge): WP1's executor.refill_prompt (records, seed, iteration, slot, j, batch_size)
-def _refill_prompt(records: list[dict[str, Any]], seed: int, iteration: int, slot: int, j: int,
-                   batch_size: int) -> dict[str, Any]:
-    import random
-
-    own = {r["prompt_id"] for r in select_batch(records, iteration - 1, batch_size, seed)}
-    order = list(range(len(records)))
-    random.Random(f"{seed}-refill-{iteration}").shuffle(order)
-    reserve = [records[i] for i in order if records[i]["prompt_id"] not in own]
-    if not reserve:
-        raise ValueError(f"iteration {iteration}: no reserve prompt to refill with (the batch holds every prompt)")
-    return reserve[(slot * batch_size + j) % len(reserve)]

@@ -8,7 +8,6 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 from pebble import ProcessExpired
@@ -21,8 +20,7 @@ from areal_pipeline.inference.client import InferenceServerError
 from areal_pipeline.inference.types import ModelRequest, SamplingParams
 from areal_pipeline.rewards.pool import (RewardCrash, RewardError, RewardLoadError, RewardPool, RewardReference,
                                          RewardTimeout)
-from areal_pipeline.rollout.executor import (episode_seed, play_batch, refill_prompt, rollout_stats, select_batch,
-                                             write_rollout_shards)
+from areal_pipeline.rollout.executor import episode_seed, play_batch, refill_prompt, rollout_stats, select_batch
 from areal_pipeline.rollout.failures import (EpisodeFailure, EpisodesFailed, FailurePolicy, GroupResult,
                                              RolloutFailureRate, check_failure_rate, classify, failure_records,
                                              failure_stats)
@@ -311,13 +309,22 @@ def test_past_max_failure_rate_the_node_fails_naming_causes_and_peers():
     check_failure_rate(4, groups, FailurePolicy(max_failure_rate=0.2))  # 7/64 is within 0.2
 
 
+def _finish(groups, out, rows_per_shard=4):
+    """The groups as the rollout node writes them (journal.finish_rollout), whatever their failure rate."""
+    from areal_pipeline.rollout.journal import EpisodeJournal, finish_rollout
+
+    journal = EpisodeJournal(out.parent / "rollout.episodes", run_id="r", iteration=1, batch_size=len(groups),
+                             digest="d")
+    return finish_rollout(groups, out, journal, policy=FailurePolicy(max_failure_rate=1.0), seconds=1.0,
+                          rows_per_shard=rows_per_shard)
+
+
 def test_rollout_stats_and_the_manifest_carry_the_failures(tmp_path):
     ok, dropped = _failing_batch("drop", {("b", 1): 1})
     stats = rollout_stats(ok.trajectories, 1.0, [ok, dropped])
     assert (stats["num_trajectories"], stats["failure_rate"], stats["failures/inference"]) == (3, 1 / 6, 1)
     assert "failure_rate" not in rollout_stats(ok.trajectories, 1.0)
-    manifest = write_rollout_shards(ok.trajectories, tmp_path / "rollout", run_id="r", iteration=1, seconds=1.0,
-                                    rows_per_shard=2, groups=[ok, dropped])
+    manifest = _finish([ok, dropped], tmp_path / "rollout", rows_per_shard=2)
     assert manifest["failures"] == failure_records([ok, dropped])
     assert manifest["stats"]["groups_dropped"] == 1
     assert [t.group_id for t in read_trajectories(tmp_path / "rollout")] == ["a"] * 3
@@ -467,12 +474,10 @@ def test_the_iteration_card_lists_the_failed_episodes_and_the_table_keeps_one_ra
 
     pipeline = Pipeline(load_config("configs/tiny_cpu.yaml", [f"output_dir={tmp_path}", "run_id=r"]))
     ok, dropped = _failing_batch("drop", {("b", 1): 1, ("b", 2): 1})
-    write_rollout_shards(ok.trajectories, pipeline.paths.rollout(1), run_id="r", iteration=1, seconds=1.0,
-                         rows_per_shard=4, groups=[ok])
+    _finish([ok], pipeline.paths.rollout(1))
     assert failures_markdown(pipeline, 1) == ""  # nothing failed
     assert failures_markdown(pipeline, 2) == ""  # no rollout (yet)
-    write_rollout_shards(ok.trajectories, pipeline.paths.rollout(1), run_id="r", iteration=1, seconds=1.0,
-                         rows_per_shard=4, groups=[ok, dropped])
+    _finish([ok, dropped], pipeline.paths.rollout(1))
     card = failures_markdown(pipeline, 1)
     assert "2 episode(s) failed for good (rollout.on_failure=drop)" in card
     assert f"| inference | {SERVER} | 2 | InferenceServerError: inference server {SERVER}/generate: HTTP 503 |" in card

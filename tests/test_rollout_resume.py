@@ -122,14 +122,14 @@ def test_resumed_and_uninterrupted_rollouts_write_the_same_content(tmp_path):
     policy = FailurePolicy()
     groups = [_group(slot) for slot in range(4)]
     straight = finish_rollout(groups, tmp_path / "a" / "rollout", _journal(tmp_path / "a"), policy=policy,
-                              n_samples=2, seconds=1.0, rows_per_shard=3)
+                              seconds=1.0, rows_per_shard=3)
     journal = _journal(tmp_path / "b")
     journal.open()
     for g in groups[:3]:
         journal.writer(_slots())(g)
     loaded = journal.load(_slots())
     resumed = finish_rollout([groups[3], *loaded.values()], tmp_path / "b" / "rollout", journal, policy=policy,
-                             n_samples=2, seconds=7.0, rows_per_shard=3)
+                             seconds=7.0, rows_per_shard=3)
     assert not journal.directory.exists()  # removed once the shards are written
     written = content_sha256(read_table(tmp_path / "a" / "rollout"))
     assert resumed["content_sha256"] == straight["content_sha256"] == written
@@ -160,13 +160,14 @@ def test_past_the_failure_rate_only_the_failed_groups_are_played_again(tmp_path)
         journal.writer(slots)(g)
     with pytest.raises(RolloutFailureRate, match=r"iteration 1: 2/8 episodes failed: reward_crash 2 @reward worker 3"):
         finish_rollout(groups, tmp_path / "rollout", journal, policy=FailurePolicy(max_failure_rate=0.2),
-                       n_samples=2, seconds=1.0, rows_per_shard=4)
+                       seconds=1.0, rows_per_shard=4)
     assert sorted(journal.load(slots)) == [0, 1, 3]
     manifest = finish_rollout(groups, tmp_path / "rollout", journal, policy=FailurePolicy(max_failure_rate=0.5),
-                              n_samples=2, seconds=1.0, rows_per_shard=4)
+                              seconds=1.0, rows_per_shard=4)
     assert manifest["num_rows"] == 6 and manifest["stats"]["groups_dropped"] == 1
     assert manifest["stats"]["failures/reward_crash"] == 2 and manifest["stats"]["failure_rate"] == 0.25
-    assert manifest["failures"][0] == {"slot": 2, "prompt_id": "p2", **failure.as_record()}
+    assert manifest["failures"][0] == {"slot": 2, "prompt_id": "p2", "sample_idx": 0, "cause": "reward_crash",
+                                       "peer": "reward worker 3", "attempt": 1, "message": "worker died"}
 
 
 # ----- the rollout node, with real servers ---------------------------------------------------------------------------

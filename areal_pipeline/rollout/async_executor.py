@@ -40,9 +40,11 @@ class AsyncRolloutExecutor:
     def __init__(self, *, first_iteration: int, last_iteration: int, eta: int, version: int,
                  batch_for: Callable[[int], list[dict[str, Any]]], workflow, engine_factory,
                  max_concurrent_rollouts: int, n_samples: int, baseline=None, policy: Optional[FailurePolicy] = None,
-                 journal_for: Optional[Callable[[int], Any]] = None, recover=None):
+                 journal_for: Optional[Callable[[int], Any]] = None, recover=None,
+                 refill_for: Optional[Callable[[int], Callable[[int, int], dict[str, Any]]]] = None):
         """`n_samples` episodes a prompt, `baseline`, the failure `policy` and `recover` as `executor.play_batch`
-        takes them; `journal_for(k)`: iteration k's `journal.EpisodeJournal` (None: nothing is journaled)."""
+        takes them, and `refill_for(k)` its `refill` for iteration k; `journal_for(k)`: iteration k's
+        `journal.EpisodeJournal` (None: nothing is journaled)."""
         self.first_iteration = first_iteration
         self.last_iteration = last_iteration
         self.eta = eta
@@ -55,6 +57,7 @@ class AsyncRolloutExecutor:
         self.policy = policy or FailurePolicy()
         self.journal_for = journal_for
         self.recover = recover
+        self.refill_for = refill_for
         self._version = version
         self._loop = asyncio.new_event_loop()
         self._batches: dict[int, concurrent.futures.Future] = {
@@ -142,10 +145,12 @@ class AsyncRolloutExecutor:
                 logger.info("async rollout: reusing %d/%d groups of iteration %d from its journal",
                             len(done), len(slots), k)
 
+            refill = self.refill_for(k) if self.refill_for is not None else None
+
             async def group(slot, data):
                 async with in_flight:
                     result = await play_group(self.workflow, engine, data, self.n_samples, self.baseline, slot=slot,
-                                              policy=self.policy, recover=self.recover)
+                                              policy=self.policy, recover=self.recover, refill=refill)
                 if journal is not None:
                     await asyncio.to_thread(journal.write, result, data.get("sampling_seed"))
                 return result

@@ -6,13 +6,10 @@ import asyncio
 import functools
 import hashlib
 import random
-import time
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from tqdm.auto import tqdm
 
-from areal_pipeline.data.shards import write_shards
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.rollout.group import play_group, run_group
 from areal_pipeline.utils import get_logger
@@ -169,32 +166,3 @@ def agent_stats(trajectories: list[Trajectory]) -> dict[str, float]:
             if isinstance(value, (bool, int, float)) and key not in NOT_AGENT_METADATA:
                 values.setdefault(key, []).append(float(value))
     return {f"agent/{key}": sum(v) / len(v) for key, v in sorted(values.items())}
-
-
-async def rollout_to_shards(workflow, engine, records, out_dir: Path, *, run_id: str, iteration: int,
-                            max_concurrent_rollouts: int, n_samples: int, rows_per_shard: int, baseline: Any = None,
-                            progress: bool = True, extra_manifest: Optional[dict] = None) -> dict[str, Any]:
-    """One iteration's rollout: episodes -> Parquet shards (manifest last). Returns the manifest."""
-    started = time.perf_counter()
-    trajectories = await run_episodes(workflow, engine, records, max_concurrent_rollouts=max_concurrent_rollouts,
-                                      n_samples=n_samples, baseline=baseline, progress=progress)
-    return write_rollout_shards(trajectories, out_dir, run_id=run_id, iteration=iteration,
-                                seconds=time.perf_counter() - started, rows_per_shard=rows_per_shard,
-                                extra_manifest=extra_manifest)
-
-
-def write_rollout_shards(trajectories: list[Trajectory], out_dir: Path, *, run_id: str, iteration: int,
-                         seconds: float, rows_per_shard: int, extra_manifest: Optional[dict] = None,
-                         groups: Optional[list[Any]] = None) -> dict[str, Any]:
-    """The shards and their manifest: "stats" (rollout_stats) and, with `groups` (play_batch's GroupResults), the
-    "failures" of the episodes that failed for good (failures.failure_records)."""
-    from areal_pipeline.rollout.failures import failure_records
-
-    stats = rollout_stats(trajectories, seconds, groups)
-    extra = {"stats": stats, **({"failures": failure_records(groups)} if groups is not None else {}),
-             **(extra_manifest or {})}
-    manifest = write_shards(trajectories, out_dir, run_id=run_id, iteration=iteration,
-                            rows_per_shard=rows_per_shard, extra_manifest=extra, overwrite=True)
-    logger.info("rollout %s iter %d: %d trajectories, reward %.3f, %.0f tok/s", run_id, iteration,
-                len(trajectories), stats["reward_mean"], stats["rollout_tokens_per_s"])
-    return manifest

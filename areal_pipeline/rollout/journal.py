@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,7 +36,8 @@ import pyarrow.parquet as pq
 from areal_pipeline.data.shards import (TRAJECTORY_SCHEMA, content_sha256, table_trajectories, trajectory_table,
                                         write_table)
 from areal_pipeline.rollout.executor import rollout_stats
-from areal_pipeline.rollout.failures import EpisodeFailure, FailurePolicy, GroupResult, RolloutFailureRate
+from areal_pipeline.rollout.failures import (EpisodeFailure, FailurePolicy, GroupResult, RolloutFailureRate,
+                                             check_failure_rate, failure_records)
 from areal_pipeline.utils import atomic_write_bytes, atomic_write_text, get_logger
 
 logger = get_logger(__name__)
@@ -120,7 +120,8 @@ class EpisodeJournal:
         return GroupResult(slot, meta["prompt_id"], table_trajectories(table),
                            failures=[EpisodeFailure.from_record(f) for f in meta["failures"]],
                            retried=[EpisodeFailure.from_record(f) for f in meta["retried"]],
-                           outcome=meta["outcome"], replaced_prompt_id=meta["replaced_prompt_id"])
+                           outcome=meta["outcome"], replaced_prompt_id=meta["replaced_prompt_id"],
+                           episodes=meta.get("episodes", 0))
 
     def write(self, group: GroupResult, sampling_seed: Optional[int] = None) -> None:
         """Write a finished group (its file replaces any earlier one atomically). `sampling_seed`: the seed of the
@@ -129,7 +130,7 @@ class EpisodeJournal:
         meta = {"slot": group.slot, "prompt_id": group.prompt_id, "replaced_prompt_id": group.replaced_prompt_id,
                 "sampling_seed": sampling_seed, "outcome": group.outcome,
                 "failures": [f.as_record() for f in group.failures],
-                "retried": [f.as_record() for f in group.retried],
+                "retried": [f.as_record() for f in group.retried], "episodes": group.episodes,
                 "rows": table.num_rows, "rows_sha256": content_sha256(table)}
         sink = pa.BufferOutputStream()
         pq.write_table(table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()}), sink)
@@ -148,7 +149,7 @@ class EpisodeJournal:
 
 
 def finish_rollout(groups: list[GroupResult], out: Path, journal: EpisodeJournal, *, policy: FailurePolicy,
-                   n_samples: int, seconds: float, rows_per_shard: int,
+                   seconds: float, rows_per_shard: int,
                    extra_manifest: Optional[dict] = None) -> dict[str, Any]:
     """An iteration's groups (every batch position's) -> its rollout shards; the manifest (returned) gets the stats,
     the failures and `content_sha256`. Past `policy.max_failure_rate`, RolloutFailureRate, after the failed groups'
@@ -156,44 +157,17 @@ def finish_rollout(groups: list[GroupResult], out: Path, journal: EpisodeJournal
     groups = sorted(groups, key=lambda g: g.slot)
     run_id, k = journal.run_id, journal.iteration
     try:
-        _check_failure_rate(k, groups, policy, n_samples)
+        check_failure_rate(k, groups, policy)
     except RolloutFailureRate:
         journal.discard([g.slot for g in groups if g.failures])
         raise
     table = trajectory_table([t for g in groups for t in g.trajectories], run_id, k)
     trajectories = table_trajectories(table)
-    stats = {**rollout_stats(trajectories, seconds), **_failure_stats(groups, n_samples)}
+    stats = rollout_stats(trajectories, seconds, groups)
     manifest = write_table(table, out, run_id=run_id, iteration=k, rows_per_shard=rows_per_shard, overwrite=True,
-                           extra_manifest={"stats": stats, "failures": _failure_records(groups),
+                           extra_manifest={"stats": stats, "failures": failure_records(groups),
                                            "content_sha256": content_sha256(table), **(extra_manifest or {})})
     journal.remove()
     logger.info("rollout %s iter %d: %d trajectories, reward %.3f, %.0f tok/s", run_id, k, len(trajectories),
                 stats["reward_mean"], stats["rollout_tokens_per_s"])
     return manifest
-
-
-# TODO(merge): WP1's failures.failure_records
-def _failure_records(groups: list[GroupResult]) -> list[dict[str, Any]]:
-    return [{"slot": g.slot, "prompt_id": g.prompt_id, **f.as_record()} for g in groups for f in g.failures]
-
-
-# TODO(merge): WP1's failures.failure_stats
-def _failure_stats(groups: list[GroupResult], n_samples: int) -> dict[str, Any]:
-    failed = Counter(f.cause for g in groups for f in g.failures)
-    retried = Counter(f.cause for g in groups for f in g.retried)
-    outcomes = Counter(g.outcome for g in groups)
-    return {**{f"failures/{cause}": n for cause, n in sorted(failed.items())},
-            **{f"retries/{cause}": n for cause, n in sorted(retried.items())},
-            "failure_rate": sum(failed.values()) / max(1, len(groups) * n_samples),
-            "groups_dropped": outcomes["dropped"], "groups_refilled": outcomes["refilled"],
-            "episodes_masked": sum(len(g.failures) for g in groups if g.outcome == "masked")}
-
-
-# TODO(merge): WP1's failures.check_failure_rate
-def _check_failure_rate(k: int, groups: list[GroupResult], policy: FailurePolicy, n_samples: int) -> None:
-    failures = [f for g in groups for f in g.failures]
-    total = max(1, len(groups) * n_samples)
-    if len(failures) / total > policy.max_failure_rate:
-        causes = Counter((f.cause, f.peer) for f in failures)
-        raise RolloutFailureRate(f"iteration {k}: {len(failures)}/{total} episodes failed: " + ", ".join(
-            f"{cause} {n}" + (f" @{peer}" if peer else "") for (cause, peer), n in causes.most_common()))
