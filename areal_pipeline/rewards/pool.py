@@ -16,7 +16,7 @@ import importlib
 import logging
 import multiprocessing
 import signal
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -164,6 +164,7 @@ class RewardPool:
             max_workers=max_workers, context=context or multiprocessing.get_context("spawn"),
             initializer=_ignore_ctrl_c, initargs=(forkserver.InheritedOutput(),) if context else (),
         )
+        self._pending: set[Future] = set()  # calls not answered yet: failed, not left waiting, when the pool stops
 
     def warm_up(self, fn: Callable[..., Any]) -> list[Future]:
         """Start the workers and load `fn` (a RewardReference) or import its module in them now (in the
@@ -174,7 +175,10 @@ class RewardPool:
         return [self._pool.schedule(_import, args=(fn.__module__,)) for _ in range(self.max_workers)]
 
     def _submit(self, fn: Callable[..., Any], args: tuple) -> Future:
-        return self._pool.schedule(fn, args=args, timeout=self.timeout)
+        future = self._pool.schedule(fn, args=args, timeout=self.timeout)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return future
 
     def _failure(self, fn: Callable[..., Any], args: tuple, error: BaseException) -> Exception:
         """The error a failed call raises (RewardLoadError and cancellation are re-raised as they are)."""
@@ -241,6 +245,11 @@ class RewardPool:
             logger.warning("reward calls still running after %g s: stopping the reward workers", timeout)
             self._pool.stop()
             self._pool.join()
+        for future in list(self._pending):  # whoever waits on a call the stopped pool never answered
+            try:
+                future.set_exception(RuntimeError("the reward pool was closed before the call ended"))
+            except InvalidStateError:  # answered meanwhile
+                pass
 
     def __enter__(self) -> RewardPool:
         return self
