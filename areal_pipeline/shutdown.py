@@ -148,6 +148,16 @@ def _watch_signals(signals: frozenset) -> None:
                     on_stop_signal(signum)
 
     threading.Thread(target=watch, name="stop-signal-watch", daemon=True).start()
+    # A forked child (a worker of a fork context) inherits the wake-up fd, and the pipe with it: a signal to the
+    # child would read here as one to this process.
+    os.register_at_fork(after_in_child=_forget_wakeup_fd)
+
+
+def _forget_wakeup_fd() -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the child's main thread: nothing to forget there
+        pass
 
 
 def handlers_installed() -> bool:

@@ -11,8 +11,8 @@ watches its own flow run's state (one small API read every POLL_S seconds, in a 
 - Paused: no further iteration starts (the one or two in flight finish: the next one's run starts during an
   update) until the flow run is resumed (the UI's Resume) and the run goes on where it was, servers and trainer
   kept; or until it is cancelled, or fails (a pause that timed out), which stops it as above.
-- The API gone: a read that fails is counted, and a read that answers, however slowly, ends the count (a slow
-  API is not a dead one). Failures for longer than the grace (`AREAL_API_GRACE_S`, `--api-grace`, default 120 s)
+- The API gone: a read that fails is counted, and a read that answers, however slowly (up to READ_TIMEOUT_S),
+  ends the count (a slow API is not a dead one). Failures for longer than the grace (`AREAL_API_GRACE_S`, `--api-grace`, default 120 s)
   stop the run at its next node: the nodes in flight finish (their outputs are on disk), none starts
   (`APIUnavailable`), and a command of the project's own ends with exit code 75 (EX_TEMPFAIL), saying which
   iterations are finished and to rerun the same command once the API is back (which continues from there). It

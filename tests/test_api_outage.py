@@ -176,3 +176,69 @@ def test_sigterm_ends_a_run_within_seconds_with_the_api_gone(api, tiny_model_dir
     assert time.monotonic() - sent < FORCED_EXIT_AFTER_S + 4, out[-3000:]
     assert run.returncode == 128 + signal.SIGTERM, out[-3000:]
     wait_until(lambda: processes_of(run.pid) == [], 10, "the run's processes to exit")
+
+
+def test_sigterm_to_serve_with_the_api_gone_ends_it_its_sweep_and_the_sweep_s_run_within_10_s(
+        api, tiny_model_dir, tmp_path):
+    """`serve` runs a sweep deployment run, which runs a train run: the API dies, then `serve` gets SIGTERM. The
+    runner's shutdown and each run's crash report would wait on the dead API; all of them are gone within 10 s."""
+    import asyncio
+
+    import psutil
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from test_flows import wait_for_deployment
+
+    env = client_env(api.url, api.home)
+    import sys
+
+    from test_flows import REPO
+
+    log = tmp_path / "serve.log"
+    serve = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--config", "configs/tiny_cpu.yaml",
+                              "--iterations", "50", *fast_overrides(tmp_path, tiny_model_dir, run_id="served",
+                                                                    iterations=50)],
+                             cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                             start_new_session=True)
+
+    async def start_a_sweep():
+        async with get_client() as client:
+            deployment = await wait_for_deployment(client, "sweep/sweep", run_id="served")
+            await client.create_flow_run_from_deployment(deployment.id, parameters={
+                "axes": [*deployment.parameters["axes"], "trainer.optimizer.lr=1e-3"]})
+
+    started: list[psutil.Process] = []
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: api.url}):
+            asyncio.run(start_a_sweep())
+        marker = tmp_path / "served-lr=1e-3" / "iter_2" / "rollout" / "manifest.json"
+        wait_until(lambda: marker.exists() or serve.poll() is not None, 600, "the sweep's run's second iteration",
+                   interval=0.05)
+        assert serve.poll() is None, log.read_text()[-3000:]
+        started = psutil.Process(serve.pid).children(recursive=True)
+        commands = " | ".join(" ".join(p.cmdline()) for p in started)
+        assert "prefect.engine" in commands and "child_main" in commands and "trainer_server" in commands, commands
+        api.kill()
+        time.sleep(1)
+        sent = time.monotonic()
+        serve.send_signal(signal.SIGTERM)
+
+        def gone(process: psutil.Process) -> bool:
+            try:
+                return process.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        try:
+            wait_until(lambda: serve.poll() is not None and all(gone(p) for p in started), 10,
+                       "serve, its sweep, the sweep's run and its services to exit")
+        except AssertionError:
+            raise AssertionError(log.read_text()[-3000:])
+        assert time.monotonic() - sent < 10
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+        for process in started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()

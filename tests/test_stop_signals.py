@@ -129,3 +129,28 @@ def test_the_stop_starts_at_the_signal_whatever_handler_another_library_put_in_p
     finally:
         process.kill()
         process.wait()
+
+
+_FORKED_CHILD = r'''
+import os, signal, sys, time
+from areal_pipeline import shutdown
+
+shutdown.install_handlers()
+child = os.fork()
+if child == 0:
+    signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+    time.sleep(60)
+    os._exit(1)
+time.sleep(0.5)
+os.kill(child, signal.SIGTERM)  # as a pool stops a worker
+os.waitpid(child, 0)
+time.sleep(1)
+print("stop requested:", shutdown.requested_by(), flush=True)
+'''
+
+
+def test_a_signal_to_a_forked_child_is_not_taken_for_one_to_the_parent():
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FORKED_CHILD], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "stop requested: None" in out.stdout, out.stdout + out.stderr
