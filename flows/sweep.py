@@ -164,6 +164,23 @@ def stop_runs(grace: float = RUN_STOP_GRACE_S) -> None:
                 pass
 
 
+def _final_state(flow_run_id: Any):
+    """The run's flow run state as the API has it; after a stop signal one quick try (the API may be what is
+    gone, and nothing may wait on it then), None when it does not answer."""
+    from prefect import get_client
+    from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    if shutdown.requested_by() is None:
+        with get_client(sync_client=True) as client:
+            return client.read_flow_run(flow_run_id).state
+    try:
+        with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: 2.0}), \
+                get_client(sync_client=True) as client:
+            return client.read_flow_run(flow_run_id).state
+    except Exception:
+        return None
+
+
 def _wait_for_run(child: subprocess.Popen) -> int:
     """The run's exit code. A run ends by itself (its nodes have deadlines); after a stop signal, which
     `stop_runs` passes on, it is given RUN_STOP_GRACE_S and then killed with its group."""
@@ -229,10 +246,7 @@ def run_one(config_path: str, run_id: str, overrides: list[str], iterations: Opt
         with _children_lock:
             _children.pop(child.pid, None)
     wall = time.monotonic() - started
-    state = None
-    if shutdown.requested_by() is None:  # after a stop signal the API may be what is gone: nothing waits on it
-        with get_client(sync_client=True) as client:
-            state = client.read_flow_run(flow_run.id).state
+    state = _final_state(flow_run.id)
     summary = summarize(read_metrics(Path(run_dir) / "metrics.jsonl"))
     summary.pop("agent", None)
     row = {"run_id": run_id, "state": state.name if state else "unknown", "exit_code": returncode,
