@@ -8,6 +8,11 @@ orchestrator can record the run as crashed. Unwinding normally takes a second or
 process `FORCED_EXIT_AFTER_S` seconds after the signal (an API that no longer answers, a thread that does not
 notice), the process exits then with the signal's status. A repeated signal changes nothing: Prefect re-sends
 SIGTERM to its own process once it has recorded the crash, so a repeat is not a user asking twice.
+
+Another library may put its own handler in place of this one for a while: Prefect's engine does for SIGTERM
+during a whole flow run, and its handler first reports the crash to the API, which takes minutes when the API is
+gone. So the handlers also take the signal through `signal.set_wakeup_fd`, which the interpreter writes to
+whatever Python handler is installed: a thread reading it starts the stop at once (`on_stop_signal`, once).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ _cleanups: dict[int, tuple[str, Callable[[], None]]] = {}
 _ids = itertools.count()
 _lock = threading.Lock()
 _first_signal: Optional[int] = None
+_stopped = threading.Event()  # set once the first stop signal's clean-ups have run
 _handler: Optional[Callable] = None  # the stop handler `install_handlers` installed in this process, if it did
 
 
@@ -71,15 +77,25 @@ def on_stop_signal(signum: int) -> None:
     """What a stop signal does before the main thread unwinds: stop the run's processes, and make sure the
     process ends within `FORCED_EXIT_AFTER_S` seconds whatever happens next."""
     global _first_signal
-    if _first_signal is not None:
+    with _lock:
+        first = _first_signal is None
+        if first:
+            _first_signal = signum
+    if not first:
+        # the other caller (the watching thread, or the handler) may still be stopping: the handler unwinds the
+        # main thread only once that is done, as when it stops everything itself
+        _stopped.wait(FORCED_EXIT_AFTER_S)
         return
-    _first_signal = signum
     name = signal.Signals(signum).name
     logger.warning("%s received: stopping the run's servers and trainer", name)
-    stop_everything()
+    # the limit counts from the signal, however long the clean-ups take
     timer = threading.Thread(target=_exit_if_still_running, args=(signum, time.monotonic()),
                              name="forced-exit", daemon=True)
     timer.start()
+    try:
+        stop_everything()
+    finally:
+        _stopped.set()
 
 
 def _exit_if_still_running(signum: int, since: float) -> None:
@@ -105,6 +121,43 @@ def install_handlers(signals=(signal.SIGINT, signal.SIGTERM)) -> None:
     for signum in signals:
         signal.signal(signum, handle)
     _handler = handle
+    _watch_signals(frozenset(int(s) for s in signals))
+
+
+def _watch_signals(signals: frozenset) -> None:
+    """Start the stop from a thread as soon as one of `signals` arrives, whichever Python handler then runs (see
+    the module's docstring). Where the process's wake-up fd is taken already (an event loop's), the handlers
+    alone do it."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    if previous != -1:  # one owner only: a second call, or an event loop's
+        signal.set_wakeup_fd(previous)
+        os.close(read_end)
+        os.close(write_end)
+        return
+
+    def watch() -> None:
+        while True:
+            try:
+                received = os.read(read_end, 64)
+            except OSError:
+                return
+            for signum in received:
+                if signum in signals:
+                    on_stop_signal(signum)
+
+    threading.Thread(target=watch, name="stop-signal-watch", daemon=True).start()
+    # A forked child (a worker of a fork context) inherits the wake-up fd, and the pipe with it: a signal to the
+    # child would read here as one to this process.
+    os.register_at_fork(after_in_child=_forget_wakeup_fd)
+
+
+def _forget_wakeup_fd() -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the child's main thread: nothing to forget there
+        pass
 
 
 def handlers_installed() -> bool:

@@ -14,6 +14,21 @@ from cli.commands import (cmd_answers, cmd_branch, cmd_config, cmd_evaluate, cmd
                           cmd_serve, cmd_sweep, cmd_train)
 
 
+
+def _api_grace(parser: argparse.ArgumentParser) -> None:
+    def seconds(value: str) -> float:
+        try:
+            grace = float(value)
+        except ValueError:
+            grace = -1.0
+        if not grace > 0:
+            raise argparse.ArgumentTypeError(f"{value!r}: must be a positive number of seconds")
+        return grace
+
+    parser.add_argument("--api-grace", type=seconds, default=None, metavar="SECONDS",
+                        help="how long the Prefect API may not answer before the run stops at its next node, "
+                             "exit code 75, resumable by the same command (default: $AREAL_API_GRACE_S, else 120)")
+
 def build_parser() -> argparse.ArgumentParser:
     from areal_pipeline.inference.server_args import build_arg_parser
 
@@ -46,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true",
                    help="every log record on the terminal (default: a progress line and warnings; all records go to "
                         "runs/<run_id>/logs/train.log and the Prefect run logs)")
+    _api_grace(p)
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. trainer.optimizer.lr=1e-4")
     p.set_defaults(func=cmd_train)
 
@@ -141,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-parallel", type=int, default=1, metavar="N", help="runs at once (default 1)")
     p.add_argument("--verbose", action="store_true", help="every log record of the sweep on the terminal (each "
                                                           "run's output goes to runs/<run_id>/logs/sweep.log)")
+    _api_grace(p)
     p.add_argument("axes", nargs="+", metavar="key=v1,v2,...",
                    help="dotted config keys and their values, comma-separated; a single value applies to every run")
     p.set_defaults(func=cmd_sweep)
@@ -191,6 +208,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     # Ctrl-C and SIGTERM (`kill`, `timeout`, a cancelled deployment run) stop the run's processes at once, then
     # unwind; the process ends within seconds whatever happens next (see areal_pipeline/shutdown.py)
     shutdown.install_handlers()
+    if getattr(args, "api_grace", None) is not None:  # read by the train flow, here and in a sweep's runs
+        import os
+
+        os.environ["AREAL_API_GRACE_S"] = repr(args.api_grace)
     if args.command != "inference-server":
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from areal_pipeline import shutdown
 from areal_pipeline.pipeline import Pipeline
-from areal_pipeline.steps import LONGEST
+from areal_pipeline.steps import LONGEST, STEPS
 from areal_pipeline.utils import atomic_write_text
 from flows import artifacts
 from tasks.runs import LiveRun
@@ -59,11 +59,33 @@ class PreviousIterationFailed(Exception):
     """Iteration k - 1 failed: iteration k runs no node that needs its policy."""
 
 
+# The longest iteration k - 1 can take once k waits on it: each of its nodes, every retry, at its own limit.
+ITERATION_LIMIT_S = sum(step.limit_s * (1 + step.retries) + sum(
+    step.retry_delay_seconds if isinstance(step.retry_delay_seconds, list) else [step.retry_delay_seconds]
+    * step.retries) for step in STEPS)
+_WAIT_POLL_S = 0.5
+
+
+def _wait_for(event: threading.Event, run: LiveRun, what: str) -> None:
+    """Wait for `event`, set by the iteration before, at most ITERATION_LIMIT_S, and no longer once a stop signal
+    arrived or the Prefect API is gone (flows/control.py): the waiting thread then fails too."""
+    from flows.control import APIUnavailable
+
+    limit = time.monotonic() + ITERATION_LIMIT_S
+    while not event.wait(_WAIT_POLL_S):
+        if shutdown.requested_by() is not None:
+            raise PreviousIterationFailed(f"{what}: stopped by {signal.Signals(shutdown.requested_by()).name}")
+        if run.control is not None and run.control.api_gone is not None:
+            raise APIUnavailable(f"{what}: {run.control.api_gone}")
+        if time.monotonic() > limit:
+            raise TimeoutError(f"{what}: not done within {ITERATION_LIMIT_S} s, the longest its nodes may take")
+
+
 class Turn:
     """Iteration k's place among the iteration runs of its train run (see the module's docstring)."""
 
     def __init__(self, run: LiveRun, k: int):
-        self.k = k
+        self.run, self.k = run, k
         self.handoff, self.previous = run.handoffs.get(k), run.handoffs.get(k - 1)
         self.ahead = run.pipeline.ahead_nodes
         self.waited = self.previous is None
@@ -74,18 +96,22 @@ class Turn:
         for it. Returns what `call` does."""
         if not self.waited and name not in self.ahead:
             self.waited = True
-            self.previous.nodes_done.wait()
+            _wait_for(self.previous.nodes_done, self.run, f"iteration {self.k} waiting for iteration {self.k - 1}")
             if self.previous.failed:
                 raise PreviousIterationFailed(f"iteration {self.k - 1} failed, so iteration {self.k} did not finish")
         if name == LONGEST and self.handoff is not None:
             self.handoff.next_may_start.set()
-        return call()
+        if self.run.control is None:
+            return call()
+        with self.run.control.node(f"{name} of iteration {self.k}"):  # none starts once the API is gone
+            return call()
 
     def report(self, publish: Callable[[], T]) -> T:
         """`publish()` once iteration k - 1 has published its own (metrics.jsonl and artifacts stay in order)."""
         try:
             if self.previous is not None:
-                self.previous.reported.wait()
+                _wait_for(self.previous.reported, self.run, f"iteration {self.k}'s report waiting for "
+                                                            f"iteration {self.k - 1}'s")
             return publish()
         finally:
             if self.handoff is not None:

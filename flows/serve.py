@@ -13,6 +13,8 @@ from typing import Optional
 
 from prefect import Flow
 
+from areal_pipeline import shutdown
+
 from flows.evaluate import evaluate
 from flows.sweep import sweep
 from flows.train import train
@@ -46,6 +48,28 @@ def deployments(config_path: str, overrides: list[str], run_id: Optional[str], i
 
 
 DEFAULT_POLL_SECONDS = 2.0  # a run started from the UI begins within this (Prefect's default: 10 s)
+# After a stop signal the runs this process started get SIGTERM, then SIGKILL if still there after this: a run
+# reports its end to the API first, which with the API gone would take minutes.
+RUNS_STOP_GRACE_S = 5.0
+
+
+def stop_started_runs(grace: float = RUNS_STOP_GRACE_S) -> None:
+    """SIGTERM to every process this one started (the runner's flow-run processes and theirs), then SIGKILL to
+    those still there after `grace`."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def serve_deployments(*args, poll_seconds: Optional[float] = None, **kwargs) -> None:
@@ -70,7 +94,13 @@ def serve_deployments(*args, poll_seconds: Optional[float] = None, **kwargs) -> 
     ui = get_current_settings().ui_url
     print(f"Serving {', '.join(served)}: start a run from the Prefect UI{f' ({ui}/deployments)' if ui else ''} or "
           f"with `prefect deployment run {served[0]}`; Ctrl-C stops serving.", flush=True)
+    # The runner's own SIGTERM handler takes over from the command's while it serves, and its shutdown talks to
+    # the API; the command's stop still starts at the signal (areal_pipeline/shutdown.py), stopping the runs
+    # and ending the process within FORCED_EXIT_AFTER_S, the API there or not.
+    stopping = shutdown.register("the runs serve started", stop_started_runs)
     try:
         asyncio.run(runner.start())
     except (KeyboardInterrupt, TerminationSignal) as stop:
         print(f"{type(stop).__name__}: no longer serving", flush=True)
+    finally:
+        shutdown.unregister(stopping)

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from areal_pipeline import shutdown
+
 CHILD_FLAG = "--child"
 # How the sweep starts a run: `-c` rather than `-m flows.sweep`, since every process multiprocessing starts (the
 # run's forked services) imports the main module first, and this one's import is Prefect's
@@ -162,6 +164,39 @@ def stop_runs(grace: float = RUN_STOP_GRACE_S) -> None:
                 pass
 
 
+def _final_state(flow_run_id: Any):
+    """The run's flow run state as the API has it; after a stop signal one quick try (the API may be what is
+    gone, and nothing may wait on it then), None when it does not answer."""
+    from prefect import get_client
+    from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    if shutdown.requested_by() is None:
+        with get_client(sync_client=True) as client:
+            return client.read_flow_run(flow_run_id).state
+    try:
+        with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: 2.0}), \
+                get_client(sync_client=True) as client:
+            return client.read_flow_run(flow_run_id).state
+    except Exception:
+        return None
+
+
+def _wait_for_run(child: subprocess.Popen) -> int:
+    """The run's exit code. A run ends by itself (its nodes have deadlines); after a stop signal, which
+    `stop_runs` passes on, it is given RUN_STOP_GRACE_S and then killed with its group."""
+    stopped_at = None
+    while True:
+        try:
+            return child.wait(1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        if shutdown.requested_by() is not None:
+            stopped_at = stopped_at or time.monotonic()
+            if time.monotonic() - stopped_at > RUN_STOP_GRACE_S:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)
+
+
 @task(name="run", task_run_name="{run_id}", cache_policy=NO_CACHE)
 def run_one(config_path: str, run_id: str, overrides: list[str], iterations: Optional[int], run_dir: str,
             api_url: str) -> dict[str, Any]:
@@ -206,13 +241,12 @@ def run_one(config_path: str, run_id: str, overrides: list[str], iterations: Opt
     get_run_logger().info("run %s: flow run %s, pid %d, output in %s", run_id, flow_run.id, child.pid, log)
     print(f"  started  {run_id} (pid {child.pid}; its output: {log})", flush=True)
     try:
-        returncode = child.wait()
+        returncode = _wait_for_run(child)
     finally:
         with _children_lock:
             _children.pop(child.pid, None)
     wall = time.monotonic() - started
-    with get_client(sync_client=True) as client:
-        state = client.read_flow_run(flow_run.id).state
+    state = _final_state(flow_run.id)
     summary = summarize(read_metrics(Path(run_dir) / "metrics.jsonl"))
     summary.pop("agent", None)
     row = {"run_id": run_id, "state": state.name if state else "unknown", "exit_code": returncode,
@@ -269,7 +303,8 @@ def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] 
     # A stop signal reaches this process only (each run is in a session of its own): pass it on to the runs at
     # once, or the task runner would wait for them to finish. During a flow run SIGTERM goes to Prefect's handler;
     # stop_everything_on_sigterm stops the runs inside the task runner's block, before it waits for them.
-    stopping = shutdown.register("the sweep's runs", signal_runs)
+    stopping = shutdown.register("the sweep's runs",
+                                 lambda: threading.Thread(target=stop_runs, name="stop-runs", daemon=True).start())
     try:
         with ThreadPoolTaskRunner(max_workers=max_parallel) as runner, overlap.stop_everything_on_sigterm():
             futures = [runner.submit(run_one, parameters={

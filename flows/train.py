@@ -167,7 +167,7 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
                     temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
                 # run events, and Prefect's Cancel / Pause of this flow run (see flows/control.py)
                 with control.watch(run, first, cfg.total_iterations, to_dict(cfg)) as watched:
-                    with overlap.stop_everything_on_sigterm():
+                    with overlap.stop_everything_on_sigterm(), control.stop_if_the_api_is_gone(watched):
                         overlap.run_iterations(lambda k, until: iteration(cfg.run_id, k, until if until > k else None),
                                                run, first, cfg.total_iterations, per_run, progress)
             if watched.cancelled is not None:

@@ -90,3 +90,66 @@ def test_a_hung_trainer_command_ends_at_the_deadline(silent_endpoint):
     # without a deadline the command's own timeout still applies, reported as the trainer's error
     with pytest.raises(TrainerError, match="unreachable during status"):
         TrainerClient(silent_endpoint, timeout=0.3).call("status")
+
+
+def test_a_server_paused_and_never_resumed_fails_the_request_naming_it(tmp_path):
+    """The orchestrator paused the servers for an update and never resumed them (hung or gone): the rollout's
+    requests wait `inference.pause_timeout`, then fail naming the server, instead of spinning for good."""
+    from areal_pipeline.config import InferenceConfig
+    from areal_pipeline.inference.client import RemoteSGLangEngine
+    from areal_pipeline.inference.launcher import launch_servers
+    from areal_pipeline.inference.types import ModelRequest, SamplingParams
+    from areal_pipeline.model import build_tiny_model
+    from areal_pipeline.utils import PeerTimeout
+
+    model = build_tiny_model(tmp_path / "tiny")
+    [server] = launch_servers(str(model), InferenceConfig(num_servers=1, num_threads=1, setup_timeout=180), seed=1,
+                              log_dir=tmp_path)
+    try:
+        async def main():
+            async with RemoteSGLangEngine([server.address], pause_timeout=1.5) as engine:
+                req = ModelRequest(input_ids=[10, 20, 30], sampling=SamplingParams(max_new_tokens=4))
+                assert len((await engine.agenerate(req)).output_tokens) == 4  # served while not paused
+                await engine.pause()
+                started = time.monotonic()
+                with pytest.raises(PeerTimeout, match=f"server {server.address}: no resume from the orchestrator "
+                                                      "after a pause within 1.5 s"):
+                    await engine.agenerate(req)
+                return time.monotonic() - started
+
+        assert 1.5 <= asyncio.run(main()) < 10
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="pause_timeout must be positive"):
+        RemoteSGLangEngine(["127.0.0.1:1"], pause_timeout=0)
+
+
+def test_a_stopped_trainer_rank_fails_the_command_at_the_collective_timeout_naming_it(tmp_path):
+    """SIGSTOP on rank 1 of two: rank 0 waits `trainer.collective_timeout` for it, not the control group's idle
+    limit, answers naming it, and the trainer ends (its ranks are out of step for good)."""
+    import os
+    import signal
+    import sys
+
+    import psutil
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _trainer_helpers import trainer_config
+    from areal_pipeline.model import build_tiny_model
+    from areal_pipeline.training.client import launch_trainer
+
+    cfg = trainer_config(tmp_path, "trainer.nproc=2", "trainer.collective_timeout=3", "trainer.command_timeout=120")
+    process, client = launch_trainer(cfg, str(build_tiny_model(tmp_path / "tiny")), tmp_path / "logs")
+    try:
+        [rank1] = [p for p in psutil.Process().children(recursive=True)
+                   if "trainer_server" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1"]
+        rank1.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TrainerError, match=r"trainer rank\(s\) 1 \(one or more\): no receipt of command "
+                                               r"'save_weights' within 3 s") as raised:
+            client.call("save_weights", path=str(tmp_path / "w"))
+        assert raised.value.code == "peer_timeout" and time.monotonic() - started < 15
+        rank1.send_signal(signal.SIGCONT)
+        assert "the trainer stops" in (tmp_path / "logs" / "trainer.log").read_text()
+    finally:
+        process.stop()

@@ -92,3 +92,65 @@ def test_a_stop_signal_ends_the_run_promptly_and_the_same_run_id_continues_it(
     finished = [json.loads(line)["iteration"] for line in (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()]
     assert finished == [1, 2, 3], out[-3000:]
     assert "continuing at 2" in out or "continuing at 3" in out, out[-3000:]
+
+
+_REPLACED_HANDLER = r'''
+import signal, sys, time
+from areal_pipeline import shutdown
+
+shutdown.FORCED_EXIT_AFTER_S = 2.0
+shutdown.install_handlers()
+shutdown.register("a marker", lambda: print("cleaned up", flush=True))
+
+def slow_handler(signum, frame):  # as Prefect's: it reports the crash to an API that no longer answers
+    time.sleep(3600)
+
+signal.signal(signal.SIGTERM, slow_handler)
+print("ready", flush=True)
+time.sleep(3600)
+'''
+
+
+def test_the_stop_starts_at_the_signal_whatever_handler_another_library_put_in_place():
+    """A library's SIGTERM handler that never returns (Prefect's, reporting to a dead API) in place of the
+    project's: the registered clean-ups still run at the signal, and the forced exit still ends the process."""
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-c", _REPLACED_HANDLER], stdout=subprocess.PIPE, text=True,
+                               stderr=subprocess.STDOUT)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=30)
+        assert time.monotonic() - sent < 2.0 + 3, out
+        assert process.returncode == 128 + signal.SIGTERM and "cleaned up" in out, out
+        assert "still running 2 s after the stop signal" in out, out
+    finally:
+        process.kill()
+        process.wait()
+
+
+_FORKED_CHILD = r'''
+import os, signal, sys, time
+from areal_pipeline import shutdown
+
+shutdown.install_handlers()
+child = os.fork()
+if child == 0:
+    signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+    time.sleep(60)
+    os._exit(1)
+time.sleep(0.5)
+os.kill(child, signal.SIGTERM)  # as a pool stops a worker
+os.waitpid(child, 0)
+time.sleep(1)
+print("stop requested:", shutdown.requested_by(), flush=True)
+'''
+
+
+def test_a_signal_to_a_forked_child_is_not_taken_for_one_to_the_parent():
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FORKED_CHILD], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "stop requested: None" in out.stdout, out.stdout + out.stderr

@@ -12,7 +12,7 @@ from areal_pipeline.inference.vllm_client import RemoteVLLMEngine
 def engine_for(addresses: list[str], cfg: InferenceConfig, **kwargs: Any) -> RemoteSGLangEngine:
     """The client that speaks `cfg.backend`'s protocol: vLLM's, else SGLang's (SGLang and the project's server)."""
     options = {"request_timeout": cfg.request_timeout, "request_retries": cfg.request_retries,
-               "setup_timeout": cfg.setup_timeout, **kwargs}
+               "setup_timeout": cfg.setup_timeout, "pause_timeout": cfg.pause_timeout, **kwargs}
     if cfg.backend == "vllm":
         return RemoteVLLMEngine(addresses, seeded=cfg.vllm.seeded_sampling, **options)
     return RemoteSGLangEngine(addresses, **options)

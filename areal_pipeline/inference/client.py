@@ -27,7 +27,7 @@ import aiohttp
 from areal_pipeline import shutdown
 from areal_pipeline.config import InferenceConfig
 from areal_pipeline.inference.types import ModelRequest, ModelResponse, SamplingParams
-from areal_pipeline.utils import get_logger
+from areal_pipeline.utils import PeerTimeout, get_logger
 
 logger = get_logger(__name__)
 
@@ -98,9 +98,11 @@ class RemoteSGLangEngine:
         retry_delay: float = 1.0,
         setup_timeout: float = 300.0,
         context_length: Optional[int] = None,
+        pause_timeout: float = 600.0,
     ):
         """`context_length`: the servers' (where known): a generation's budget is cut to what fits below it, as
-        SGLang refuses prompt + max_new_tokens reaching it."""
+        SGLang refuses prompt + max_new_tokens reaching it. `pause_timeout`: how long a request waits for the
+        `resume` that follows this client's `pause` (inference.pause_timeout) before it fails naming the server."""
         if not addresses:
             raise ValueError("RemoteSGLangEngine needs at least one server address")
         self.addresses = list(addresses)
@@ -109,6 +111,9 @@ class RemoteSGLangEngine:
         self.retry_delay = retry_delay
         self.setup_timeout = setup_timeout
         self.context_length = context_length
+        if pause_timeout <= 0:
+            raise ValueError(f"pause_timeout must be positive, got {pause_timeout}")
+        self.pause_timeout = pause_timeout
         self._version = 0
         self._paused = False
         # Rollouts may run on several event loops (threads); an aiohttp session belongs to one loop.
@@ -121,7 +126,7 @@ class RemoteSGLangEngine:
     def from_config(cls, addresses: list[str], cfg: InferenceConfig) -> "RemoteSGLangEngine":
         served_by_sglang = cfg.backend == "sglang" or bool(cfg.addresses)
         return cls(addresses, request_timeout=cfg.request_timeout, request_retries=cfg.request_retries,
-                   setup_timeout=cfg.setup_timeout,
+                   setup_timeout=cfg.setup_timeout, pause_timeout=cfg.pause_timeout,
                    context_length=cfg.sglang.context_length if served_by_sglang else cfg.context_length)
 
     async def __aenter__(self) -> "RemoteSGLangEngine":
@@ -289,8 +294,7 @@ class RemoteSGLangEngine:
                 sample.stop_reason = "length"  # SGLang refuses a request that leaves no room to generate in
             if not (pending := [s for s in pending if s.unfinished]):
                 break
-            while self._paused:
-                await asyncio.sleep(_PAUSE_POLL_S)
+            await self._wait_resumed(address)
             empty_abort = False
             for sample, segment in zip(pending, await self._generate_round(address, pending)):
                 sample.stop_reason = segment.stop_reason
@@ -311,6 +315,16 @@ class RemoteSGLangEngine:
             latency=latency,
             server=address,
         ) for s in samples]
+
+    async def _wait_resumed(self, address: str) -> None:
+        """Wait while this client has the servers paused; an orchestrator that never resumes them (it hung, or
+        died between pause and resume) must not hold the rollout for good."""
+        limit = time.monotonic() + self.pause_timeout
+        while self._paused:
+            if time.monotonic() > limit:
+                raise PeerTimeout(f"server {address}", "resume from the orchestrator after a pause",
+                                  self.pause_timeout)
+            await asyncio.sleep(_PAUSE_POLL_S)
 
     # -- control and weight updates ---------------------------------------------------------------
 

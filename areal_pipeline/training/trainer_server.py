@@ -30,15 +30,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
-import queue
-import threading
 import time
 import traceback
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Optional
 
@@ -51,11 +47,12 @@ from areal_pipeline.config import UNCHECKED_AGENT, ExperimentConfig, load
 from areal_pipeline.data.shards import read_table
 from areal_pipeline.placement import gpu_uuid
 from areal_pipeline.training.client import TRAINER_INIT_METHOD_ENV
-from areal_pipeline.training.command_input import BODY_READ_TIMEOUT_S, check_arguments, read_command
+from areal_pipeline.training.command_input import check_arguments
 from areal_pipeline.training.engine import TrainEngine, resolve_device
 from areal_pipeline.training.loss_registry import make_loss
 from areal_pipeline.training.ppo import read_batch, read_logprobs
-from areal_pipeline.utils import (atomic_directory, atomic_path, exit_when_parent_dies, get_logger,
+from areal_pipeline.training.rank_control import Endpoint, broadcast_json, give_up, wait_on_time
+from areal_pipeline.utils import (PeerTimeout, atomic_directory, atomic_path, exit_when_parent_dies, get_logger,
                                   import_in_background)
 
 # Where the trainer writes torch profiler tables of its updates (one file per update and rank), and which
@@ -255,7 +252,8 @@ class Trainer:
                                             group_name, dtype, backend,
                                             bool(getattr(actor.model.config, "tie_word_embeddings", False)),
                                             tp_sizes=tp_sizes, epoch=epoch,
-                                            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
+                                            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+                                            timeout=self.cfg.trainer.collective_timeout)
             except Exception as e:  # raised after the barrier: the other ranks wait in it
                 failure = e
         dist.barrier()
@@ -287,73 +285,6 @@ class Trainer:
             raise CommandError(str(e), "corrupt_file", 409, file=str(e.path), problem=e.problem) from e
 
 
-def _broadcast_json(obj: Optional[dict], group) -> dict:
-    """Rank 0's `obj` on every rank, sent as JSON bytes (never pickled)."""
-    if dist.get_rank() == 0:
-        data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.long)
-    else:
-        size = torch.zeros(1, dtype=torch.long)
-    dist.broadcast(size, 0, group=group)
-    if dist.get_rank() != 0:
-        data = torch.zeros(int(size), dtype=torch.uint8)
-    dist.broadcast(data, 0, group=group)
-    return json.loads(bytes(data.tolist()).decode())
-
-
-class _Endpoint:
-    """Rank 0's HTTP front: requests queue up and are answered when the rank loop has run them."""
-
-    def __init__(self, host: str, port: int, trainer: Trainer):
-        self.inbox: queue.Queue = queue.Queue()
-        self.busy_with: Optional[str] = None
-        self.trainer = trainer
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            timeout = BODY_READ_TIMEOUT_S  # the socket's: a client that stops sending mid-body is let go
-
-            def log_message(self, fmt, *args):  # keep the trainer log for the trainer
-                pass
-
-            def _reply(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                if self.path != "/health":
-                    status = 405 if self.path == "/command" else 404
-                    return self._reply(status, {"error": {"message": f"no route GET {self.path}"}})
-                self._reply(200, {"status": "ok", "busy_with": endpoint.busy_with, **endpoint.trainer.status()})
-
-            def do_POST(self):
-                if self.path != "/command":
-                    status = 405 if self.path == "/health" else 404
-                    return self._reply(status, {"error": {"message": f"no route POST {self.path}"}})
-                command, refused = read_command(self.headers, self.rfile)
-                if refused is not None:
-                    self.close_connection = True  # a body left unread must not be taken for the next request
-                    return self._reply(refused[0], {"error": {"message": refused[1], "code": "bad_request"}})
-                done = threading.Event()
-                slot: dict = {}
-                endpoint.inbox.put((command, slot, done))
-                done.wait()
-                self._reply(slot["status"], slot["body"])
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-
-
 def trainer_threads(cfg: ExperimentConfig, device: torch.device, cores: Optional[int] = None) -> int:
     """Torch threads per rank: `trainer.num_threads`, or with 0 torch's default (every core), except for
     asynchronous training on CPU with CPU inference servers. There every update runs while the servers generate
@@ -378,13 +309,20 @@ def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int) -> None:
     threads = trainer_threads(cfg, device)
     if threads > 0:
         torch.set_num_threads(threads)
-    dist.init_process_group(backend=backend, init_method=os.environ.get(TRAINER_INIT_METHOD_ENV))
+    collective = timedelta(seconds=cfg.trainer.collective_timeout)
+    if backend == "nccl":
+        # without it an NCCL collective whose peer is gone (or stopped) blocks forever, whatever the timeout; the
+        # watchdog then ends the process instead, and the command fails naming the trainer
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "0"
+    # every collective of the default group (barriers, FSDP's gathers) errors out past trainer.collective_timeout
+    dist.init_process_group(backend=backend, init_method=os.environ.get(TRAINER_INIT_METHOD_ENV), timeout=collective)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     torch.manual_seed(cfg.seed)
     trainer = Trainer(cfg, model_path)
     endpoint = None
     if dist.get_rank() == 0:
-        endpoint = _Endpoint(host, port, trainer)
+        endpoint = Endpoint(host, port, trainer)
         endpoint.start()
         logger.info("trainer (world size %d, %s, %s) listening on http://%s:%d", dist.get_world_size(),
                     backend, device, host, port)
@@ -395,7 +333,11 @@ def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int) -> None:
             endpoint.busy_with = command.get("cmd")
         else:
             command = None
-        command = _broadcast_json(command, control)
+        try:
+            command = broadcast_json(command, control, collective if endpoint is not None else None)
+        except PeerTimeout as e:
+            give_up(endpoint, slot, done, e)
+            raise
         if command.get("cmd") == "shutdown":
             if slot is not None:
                 slot.update(status=200, body={"status": "shutting down"})
@@ -413,7 +355,14 @@ def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int) -> None:
             status, body = 500, {"error": {"message": f"{type(e).__name__}: {e}", "code": "internal"}}
         # A command that failed on another rank must not look like a success on rank 0.
         failed = torch.tensor([status != 200], dtype=torch.int32)
-        dist.all_reduce(failed, group=control)
+        try:
+            # every rank has run the command by now, or is about to: the collective limit, not the idle one
+            wait_on_time(dist.all_reduce(failed, group=control, async_op=True), collective,
+                     f"end of command '{command.get('cmd')}'")
+        except PeerTimeout as e:
+            if endpoint is not None:
+                give_up(endpoint, slot, done, e)
+            raise
         if slot is not None:
             if status == 200 and int(failed):
                 status, body = 500, {"error": {"message": f"{command.get('cmd')} failed on another rank; "

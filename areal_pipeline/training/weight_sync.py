@@ -19,6 +19,7 @@ import json
 import threading
 import time
 import urllib.error
+from datetime import timedelta
 import urllib.request
 from typing import Any, Iterator, Optional
 
@@ -32,7 +33,7 @@ from areal_pipeline.training.weight_group import (  # noqa: F401  (bind_stores_t
     host_weight_group,
     loopback_interface,
 )
-from areal_pipeline.utils import get_logger
+from areal_pipeline.utils import PeerTimeout, get_logger
 
 logger = get_logger(__name__)
 
@@ -140,7 +141,8 @@ def forget_group(groups: dict[str, WeightGroup], group_name: str) -> None:
 
 
 def _join(groups: dict[str, WeightGroup], servers: list[str], tp_sizes: list[int], members: tuple,
-          master_address: str, master_port: int, group_name: str, backend: str) -> WeightGroup:
+          master_address: str, master_port: int, group_name: str, backend: str,
+          timeout: float = GROUP_TIMEOUT.total_seconds()) -> WeightGroup:
     offsets, world_size = rank_offsets(tp_sizes)
     # A server may still hold a group of this name from a trainer that is gone (SGLang then refuses the name):
     # it is dropped first, as a group of ours would be.
@@ -150,12 +152,13 @@ def _join(groups: dict[str, WeightGroup], servers: list[str], tp_sizes: list[int
     bodies = [{"master_address": master_address, "master_port": master_port, "rank_offset": offset,
                "world_size": world_size, "group_name": group_name, "backend": backend} for offset in offsets]
     results = [None] * len(servers)
-    threads = _post_all(servers, "/init_weights_update_group", bodies, results)
+    threads = _post_all(servers, "/init_weights_update_group", bodies, results, timeout)
     hosted: dict[str, Any] = {}
 
     def host() -> None:
         try:
-            hosted["group"] = host_weight_group(backend, master_address, master_port, world_size, group_name)
+            hosted["group"] = host_weight_group(backend, master_address, master_port, world_size, group_name,
+                                                timedelta(seconds=timeout))
         except BaseException as e:  # reported by the caller
             hosted["error"] = e
 
@@ -163,16 +166,19 @@ def _join(groups: dict[str, WeightGroup], servers: list[str], tp_sizes: list[int
     # is cut short (the hosting thread ends at the group's own timeout).
     hosting = threading.Thread(target=host, daemon=True, name=f"host-{group_name}")
     hosting.start()
-    deadline = time.monotonic() + GROUP_TIMEOUT.total_seconds()
+    deadline = time.monotonic() + timeout
     while hosting.is_alive() and time.monotonic() < deadline:
         if any(r is not None and not r.get("success") for r in results):
             _check(results, servers, "init_weights_update_group")
         hosting.join(0.05)
     if "group" not in hosted:
+        if "error" not in hosted:
+            raise PeerTimeout(", ".join(s for s, r in zip(servers, results) if not (r or {}).get("success")),
+                              f"join of weight-update group {group_name} on {master_address}:{master_port}", timeout)
         raise RuntimeError(f"could not host weight-update group {group_name} on {master_address}:{master_port}: "
-                           f"{hosted.get('error', 'timed out')}")
+                           f"{hosted['error']}")
     group, store = hosted["group"]
-    _join_all(threads)
+    _join_all(threads, timeout)
     joined = WeightGroup(group, store, members, list(servers))
     try:
         _check(results, servers, "init_weights_update_group")
@@ -181,6 +187,19 @@ def _join(groups: dict[str, WeightGroup], servers: list[str], tp_sizes: list[int
         raise
     groups[group_name] = joined
     return joined
+
+
+def _send(group: Any, tensor: torch.Tensor, timeout: float, absent, what: str) -> None:
+    """Broadcast `tensor` from rank 0, within `timeout` seconds. A member that stops receiving (hung, stopped,
+    or gone without closing its sockets) otherwise blocks the trainer for good; `absent()` names the servers to
+    blame: those that answered their update call while the broadcast was still waiting on them (a server answers
+    only once it has received every tensor), or else every member (which one stalled is not known then)."""
+    try:
+        group.broadcast(tensor, root=0).wait(timedelta(seconds=timeout))
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise PeerTimeout(", ".join(absent()), f"receive of {what}", timeout) from e
 
 
 def buckets(names: list[str], sizes: list[int], bucket_bytes: int) -> Iterator[list[str]]:
@@ -200,11 +219,12 @@ def buckets(names: list[str], sizes: list[int], bucket_bytes: int) -> Iterator[l
 def broadcast_weights(groups: dict[str, WeightGroup], state: dict[str, torch.Tensor], servers: list[str],
                       version: int, master_address: str, master_port: int, group_name: str, dtype: str, backend: str,
                       tied_embeddings: bool, tp_sizes: Optional[list[int]] = None, epoch: int = 0,
-                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout: float = GROUP_TIMEOUT.total_seconds()) -> float:
     """Trainer side (rank 0): join the group with `servers` (each with `tp_sizes[i]` ranks; 1 each by default), or
     reuse the one joined with the same servers, sizes and `epoch` (which the caller bumps whenever a server may have
     restarted: a restarted server has no group, and SGLang dies on an update for a group it lacks), then broadcast
-    `state` in buckets. Returns seconds."""
+    `state` in buckets. Returns seconds. A join or a tensor's broadcast that takes more than `timeout` seconds
+    (trainer.collective_timeout) is a PeerTimeout naming the servers that did not take part."""
     started = time.perf_counter()
     tp_sizes = list(tp_sizes) if tp_sizes is not None else [1] * len(servers)
     if len(tp_sizes) != len(servers):
@@ -216,7 +236,7 @@ def broadcast_weights(groups: dict[str, WeightGroup], state: dict[str, torch.Ten
     if group_name in groups and groups[group_name].members != members:
         forget_group(groups, group_name)
     joined = groups.get(group_name) or _join(groups, servers, tp_sizes, members, master_address, master_port,
-                                             group_name, backend)
+                                             group_name, backend, timeout)
     # A tied lm_head is the embedding: the server updates both when it receives one.
     names = [n for n in state if not (tied_embeddings and n == "lm_head.weight")]
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -230,12 +250,14 @@ def broadcast_weights(groups: dict[str, WeightGroup], state: dict[str, torch.Ten
                     "flush_cache": last, "abort_all_requests": False,
                     "weight_version": str(version) if last else None}
             results: list = [None] * len(servers)
-            threads = _post_all(servers, "/update_weights_from_distributed", [body] * len(servers), results)
+            threads = _post_all(servers, "/update_weights_from_distributed", [body] * len(servers), results, timeout)
             try:
                 for name in part:
-                    joined.group.broadcast(state[name].to(device=device, dtype=wire).contiguous(), root=0).wait()
+                    _send(joined.group, state[name].to(device=device, dtype=wire).contiguous(), timeout,
+                          lambda: [s for s, r in zip(servers, results) if r is not None] or servers,
+                          f"{name} of weight version {version}")
             finally:
-                _join_all(threads)
+                _join_all(threads, timeout)
             _check(results, servers, "update_weights_from_distributed")
     except BaseException:
         # the members may be out of step (a server that failed posts fewer receives): the next update joins afresh

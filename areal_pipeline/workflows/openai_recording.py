@@ -9,6 +9,7 @@ recorded; `trajectories(returned)` turns the records into trajectories once the 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -309,6 +310,16 @@ class RecordingEpisode:
         return shown + [{"role": "assistant", "content": last.text}]
 
 
+def answer_limit(engine: Any) -> float:
+    """The longest one of the agent's requests can take: every try of the engine's (`request_timeout`, with its
+    retries' backoff), plus a wait for a resume (`pause_timeout`). httpx's own timeouts are a network
+    transport's; the in-process transport enforces this one itself."""
+    timeout = getattr(engine, "request_timeout", 3600.0)
+    retries = getattr(engine, "request_retries", 3)
+    backoff = getattr(engine, "retry_delay", 1.0) * (2 ** retries)
+    return timeout * (retries + 1) + backoff + getattr(engine, "pause_timeout", 600.0)
+
+
 class InProcessTransport(httpx2.AsyncBaseTransport):
     """The agent's client's HTTP: each request answered by its episode, in this process."""
 
@@ -331,7 +342,12 @@ class InProcessTransport(httpx2.AsyncBaseTransport):
                 body = json.loads(await request.aread())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise OpenAIError(f"the request body is not valid JSON: {e}") from None
-            return httpx2.Response(200, json=await route(body))
+            limit = answer_limit(self.episode.engine)
+            try:
+                return httpx2.Response(200, json=await asyncio.wait_for(route(body), limit))
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"{method} {path}: no answer from the inference engine within {limit:g} s "
+                                   "(its request timeout, retries and pause timeout)") from None
         except OpenAIError as e:
             return httpx2.Response(e.status, json=e.body())
         except Exception as e:
@@ -345,6 +361,7 @@ class InProcessTransport(httpx2.AsyncBaseTransport):
 def recording_client(episode: "RecordingEpisode") -> AsyncOpenAI:
     """The agent's client: its requests are answered by `episode`, in process."""
     # No retries in the client: the inference client retries the servers itself, and a refused request stays one.
+    # No timeout of httpx's: the transport bounds each request (`answer_limit`).
     return AsyncOpenAI(base_url=BASE_URL, api_key="areal-pipeline", max_retries=0,
                        http_client=httpx2.AsyncClient(transport=InProcessTransport(episode), base_url=BASE_URL,
                                                       timeout=None))
