@@ -17,7 +17,8 @@ def evaluate_policy(run: RunSpec | ExperimentConfig, engine_factory, records: li
     place of a RunSpec is assembled first)."""
     import dataclasses
 
-    from areal_pipeline.rollout.executor import run_episodes
+    from areal_pipeline.rollout.executor import play_batch
+    from areal_pipeline.rollout.failures import FailurePolicy
 
     if not isinstance(run, RunSpec):
         run = assemble(run)
@@ -28,11 +29,15 @@ def evaluate_policy(run: RunSpec | ExperimentConfig, engine_factory, records: li
     workflow = build_workflow(run, tokenizer, reward_pool, cfg=eval_cfg, **tool_kwargs)
     started = time.perf_counter()
 
+    # An episode that fails is played again as in training (same seed, rollout.episode_retries); one that fails for
+    # good fails the evaluation, naming the cause: a score over fewer prompts would not compare with the others.
+    policy = dataclasses.replace(FailurePolicy.of(cfg.rollout), on_failure="fail")
+
     async def run():
         async with engine_factory() as engine:
-            return await run_episodes(workflow, engine, records,
-                                      max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts, progress=False)
-    trajectories = run_async(run())
+            return await play_batch(workflow, engine, dict(enumerate(records)), n_samples=1, policy=policy,
+                                    max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts, progress=False)
+    trajectories = [t for group in run_async(run()) for t in group.trajectories]
     n = max(1, len(trajectories))
     return {
         "num_prompts": len(records),

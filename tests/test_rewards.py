@@ -301,3 +301,14 @@ def test_reward_workers_are_forks_of_the_services_forkserver_with_the_commands_o
     assert "multiprocessing.forkserver" in workers and "True)" in workers and "False)" not in workers, workers
     assert "LOUD x" in done.stdout and "LOUD y" in done.stdout, done.stdout
     assert "ERR x" in done.stderr, done.stderr
+
+
+def test_a_broken_worker_pool_is_replaced_and_scoring_goes_on():
+    """pebble's pool refuses every call once it broke (a worker killed while a manager thread used its channel
+    leaves it in that state; a stopped pool refuses the same way): the reward pool starts a new one."""
+    with RewardPool(max_workers=1, timeout=TIMEOUT) as pool:
+        assert pool.score(math_reward, "\\boxed{7}", "#### 7") == 1.0
+        pool._pool.stop()
+        pool._pool.join()
+        assert pool.score(math_reward, "\\boxed{7}", "#### 7") == 1.0
+        assert asyncio.run(pool.ascore_many(math_reward, [("\\boxed{7}", "#### 7"), ("8", "#### 7")])) == [1.0, 0.0]

@@ -12,10 +12,12 @@ plays it again after a timeout or a crash, never after a RewardError.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import logging
 import multiprocessing
 import signal
+import threading
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -160,10 +162,11 @@ class RewardPool:
         from areal_pipeline import forkserver
 
         context = forkserver.worker_context()
-        self._pool = pebble.ProcessPool(
-            max_workers=max_workers, context=context or multiprocessing.get_context("spawn"),
-            initializer=_ignore_ctrl_c, initargs=(forkserver.InheritedOutput(),) if context else (),
-        )
+        self._new_pool = functools.partial(
+            pebble.ProcessPool, max_workers=max_workers, context=context or multiprocessing.get_context("spawn"),
+            initializer=_ignore_ctrl_c, initargs=(forkserver.InheritedOutput(),) if context else ())
+        self._pool = self._new_pool()
+        self._closed = False
         self._pending: set[Future] = set()  # calls not answered yet: failed, not left waiting, when the pool stops
 
     def warm_up(self, fn: Callable[..., Any]) -> list[Future]:
@@ -174,8 +177,21 @@ class RewardPool:
             return [self._pool.schedule(_load, args=(fn,)) for _ in range(self.max_workers)]
         return [self._pool.schedule(_import, args=(fn.__module__,)) for _ in range(self.max_workers)]
 
+    def _schedule(self, fn: Callable[..., Any], args: tuple, timeout: float) -> Future:
+        try:
+            return self._pool.schedule(fn, args=args, timeout=timeout)
+        except RuntimeError as error:
+            # pebble's pool is broken for good once one of its manager threads died (a worker killed at the wrong
+            # moment can do it): every later call would fail the same way. A new pool takes its place.
+            if self._closed:
+                raise
+            logger.warning("the reward pool broke (%s): starting a new one", error)
+            broken, self._pool = self._pool, self._new_pool()
+            threading.Thread(target=broken.stop, name="stop-broken-reward-pool", daemon=True).start()
+            return self._pool.schedule(fn, args=args, timeout=timeout)
+
     def _submit(self, fn: Callable[..., Any], args: tuple) -> Future:
-        future = self._pool.schedule(fn, args=args, timeout=self.timeout)
+        future = self._schedule(fn, args, self.timeout)
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
         return future
@@ -221,7 +237,7 @@ class RewardPool:
         if len(calls) <= 1:
             return [await self.ascore(fn, *args) for args in calls]
         try:
-            future = self._pool.schedule(_score_each, args=(fn, list(calls)), timeout=self.timeout * len(calls))
+            future = self._schedule(_score_each, (fn, list(calls)), self.timeout * len(calls))
             results = await asyncio.wrap_future(future)
         except BaseException as error:
             failure = self._failure(fn, calls[0], error)
@@ -238,6 +254,7 @@ class RewardPool:
     def close(self, timeout: float = 30.0) -> None:
         """Waits up to `timeout` seconds for the calls already submitted (each bounded by the pool's timeout), then
         stops the workers, killing those still busy."""
+        self._closed = True
         self._pool.close()
         try:
             self._pool.join(timeout)
