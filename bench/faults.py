@@ -119,7 +119,10 @@ def last_line(text: str) -> str:
 
 
 def module_of(argv: list[str]) -> Optional[str]:
-    """The module a `python -m module ...` command line runs."""
+    """The module a `python -m module ...` command line runs. A service forked from the forkserver writes its command
+    line over the forkserver's as one string (procfs then shows a single argument): split, it reads the same."""
+    if len(argv) == 1:
+        argv = argv[0].split()
     return argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None
 
 
