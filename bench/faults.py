@@ -120,7 +120,8 @@ def last_line(text: str) -> str:
 
 def module_of(argv: list[str]) -> Optional[str]:
     """The module a `python -m module ...` command line runs. A service forked from the forkserver writes its command
-    line over the forkserver's as one string (procfs then shows a single argument): split, it reads the same."""
+    line over the forkserver's as one string (procfs then shows it and empty arguments): split, it reads the same."""
+    argv = [arg for arg in argv if arg]
     if len(argv) == 1:
         argv = argv[0].split()
     return argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None

@@ -46,24 +46,28 @@ def prefect_server(home: Path, timeout: float = 180) -> Iterator[str]:
                               stdin=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"prefect server start exited ({server.returncode}): "
-                                   f"{(home / 'server.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"prefect server start did not answer within {timeout} s")
-            time.sleep(0.3)
+        wait_for_api(server, url, home / "server.log", timeout)
         yield url
     finally:
         stop_group(server)
         log.close()
+
+
+def wait_for_api(server: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
+    """Until the API at `url` answers /health (RuntimeError quoting its `log` if `server` exits first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"prefect server start exited ({server.returncode}): {log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"prefect server start did not answer within {timeout} s")
+        time.sleep(0.3)
 
 
 def stop_group(process: subprocess.Popen, timeout: float = 30) -> None:

@@ -19,7 +19,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from _prefect_server import PREFECT, client_env, server_env, stop_group
+from _prefect_server import PREFECT, client_env, server_env, stop_group, wait_for_api
 from areal_pipeline.forkserver import processes_of
 from areal_pipeline.utils import find_free_port
 from test_flows import cli, fast_overrides, final_weights, wait_until
@@ -38,24 +38,12 @@ class StandingAPI:
         home.mkdir(parents=True, exist_ok=True)
 
     def start(self, timeout: float = 180) -> None:
-        import urllib.request
-
         with open(self.home / "server.log", "a") as log:
             self.process = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port",
                                              str(self.port)], env=server_env(self.home), stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.process.poll() is None, (self.home / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"the API did not answer within {timeout} s"
-            time.sleep(0.3)
+        wait_for_api(self.process, self.url, self.home / "server.log", timeout)
 
     def kill(self) -> None:
         os.killpg(self.process.pid, signal.SIGKILL)
@@ -93,6 +81,14 @@ def _same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _kill_api_at_iteration_2(api: "StandingAPI", run: subprocess.Popen, run_dir: Path) -> None:
+    """SIGKILL the API once the run wrote iteration 2's rollout (the run still going)."""
+    marker = run_dir / "iter_2" / "rollout" / "manifest.json"
+    wait_until(lambda: marker.exists() or run.poll() is not None, 600, "iteration 2's rollout", interval=0.05)
+    assert run.poll() is None, run.stdout.read()[-3000:]
+    api.kill()
+
+
 def _iterations(run_dir: Path) -> list[int]:
     return [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -105,10 +101,7 @@ def test_the_api_killed_mid_run_stops_it_with_75_and_the_rerun_continues_to_the_
     assert reference.returncode == 0, out[-3000:]
 
     run = _train(tmp_path, tiny_model_dir, "outage", env, "--api-grace", str(GRACE_S))
-    marker = tmp_path / "outage" / "iter_2" / "rollout" / "manifest.json"
-    wait_until(lambda: marker.exists() or run.poll() is not None, 600, "iteration 2's rollout", interval=0.05)
-    assert run.poll() is None, run.stdout.read()[-3000:]
-    api.kill()
+    _kill_api_at_iteration_2(api, run, tmp_path / "outage")
     killed = time.monotonic()
     out = _finish(run, timeout=GRACE_S + ONE_NODE_S + 60)
     took = time.monotonic() - killed
@@ -132,10 +125,7 @@ def test_the_api_killed_mid_run_stops_it_with_75_and_the_rerun_continues_to_the_
 def test_an_api_back_within_the_grace_changes_nothing(api, tiny_model_dir, tmp_path):
     env = client_env(api.url, api.home)
     run = _train(tmp_path, tiny_model_dir, "blip", env, "--api-grace", "300")
-    marker = tmp_path / "blip" / "iter_2" / "rollout" / "manifest.json"
-    wait_until(lambda: marker.exists() or run.poll() is not None, 600, "iteration 2's rollout", interval=0.05)
-    assert run.poll() is None, run.stdout.read()[-3000:]
-    api.kill()
+    _kill_api_at_iteration_2(api, run, tmp_path / "blip")
     time.sleep(3)
     api.start()
     out = _finish(run)
@@ -165,10 +155,7 @@ def test_sigterm_ends_a_run_within_seconds_with_the_api_gone(api, tiny_model_dir
 
     env = client_env(api.url, api.home)
     run = _train(tmp_path, tiny_model_dir, "term", env, "--api-grace", "600")
-    marker = tmp_path / "term" / "iter_2" / "rollout" / "manifest.json"
-    wait_until(lambda: marker.exists() or run.poll() is not None, 600, "iteration 2's rollout", interval=0.05)
-    assert run.poll() is None, run.stdout.read()[-3000:]
-    api.kill()
+    _kill_api_at_iteration_2(api, run, tmp_path / "term")
     time.sleep(1)
     sent = time.monotonic()
     run.send_signal(signal.SIGTERM)
