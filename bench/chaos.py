@@ -11,7 +11,8 @@ moment (uniform over the reference's wall time) and a target among the processes
 - orchestrator: the `train` command itself (its services end with it); the same command is run again;
 - inference server, trainer rank, reward worker: the run should recover by itself (an episode's retry or the
   node's); if it fails instead, the same command is run again;
-- prefect api: the run's temporary API server; the run stops at its next node and the same command is run again;
+- prefect api: the run's temporary API server; the run stops at its next node once the API has been gone for
+  `--api-grace` (10 s here), and the same command is run again;
 - tool server (the search agent's retrieval server): the episodes that met it are retried.
 
 A round takes at most `--kills-per-round` kills, then runs to its end; rounds go on until every kill is spent.
@@ -57,6 +58,9 @@ from areal_pipeline.forkserver import processes_of  # noqa: E402
 ETA = 1  # async mode's rollout.max_head_offpolicyness
 MAX_RERUNS = 8  # a round that needs more reruns than its kills plus this is not recovering
 HANG_FACTOR, HANG_SLACK_S = 2.0, 60.0  # a run still going this long after a kill hangs
+# a run whose API is gone stops at its next node past this (`train --api-grace`; the default, 120 s, gives a real
+# server time to restart, and would pass for a hang here)
+API_GRACE_S = 10
 TARGETS = ("orchestrator", "inference server", "trainer rank", "reward worker", "prefect api", "tool server")
 # workflow -> (config, overrides): the arithmetic task (bench/faults.py's small settings), or the search agent
 # with its BM25 retrieval server (a tool server to kill)
@@ -171,7 +175,8 @@ class Chaos(Sweep):
         overrides = [*self.overrides, f"total_iterations={self.iterations}"]
         if self.mode == "async":
             overrides.append(f"rollout.max_head_offpolicyness={ETA}")
-        return self.command(name, "train", "--config", self.config, f"output_dir={output_dir}",
+        return self.command(name, "train", "--config", self.config, "--api-grace", str(API_GRACE_S),
+                            f"output_dir={output_dir}",
                             f"run_id={RUN_ID}", f"model.path={self.model}", *overrides, *extra)
 
     def reference(self) -> Path:
