@@ -159,9 +159,10 @@ def victims(target: str, run_pid: int) -> list[psutil.Process]:
 
 
 class Chaos(Sweep):
-    def __init__(self, work: Path, mode: str, iterations: int, rng: random.Random, workflow: str = "rlvr"):
+    def __init__(self, work: Path, mode: str, iterations: int, rng: random.Random, workflow: str = "rlvr",
+                 targets: tuple[str, ...] = TARGETS):
         super().__init__(work)
-        self.mode, self.iterations, self.rng = mode, iterations, rng
+        self.mode, self.iterations, self.rng, self.targets = mode, iterations, rng, targets
         self.config, self.overrides = WORKFLOWS[workflow]
         if workflow != "rlvr":  # the workflow's own embedded model (its warm start), built once for every run
             from areal_pipeline.run_spec import load_config
@@ -209,7 +210,7 @@ class Chaos(Sweep):
                 except subprocess.TimeoutExpired:  # the moment came
                     pass
                 # a target among those running at this moment (the orchestrator always is)
-                running = {target: found for target in TARGETS if (found := victims(target, popen.pid))}
+                running = {target: found for target in self.targets if (found := victims(target, popen.pid))}
                 if not running:
                     continue  # the run is ending
                 target = self.rng.choice(sorted(running))
@@ -259,9 +260,9 @@ def survived(r: Round) -> bool:
             and "left behind" not in r.note)
 
 
-def run_mode(work: Path, mode: str, kills: int, per_round: int, iterations: int, seed: int, workflow: str
-             ) -> tuple[list[Round], float]:
-    chaos = Chaos(work / mode, mode, iterations, random.Random(f"{seed}-{mode}"), workflow)
+def run_mode(work: Path, mode: str, kills: int, per_round: int, iterations: int, seed: int, workflow: str,
+             targets: tuple[str, ...] = TARGETS) -> tuple[list[Round], float]:
+    chaos = Chaos(work / mode, mode, iterations, random.Random(f"{seed}-{mode}"), workflow, targets)
     try:
         chaos.reference()
         rounds: list[Round] = []
@@ -294,11 +295,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workflow", choices=sorted(WORKFLOWS), default="rlvr",
                    help="search: the search agent, its retrieval server among the targets")
-    p.add_argument("--quick", action="store_true", help="2 kills per mode, 3 iterations (CI)")
+    p.add_argument("--quick", action="store_true", help="2 kills per mode, 3 iterations, no API kills (CI)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     args = p.parse_args()
+    targets = TARGETS
     if args.quick:
         args.kills, args.kills_per_round, args.iterations = 2, 2, 3
+        # a temporary API killed during a run's start-up leaves the run in Prefect's client retries for minutes
+        # (docs/failures.md): tests/test_api_outage.py covers the API; the quick run keeps to the other targets
+        targets = tuple(t for t in TARGETS if t != "prefect api")
     modes = ("sync", "async") if args.mode == "both" else (args.mode,)
     work = Path(tempfile.mkdtemp(prefix="chaos-"))
     figures: dict = {"kills_per_mode": args.kills, "iterations": args.iterations, "seed": args.seed,
@@ -307,7 +312,7 @@ def main() -> None:
     try:
         for mode in modes:
             rounds, reference_s = run_mode(work, mode, args.kills, args.kills_per_round, args.iterations, args.seed,
-                                           args.workflow)
+                                           args.workflow, targets)
             kills = [k for r in rounds for k in r.kills]
             done = [r for r in rounds if r.finished]
             figures[mode] = {
