@@ -65,11 +65,9 @@ class RolloutSteps:
         return EpisodeJournal(self.paths.episodes(k), run_id=self.cfg.run_id, iteration=k,
                               batch_size=self.cfg.rollout.batch_size, digest=self._episodes_digest)
 
-    @property
+    @functools.cached_property
     def _episodes_digest(self) -> str:
-        if getattr(self, "_digest", None) is None:
-            self._digest = episodes_digest(self.cfg)
-        return self._digest
+        return episodes_digest(self.cfg)
 
     def _finish_rollout(self, k: int, groups: list, seconds: float) -> dict[str, Any]:
         manifest = finish_rollout(groups, self.paths.rollout(k), self.journal(k),
