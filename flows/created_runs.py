@@ -1,9 +1,10 @@
 """Running, in a process of its own, a flow run that the API already holds, as Prefect's workers do.
 
-Prefect has no public call for it: a worker starts `python -m prefect.engine` with the run's id in
-`PREFECT__FLOW_RUN_ID`, and that entry point calls `prefect.flow_engine.load_flow_run` and `run_flow` (in no
+Prefect has no public call for it: a worker starts `python -m prefect.engine` with the run's id in an environment
+variable of Prefect's own, and that entry point calls `prefect.flow_engine.load_flow_run` and `run_flow` (in no
 module's `__all__`). A sweep's run needs the project's own set-up around it in that process (stop handlers, the
-forkserver, the console), so it calls the two itself: here, and nowhere else. tests/test_prefect_surface.py runs
+forkserver, the console), so it calls the two itself: in `run_created_flow_run`, and nowhere else; the run's id
+travels in the project's own variable (`FLOW_RUN_ID_ENV`), not Prefect's. tests/test_prefect_surface.py runs
 `run_created_flow_run` against the installed Prefect, so an upgrade that changes them fails there first.
 """
 
@@ -14,7 +15,7 @@ import os
 from typing import Any, Callable, ContextManager
 from uuid import UUID
 
-FLOW_RUN_ID_ENV = "PREFECT__FLOW_RUN_ID"  # the variable a Prefect worker names its flow run in
+FLOW_RUN_ID_ENV = "AREAL_CREATED_FLOW_RUN_ID"  # the flow run a new process runs (environment_for)
 
 
 def environment_for(flow_run_id: Any) -> dict[str, str]:
