@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 from tqdm.auto import tqdm
 
 from areal_pipeline.data.trajectory import Trajectory
-from areal_pipeline.rollout.group import play_group, run_group
+from areal_pipeline.rollout.group import play_group
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -52,23 +52,11 @@ async def run_episodes(workflow, engine, records: list[dict[str, Any]], *, max_c
     beside them), with at most `max_concurrent_rollouts` episodes in flight, whole groups at a time; return the
     trajectories in record order, each group's in episode order.
 
-    Strict: the first episode that fails fails it (no failure policy). Evaluation plays its episodes so: a score
-    left out would bias pass@1, so a reward that times out or crashes fails the evaluate node, whose Prefect retry
-    plays the evaluation again. Training's rollout plays its groups with `play_batch`."""
-    gate = asyncio.Semaphore(max(1, max_concurrent_rollouts // max(1, n_samples)))
-    bar = tqdm(total=len(records), desc="rollout", unit="group", disable=not progress, leave=False)
-
-    async def one(data):
-        async with gate:
-            trajectories = await run_group(workflow, engine, data, n_samples, baseline)
-        bar.update(1)
-        return trajectories
-
-    try:
-        groups = await asyncio.gather(*(one(d) for d in records))
-    finally:
-        bar.close()
-    return [t for group in groups for t in group]
+    Strict: the first episode that fails fails it with its own error, no retries (`try-workflow` shows it so).
+    Training and evaluation play their groups with `play_batch` and a failure policy."""
+    groups = await play_batch(workflow, engine, dict(enumerate(records)), n_samples=n_samples, policy=None,
+                              max_concurrent_rollouts=max_concurrent_rollouts, baseline=baseline, progress=progress)
+    return [t for group in groups for t in group.trajectories]
 
 
 async def play_batch(workflow, engine, slots: dict[int, dict[str, Any]], *, max_concurrent_rollouts: int,
@@ -76,10 +64,10 @@ async def play_batch(workflow, engine, slots: dict[int, dict[str, Any]], *, max_
                      refill: Optional[Callable[[int, int], dict[str, Any]]] = None,
                      on_group: Optional[Callable[[Any], None]] = None, progress: bool = True) -> list[Any]:
     """The groups of the prompts `slots` (batch position -> record) under the failure policy `policy`
-    (group.play_group), at most `max_concurrent_rollouts` episodes in flight: their `failures.GroupResult`s in slot
-    order. `on_group(result)` is called as each group ends (the episode journal writes it then); `refill(slot, j)`
-    gives the j-th reserve prompt of a group that `rollout.on_failure=refill` replaces (a pure function, so a rerun
-    refills with the same prompts; `refill_prompt` is one)."""
+    (group.play_group; None: strict, as `run_episodes`), at most `max_concurrent_rollouts` episodes in flight: their
+    `failures.GroupResult`s in slot order. `on_group(result)` is called as each group ends (the episode journal
+    writes it then); `refill(slot, j)` gives the j-th reserve prompt of a group that `rollout.on_failure=refill`
+    replaces (a pure function, so a rerun refills with the same prompts; `refill_prompt` is one)."""
     gate = asyncio.Semaphore(max(1, max_concurrent_rollouts // max(1, n_samples)))
     bar = tqdm(total=len(slots), desc="rollout", unit="group", disable=not progress, leave=False)
 

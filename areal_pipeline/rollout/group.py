@@ -52,35 +52,9 @@ def episode_trajectories(result: Any, workflow: Any) -> list[Trajectory]:
 async def run_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples: int,
                     baseline: Optional[Any] = None) -> list[Trajectory]:
     """The trajectories of `n_samples` episodes of `workflow` on the prompt `data`, episode by episode; with
-    `baseline` (a workflow), each also carries the mean reward of one episode of it as `baseline_reward`."""
-    if n_samples < 1:
-        raise ValueError(f"a group needs at least one episode, got n_samples={n_samples}")
-    shared = GroupEngine(engine)
-    episodes = [workflow.arun_episode(shared, episode_data(data, i)) for i in range(n_samples)]
-    if baseline is not None:
-        # greedy decoding draws no sample: the baseline episode takes no seed, as evaluation's episodes
-        unseeded = {key: value for key, value in data.items() if key != "sampling_seed"}
-        episodes.append(baseline.arun_episode(shared, {**unseeded, "sample_idx": n_samples}))
-    tasks = [asyncio.ensure_future(episode) for episode in episodes]
-    try:
-        results = await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:  # one episode failed (or the group was cancelled): its siblings need not finish
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await shared.aclose()
-    group = []
-    for i, result in enumerate(results[:n_samples]):
-        for t in episode_trajectories(result, workflow):
-            t.group_id, t.sample_idx = data.get("prompt_id", t.group_id), i
-            group.append(t)
-    if baseline is not None:
-        rewards = [t.reward for t in episode_trajectories(results[n_samples], baseline)]
-        if not rewards:
-            raise ValueError(f"the baseline episode of prompt {data.get('prompt_id')} made no trajectory")
-        for t in group:
-            t.baseline_reward = sum(rewards) / len(rewards)
-    return group
+    `baseline` (a workflow), each also carries the mean reward of one episode of it as `baseline_reward`. An episode
+    that fails fails the group with its own error (no retries: `play_group` is the rollout's, with its policy)."""
+    return (await play_group(workflow, engine, data, n_samples, baseline, slot=0, policy=None)).trajectories
 
 
 class GroupEngine:
@@ -162,8 +136,11 @@ async def play_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples
     siblings go on meanwhile. An error classify() does not call an episode's fault fails the group as itself."""
     from areal_pipeline.rollout.failures import EpisodesFailed, GroupResult, describe_failures
 
+    if policy is None:  # strict (run_group, run_episodes)
+        return await _play(workflow, engine, data, n_samples, baseline, slot, None, None)
     if policy.on_failure == "refill" and refill is None:
-        raise ValueError("rollout.on_failure=refill: the rollout passes no refill(slot, j) to take reserve prompts from")
+        raise ValueError("rollout.on_failure=refill: the rollout passes no refill(slot, j) to take reserve prompts "
+                         "from")
     result = await _play(workflow, engine, data, n_samples, baseline, slot, policy, recover)
     if not result.failures:
         return result
@@ -188,8 +165,8 @@ async def play_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples
 
 async def _play(workflow: Any, engine: Any, data: dict[str, Any], n_samples: int, baseline: Optional[Any], slot: int,
                 policy: Any, recover: Optional[Any]) -> Any:
-    """One prompt's group, each episode in its own attempts: outcome ok, masked (`on_failure=mask` and at least
-    `min_group_survivors` episodes left) or dropped."""
+    """One prompt's group, each episode in its own attempts (policy None: one attempt, its error raised as
+    itself): outcome ok, masked (`on_failure=mask` and at least `min_group_survivors` episodes left) or dropped."""
     from areal_pipeline.rollout.failures import GroupResult
 
     if n_samples < 1:
@@ -244,6 +221,8 @@ async def _attempts(play: Callable[[], Any], sample_idx: int, prompt_id: Any, po
     None)."""
     from areal_pipeline.rollout.failures import MESSAGE_CHARS, EpisodeFailure, classify
 
+    if policy is None:  # run_group: the error as itself, its siblings cancelled
+        return await play(), [], None
     retried: list[EpisodeFailure] = []
     for attempt in range(1, policy.episode_retries + 2):
         try:
