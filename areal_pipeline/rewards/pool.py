@@ -123,10 +123,10 @@ class RewardCrash(RewardPoolError):
     workers broke): another attempt runs on a fresh worker."""
 
     def __init__(self, fn: Callable[..., Any], error: BaseException):
-        super().__init__(fn, error)
-        if isinstance(error, ProcessExpired):  # one worker died, not the pool: no start-up advice
-            RuntimeError.__init__(self, f"reward worker pid {error.pid} died scoring {_name(fn)} ({error})")
-            self.peer = f"reward worker pid {error.pid}"
+        # a worker that was running died: RewardPoolError's start-up advice does not apply
+        pid = error.pid if isinstance(error, ProcessExpired) else None
+        self.peer = f"reward worker pid {pid}" if pid is not None else f"reward worker of {_name(fn)}"
+        RuntimeError.__init__(self, f"{self.peer} died scoring {_name(fn)} ({error!r})")
 
 
 class RewardTimeout(TimeoutError):

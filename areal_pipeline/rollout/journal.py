@@ -53,7 +53,7 @@ def episodes_digest(cfg: Any) -> str:
     r = cfg.rollout
     what = {"gconfig": dataclasses.asdict(r.gconfig), "workflow": r.workflow, "agent": dataclasses.asdict(r.agent),
             "model": dataclasses.asdict(cfg.model), "dataset": dataclasses.asdict(cfg.dataset), "seed": cfg.seed,
-            "n_samples": r.gconfig.n_samples, "batch_size": r.batch_size}
+            "batch_size": r.batch_size}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
