@@ -14,7 +14,6 @@ from cli.commands import (cmd_answers, cmd_branch, cmd_config, cmd_evaluate, cmd
                           cmd_serve, cmd_sweep, cmd_train)
 
 
-
 def _api_grace(parser: argparse.ArgumentParser) -> None:
     def seconds(value: str) -> float:
         try:

@@ -181,22 +181,6 @@ def _final_state(flow_run_id: Any):
         return None
 
 
-def _wait_for_run(child: subprocess.Popen) -> int:
-    """The run's exit code. A run ends by itself (its nodes have deadlines); after a stop signal, which
-    `stop_runs` passes on, it is given RUN_STOP_GRACE_S and then killed with its group."""
-    stopped_at = None
-    while True:
-        try:
-            return child.wait(1.0)
-        except subprocess.TimeoutExpired:
-            pass
-        if shutdown.requested_by() is not None:
-            stopped_at = stopped_at or time.monotonic()
-            if time.monotonic() - stopped_at > RUN_STOP_GRACE_S:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.pid, signal.SIGKILL)
-
-
 @task(name="run", task_run_name="{run_id}", cache_policy=NO_CACHE)
 def run_one(config_path: str, run_id: str, overrides: list[str], iterations: Optional[int], run_dir: str,
             api_url: str) -> dict[str, Any]:
@@ -241,7 +225,7 @@ def run_one(config_path: str, run_id: str, overrides: list[str], iterations: Opt
     get_run_logger().info("run %s: flow run %s, pid %d, output in %s", run_id, flow_run.id, child.pid, log)
     print(f"  started  {run_id} (pid {child.pid}; its output: {log})", flush=True)
     try:
-        returncode = _wait_for_run(child)
+        returncode = child.wait()  # after a stop signal stop_runs (registered below) ends it within its grace
     finally:
         with _children_lock:
             _children.pop(child.pid, None)

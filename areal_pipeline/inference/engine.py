@@ -26,7 +26,7 @@ from areal_pipeline.inference.kv_batch import Batch, GenRequest, prefill
 from areal_pipeline.inference.sampling import sample_next_tokens
 from areal_pipeline.inference.types import SamplingParams
 from areal_pipeline.model import eos_token_ids, load_model, load_tokenizer
-from areal_pipeline.utils import PeerTimeout, get_logger
+from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
 
@@ -183,12 +183,11 @@ class BatchEngine:
         """Receive the tensors the trainer broadcasts (rank 0 of `group`), in order, between decode steps. A tensor
         that does not come within `timeout` seconds (default: the group's own limit) is a PeerTimeout naming the
         trainer: the engine thread must not wait for good on a trainer that hangs."""
-        from datetime import timedelta
-
         from areal_pipeline.training.weight_group import GROUP_TIMEOUT
         from areal_pipeline.training.weight_sync import DTYPES as WIRE_DTYPES
+        from areal_pipeline.training.weight_sync import wait_for
 
-        limit = timedelta(seconds=timeout) if timeout is not None else GROUP_TIMEOUT
+        limit = timeout if timeout is not None else GROUP_TIMEOUT.total_seconds()
 
         def _update():
             params = self.model.state_dict()
@@ -200,13 +199,8 @@ class BatchEngine:
                     raise RequestError(f"unsupported dtype {dtype!r} for {name}")
                 # gloo receives into host memory whatever the model's device; NCCL into the GPU's
                 buffer = torch.empty(shape, dtype=WIRE_DTYPES[dtype], device="cpu" if backend == "gloo" else self.device)
-                try:
-                    group.broadcast(buffer, root=0).wait(limit)
-                except RuntimeError as e:
-                    if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
-                        raise
-                    raise PeerTimeout("the trainer (rank 0 of the weight-update group)", f"send of {name}",
-                                      limit.total_seconds()) from e
+                wait_for(group.broadcast(buffer, root=0), limit, "the trainer (rank 0 of the weight-update group)",
+                         f"send of {name}")
                 with torch.no_grad():
                     params[name].copy_(buffer.to(params[name].dtype))
             if weight_version is not None:

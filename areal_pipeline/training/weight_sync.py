@@ -19,8 +19,8 @@ import json
 import threading
 import time
 import urllib.error
-from datetime import timedelta
 import urllib.request
+from datetime import timedelta
 from typing import Any, Iterator, Optional
 
 import torch
@@ -189,17 +189,23 @@ def _join(groups: dict[str, WeightGroup], servers: list[str], tp_sizes: list[int
     return joined
 
 
+def wait_for(work: Any, timeout: float, peer: Any, what: str) -> None:
+    """`work.wait()` (a collective's), at most `timeout` seconds: past it a PeerTimeout naming `peer` (a name, or a
+    function giving one then), since torch reports a collective's timeout as a RuntimeError."""
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise PeerTimeout(peer() if callable(peer) else peer, what, timeout) from e
+
+
 def _send(group: Any, tensor: torch.Tensor, timeout: float, absent, what: str) -> None:
     """Broadcast `tensor` from rank 0, within `timeout` seconds. A member that stops receiving (hung, stopped,
     or gone without closing its sockets) otherwise blocks the trainer for good; `absent()` names the servers to
     blame: those that answered their update call while the broadcast was still waiting on them (a server answers
     only once it has received every tensor), or else every member (which one stalled is not known then)."""
-    try:
-        group.broadcast(tensor, root=0).wait(timedelta(seconds=timeout))
-    except RuntimeError as e:
-        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
-            raise
-        raise PeerTimeout(", ".join(absent()), f"receive of {what}", timeout) from e
+    wait_for(group.broadcast(tensor, root=0), timeout, lambda: ", ".join(absent()), f"receive of {what}")
 
 
 def buckets(names: list[str], sizes: list[int], bucket_bytes: int) -> Iterator[list[str]]:
