@@ -278,7 +278,8 @@ def run_mode(work: Path, mode: str, kills: int, per_round: int, iterations: int,
                   f"{len(r.ledger.get('trained_twice', []))}, failures accounted "
                   f"{r.ledger.get('failures_accounted', 0)}, max staleness {r.ledger.get('max_staleness')}"
                   + ("" if r.same_weights is None else f", weights {'equal' if r.same_weights else 'DIFFER'}")
-                  + (f", {r.hangs} HUNG" if r.hangs else "") + (f"; {r.note}" if r.note else "") + ("" if survived(r) else "  <- NOT SURVIVED"), flush=True)
+                  + (f", {r.hangs} HUNG" if r.hangs else "") + (f"; {r.note}" if r.note else "")
+                  + ("" if survived(r) else "  <- NOT SURVIVED"), flush=True)
             if not r.kills and not r.finished:
                 break  # no progress possible
         return rounds, chaos.reference_s

@@ -358,7 +358,7 @@ def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int) -> None:
         try:
             # every rank has run the command by now, or is about to: the collective limit, not the idle one
             wait_on_time(dist.all_reduce(failed, group=control, async_op=True), collective,
-                     f"end of command '{command.get('cmd')}'")
+                         f"end of command '{command.get('cmd')}'")
         except PeerTimeout as e:
             if endpoint is not None:
                 give_up(endpoint, slot, done, e)

@@ -225,7 +225,8 @@ def buckets(names: list[str], sizes: list[int], bucket_bytes: int) -> Iterator[l
 def broadcast_weights(groups: dict[str, WeightGroup], state: dict[str, torch.Tensor], servers: list[str],
                       version: int, master_address: str, master_port: int, group_name: str, dtype: str, backend: str,
                       tied_embeddings: bool, tp_sizes: Optional[list[int]] = None, epoch: int = 0,
-                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout: float = GROUP_TIMEOUT.total_seconds()) -> float:
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      timeout: float = GROUP_TIMEOUT.total_seconds()) -> float:
     """Trainer side (rank 0): join the group with `servers` (each with `tp_sizes[i]` ranks; 1 each by default), or
     reuse the one joined with the same servers, sizes and `epoch` (which the caller bumps whenever a server may have
     restarted: a restarted server has no group, and SGLang dies on an update for a group it lacks), then broadcast
