@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 from areal_pipeline.data.shards import ShardError, has_manifest
 from areal_pipeline.training.client import TrainerClient, TrainerError
-from areal_pipeline.utils import find_free_port, get_logger, run_async
+from areal_pipeline.training.nodes import host_of
+from areal_pipeline.utils import get_logger, run_async
 
 logger = get_logger(__name__)
 
@@ -167,8 +168,8 @@ class PolicyVersions:
                     await engine.pause()
                     try:
                         client.call("update_weights_distributed", servers=engine.addresses,
-                                    master_address=t.weight_sync_master_address,
-                                    master_port=t.weight_sync_master_port or find_free_port(),
+                                    master_address=t.weight_sync_master_address or host_of(client.address),
+                                    master_port=t.weight_sync_master_port,
                                     dtype=self._wire_dtype(infos[0]),
                                     server_devices=[str(i.get("device") or "cuda") for i in infos],
                                     server_gpus=[i.get("gpu_uuid") for i in infos], tp_sizes=tp_sizes,

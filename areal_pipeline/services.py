@@ -11,7 +11,7 @@ from areal_pipeline.config import ExperimentConfig
 from areal_pipeline.inference.launcher import LIVENESS_TIMEOUT_S, launch_servers
 from areal_pipeline.processes import ServerProcess
 from areal_pipeline.run_spec import assemble
-from areal_pipeline.training.client import TrainerClient, launch_trainer
+from areal_pipeline.training.client import TrainerClient, TrainerError, launch_trainer
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -145,6 +145,12 @@ class Services:
 
     def start_trainer(self) -> str:
         self._refuse_if_stopped()
+        if self.cfg.trainer.address:  # on nodes of its own (training/nodes.py): found, never started or stopped
+            if self.trainer_client is None:
+                from areal_pipeline.training.nodes import connect_trainer
+
+                self.trainer_client = connect_trainer(self.cfg)
+            return self.trainer_client.address
         if self.trainer is None:
             self.trainer, self.trainer_client = launch_trainer(self.cfg, self.model_path, self.log_dir,
                                                                gpus=self.placement.trainer)
@@ -192,6 +198,8 @@ class Services:
 
     def ensure_trainer_alive(self) -> TrainerClient:
         self._refuse_if_stopped()
+        if self.cfg.trainer.address:
+            return self._ensure_remote_trainer()
         if self.trainer is not None and self.trainer.popen.poll() is None and (
                 self._trainer_checked or self.trainer.is_healthy()):
             self._trainer_checked = True
@@ -201,6 +209,23 @@ class Services:
             self.trainer.stop()
         self.trainer = self.trainer_client = None
         self.start_trainer()
+        return self.trainer_client
+
+    def _ensure_remote_trainer(self) -> TrainerClient:
+        """The trainer on its own nodes answers, or is waited for (trainer.setup_timeout) while its scheduler
+        restarts a lost node: new ranks come back uninitialised, and the run restores their version."""
+        client = self.trainer_client
+        if client is not None and not self._trainer_checked:
+            try:
+                if not client.health().get("initialized"):  # its ranks were restarted: the model is loaded again
+                    client.call("initialize")
+            except (OSError, TrainerError) as e:
+                logger.warning("the trainer at %s does not answer (%s); waiting for its nodes to come back",
+                               client.address, e)
+                client = self.trainer_client = None
+        if client is None:
+            self.start_trainer()
+        self._trainer_checked = True
         return self.trainer_client
 
     def stop(self) -> None:

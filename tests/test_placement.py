@@ -130,7 +130,21 @@ def test_trainer_rank_on_cuda_without_a_gpu_is_a_clear_error(monkeypatch):
      r"inference.num_servers=3: must be the number of inference.addresses \(2\)"),
     (("inference.addresses=[10.1.2.3:30000]",), "trainer.weights_dir='': servers on other hosts"),
     (("inference.addresses=[10.1.2.3:30000]", "trainer.weight_sync=distributed"),
-     "trainer.weight_sync_master_address='127.0.0.1': servers on other hosts .10.1.2.3:30000. cannot reach it"),
+     r"trainer.weight_sync_master_address='' \(the launched trainer's address, 127.0.0.1\): servers on other "
+     r"hosts .10.1.2.3:30000. cannot reach it"),
+    (("trainer.nnodes=2",), "trainer.nnodes=2: a trainer of several nodes runs on them.*set trainer.address=auto"),
+    (("trainer.nnodes=2", "trainer.address=auto", "output_dir=/shared/runs"),
+     "trainer.rdzv_endpoint='': 2 trainer nodes meet at a rendezvous every node reaches"),
+    (("trainer.nnodes=2", "trainer.address=auto", "trainer.rdzv_endpoint=localhost:29400", "output_dir=/shared"),
+     "trainer.rdzv_endpoint='localhost:29400'"),
+    (("trainer.address=auto",), "output_dir='runs': the trainer's nodes read the run's shards"),
+    (("trainer.address=10.0.0.3:8000", "output_dir=/shared", "trainer.weight_sync_master_address=127.0.0.1"),
+     "trainer.weight_sync_master_address='127.0.0.1': the trainer runs on other hosts"),
+    (("trainer.address=auto", "output_dir=/shared", "trainer.weight_sync=distributed"),
+     "inference.host='127.0.0.1': the trainer on other hosts sends weights to the servers this run launches"),
+    (("trainer.address=auto", "output_dir=/shared", "trainer.weights_dir=weights"),
+     "trainer.weights_dir='weights': servers on other hosts .the trainer's. load each version"),
+    (("trainer.address=trainer-a", "output_dir=/shared"), "trainer.address='trainer-a': must be empty, auto or host:port"),
     (("inference.backend=sglang", "trainer.device=cpu", "trainer.weight_sync=distributed"),
      "SGLang servers receive weights over NCCL.*use trainer.weight_sync=disk"),
 ])
@@ -146,6 +160,10 @@ def test_placement_configs_that_load():
     # gloo ranks may share GPUs
     cfg("trainer.device=cuda", "trainer.backend=gloo", "trainer.nproc=2", "trainer.gpus=[0]")
     cfg("inference.addresses=[10.1.2.3:30000]", "trainer.weights_dir=/shared/weights")
+    cfg("inference.addresses=[10.1.2.3:30000]", "output_dir=/shared/runs")
+    # across hosts: two trainer nodes found by their announcement, servers on a third, weights by process group
+    cfg("trainer.nnodes=2", "trainer.address=auto", "trainer.rdzv_endpoint=train-a:29400", "output_dir=/shared/runs",
+        "inference.addresses=[gen:30000]", "trainer.weight_sync=distributed")
     cfg("inference.addresses=[10.1.2.3:30000]", "trainer.weight_sync=distributed",
         "trainer.weight_sync_master_address=10.1.2.1")
     # a CUDA trainer and the project's CPU server: distributed sync runs over gloo from host copies

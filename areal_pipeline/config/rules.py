@@ -189,8 +189,12 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                     "weight_sync": one_of("disk", "distributed"), "setup_timeout": _POSITIVE,
                     "command_timeout": _POSITIVE, "collective_timeout": _POSITIVE, "gpus": _GPU_LIST,
                     "memory_fraction": within(0, 1, open_low=True),
-                    "weight_sync_master_address": _HOST, "weight_sync_master_port": _PORT,
-                    "weight_sync_bucket_mb": _COUNT},
+                    "weight_sync_master_address": Rule("empty or a host name or IP address",
+                                                       lambda host: not host or _HOST.holds(host)),
+                    "weight_sync_master_port": _PORT, "weight_sync_bucket_mb": _COUNT,
+                    "address": Rule("empty, auto or host:port",
+                                    lambda value: value in ("", "auto") or bool(_ADDRESS.fullmatch(value))),
+                    "rdzv_endpoint": _HOST_PORT, "port": _PORT, "max_restarts": _NON_NEGATIVE},
     TrackersConfig: {"timeout": _POSITIVE},
     WandbConfig: {"mode": one_of("online", "offline", "disabled"), "project": _NAMED},
     MlflowConfig: {"experiment": _NAMED,
@@ -262,7 +266,7 @@ def _evaluation_has_prompts(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
 
 
 
-_LOOPBACK = re.compile(r"(127\.\d+\.\d+\.\d+|localhost)")
+_LOOPBACK = re.compile(r"(127\.\d+\.\d+\.\d+|localhost|::1)")
 
 
 def _weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
@@ -283,12 +287,45 @@ def _weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]
                f"without data parallelism inside a server); run more servers ({key('inference.num_servers')}) or "
                f"use {key('trainer.weight_sync')}=disk")
     remote = [a for a in inf.addresses if not _LOOPBACK.fullmatch(a.rsplit(":", 1)[0])]
-    if remote and t.weight_sync == "distributed" and _LOOPBACK.fullmatch(t.weight_sync_master_address):
-        yield (f"{key('trainer.weight_sync_master_address')}={t.weight_sync_master_address!r}: servers on other "
-               f"hosts ({', '.join(remote)}) cannot reach it; set it to this host's address they reach")
-    if remote and t.weight_sync == "disk" and not t.weights_dir:
-        yield (f"{key('trainer.weights_dir')}='': servers on other hosts ({', '.join(remote)}) load each version "
-               "from a directory: set it to one they read at the same path (a shared file system)")
+    # empty: the host of the trainer's endpoint, loopback for a trainer this run launches
+    master = t.weight_sync_master_address or ("" if t.address else "127.0.0.1")
+    if remote and t.weight_sync == "distributed" and _LOOPBACK.fullmatch(master):
+        where = "" if t.weight_sync_master_address else " (the launched trainer's address, 127.0.0.1)"
+        yield (f"{key('trainer.weight_sync_master_address')}={t.weight_sync_master_address!r}{where}: servers on "
+               f"other hosts ({', '.join(remote)}) cannot reach it; set it to this host's address they reach")
+
+
+def _hosts_reach_each_other(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    """A run across hosts: a trainer of several nodes runs on its own nodes and meets at a rendezvous every node
+    reaches; every address another host uses is one it can reach; every path another host opens names the same
+    file there (a shared file system, so absolute)."""
+    inf, t = cfg.inference, cfg.trainer
+    if t.nnodes > 1 and not t.address:
+        yield (f"{key('trainer.nnodes')}={t.nnodes}: a trainer of several nodes runs on them, each node started by "
+               f"`areal-pipeline trainer-node` (`areal-pipeline cluster` prints the commands); set "
+               f"{key('trainer.address')}=auto (or rank 0's host:port) for this run to use it")
+    if t.nnodes > 1 and (not t.rdzv_endpoint or _LOOPBACK.fullmatch(t.rdzv_endpoint.rsplit(":", 1)[0])):
+        yield (f"{key('trainer.rdzv_endpoint')}={t.rdzv_endpoint!r}: {t.nnodes} trainer nodes meet at a rendezvous "
+               "every node reaches: host:port of the first node's address")
+    remote_trainer = bool(t.address) and (t.address == "auto" or not _LOOPBACK.fullmatch(t.address.rsplit(":", 1)[0]))
+    remote_servers = [a for a in inf.addresses if not _LOOPBACK.fullmatch(a.rsplit(":", 1)[0])]
+    if remote_trainer and t.weight_sync_master_address and _LOOPBACK.fullmatch(t.weight_sync_master_address):
+        yield (f"{key('trainer.weight_sync_master_address')}={t.weight_sync_master_address!r}: the trainer runs on "
+               "other hosts, where loopback is their own; leave it empty (the trainer's own address) or name an "
+               "address of rank 0's node")
+    if remote_trainer and t.weight_sync == "distributed" and not inf.addresses and _LOOPBACK.fullmatch(inf.host):
+        yield (f"{key('inference.host')}={inf.host!r}: the trainer on other hosts sends weights to the servers this "
+               "run launches; set it to an address of this host the trainer's nodes reach")
+    if remote_trainer and not Path(cfg.output_dir).is_absolute():
+        yield (f"{key('output_dir')}={cfg.output_dir!r}: the trainer's nodes read the run's shards and write its "
+               "checkpoints by path: set it to an absolute path that every host reads at the same name (a shared "
+               "file system)")
+    weights = t.weights_dir or cfg.output_dir  # empty: <output_dir>/<run_id>/weights
+    if (remote_trainer or remote_servers) and t.weight_sync == "disk" and not Path(weights).is_absolute():
+        hosts = ", ".join(remote_servers) or "the trainer's"
+        yield (f"{key('trainer.weights_dir')}={t.weights_dir!r}: servers on other hosts ({hosts}) load each version "
+               f"from a directory: set it (or {key('output_dir')}) to an absolute path they read at the same name "
+               "(a shared file system)")
 
 
 # A tracker's package, and what installs it
@@ -314,7 +351,7 @@ CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {
     RolloutConfig: (_mask_keeps_enough_survivors,),
     TrackersConfig: (_trackers_are_installed,),
     ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, _weights_reach_the_servers,
-                       _vllm_serves_the_embedded_model),
+                       _hosts_reach_each_other, _vllm_serves_the_embedded_model),
 }
 
 FieldRules = Mapping[type, Mapping[str, "Rule | tuple[Rule, ...]"]]

@@ -278,8 +278,20 @@ class OptimizerConfig:
 @dataclass
 class TrainerConfig:
     nproc: int = 1  # ranks per node (torchrun --nproc-per-node)
-    nnodes: int = 1  # nodes (torchrun --nnodes); more than 1 needs rendezvous options in torchrun_args
-    torchrun_args: list[str] = field(default_factory=list)  # e.g. rendezvous options for multi-node
+    # nodes (torchrun --nnodes); more than 1: each node runs `areal-pipeline trainer-node` (started by a scheduler,
+    # docs/multi-node.md), they meet at trainer.rdzv_endpoint, and the run reaches rank 0 at trainer.address
+    nnodes: int = 1
+    torchrun_args: list[str] = field(default_factory=list)  # more torchrun options, passed as they are
+    # A trainer already running on nodes of its own (`areal-pipeline trainer-node` on each): its rank 0's control
+    # endpoint as host:port, or "auto": the address rank 0 announces in <run_dir>/trainer/endpoint.json (a path
+    # every host reads). The run uses it, never starts or stops it. Empty: the run launches the trainer here
+    address: str = ""
+    # host:port of the trainer nodes' c10d rendezvous (nnodes > 1): an address of the first node, reached by all
+    rdzv_endpoint: str = ""
+    port: int = 0  # the control endpoint's port on a trainer node (rank 0's; 0: a free one, announced)
+    # A trainer node's torchrun --max-restarts: when a rank fails (a peer node lost), the node's ranks restart and
+    # meet again at the rendezvous, once the scheduler has started the lost node anew
+    max_restarts: int = 3
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     device: str = "auto"  # auto | cpu | cuda
     param_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (mixed precision, fp32 master weights)
@@ -311,8 +323,8 @@ class TrainerConfig:
     # <run_dir>/weights. Servers on another host need a shared path, the same on both
     weights_dir: str = ""
     # weight_sync=distributed: the address the servers reach the trainer's weight-update group at (a local master
-    # binds it alone), and its port (0: a free one)
-    weight_sync_master_address: str = "127.0.0.1"
+    # binds it alone); empty: the host of the trainer's control endpoint (127.0.0.1 for a trainer launched here)
+    weight_sync_master_address: str = ""
     weight_sync_master_port: int = 0  # weight_sync=distributed: the group's port on that address (0: a free one)
     # weight_sync=distributed: the most MiB announced by one update call; a server allocates what it announces
     # before receiving it, so one call for a whole model would need twice its memory

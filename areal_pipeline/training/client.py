@@ -71,13 +71,11 @@ class TrainerClient:
 
 
 def build_trainer_command(cfg: ExperimentConfig, config_path: Path, model_path: str, port: int) -> list[str]:
+    """One node on this host, every socket on loopback (`run_one_node_torchrun`); a trainer of several nodes runs
+    on nodes of its own (training/nodes.py)."""
     t = cfg.trainer
-    if t.nnodes == 1:  # torchrun with every socket on loopback (`run_one_node_torchrun`)
-        launcher = ["areal_pipeline.training.client", "--standalone", "--local-addr", "127.0.0.1"]
-    else:  # several nodes: the rendezvous in trainer.torchrun_args says where to listen
-        launcher = ["torch.distributed.run"]
-    return [sys.executable, "-m", *launcher, "--nnodes", str(t.nnodes),
-            "--nproc-per-node", str(t.nproc), *t.torchrun_args,
+    return [sys.executable, "-m", "areal_pipeline.training.client", "--standalone", "--local-addr", "127.0.0.1",
+            "--nnodes", "1", "--nproc-per-node", str(t.nproc), *t.torchrun_args,
             "-m", "areal_pipeline.training.trainer_server", "--config", str(config_path), "--model", model_path,
             "--host", "127.0.0.1", "--port", str(port)]
 
@@ -115,8 +113,7 @@ def single_rank_fork(cfg: ExperimentConfig, command: list[str], log_dir: Path):
     """A one-process trainer as a fork of the preloaded forkserver (areal_pipeline/forkserver.py): the rank itself,
     without a torchrun agent, its process group rendezvousing through a file (no store listens anywhere) and its
     gloo device on loopback. None for several ranks or nodes: those go through torchrun."""
-    t = cfg.trainer
-    if t.nnodes != 1 or t.nproc != 1:
+    if cfg.trainer.nproc != 1:
         return None
     module = "areal_pipeline.training.trainer_server"
     argv = command[command.index(module) + 1:]

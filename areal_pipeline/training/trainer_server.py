@@ -50,10 +50,11 @@ from areal_pipeline.training.client import TRAINER_INIT_METHOD_ENV
 from areal_pipeline.training.command_input import check_arguments
 from areal_pipeline.training.engine import TrainEngine, resolve_device
 from areal_pipeline.training.loss_registry import make_loss
+from areal_pipeline.training.nodes import training_settings, write_announcement
 from areal_pipeline.training.ppo import read_batch, read_logprobs
 from areal_pipeline.training.rank_control import Endpoint, broadcast_json, give_up, wait_on_time
-from areal_pipeline.utils import (PeerTimeout, atomic_directory, atomic_path, exit_when_parent_dies, get_logger,
-                                  import_in_background)
+from areal_pipeline.utils import (PeerTimeout, atomic_directory, atomic_path, exit_when_parent_dies,
+                                  find_free_port, get_logger, import_in_background)
 
 # Where the trainer writes torch profiler tables of its updates (one file per update and rank), and which
 # iterations' updates (comma-separated; unset: every one): for finding where an update's time goes.
@@ -83,6 +84,7 @@ class Trainer:
         self.ref: Optional[TrainEngine] = None
         self.loss = make_loss(cfg.ppo)
         self.weight_groups: dict[str, Any] = {}
+        self.settings = training_settings(cfg)  # a run driving this trainer checks it trains with these
 
     def _engine(self, trainable: bool) -> TrainEngine:
         steps = self.cfg.total_iterations * self.cfg.ppo.ppo_n_minibatches
@@ -229,9 +231,10 @@ class Trainer:
 
         actor = self.require_actor()
         # refused here, on every rank, rather than on rank 0 alone once the broadcast has begun (a 500 there)
-        if not servers or not 1 <= master_port <= 65535:
-            raise CommandError(f"update_weights_distributed needs servers and a master_port in [1, 65535]; got "
-                               f"{len(servers)} server(s) and port {master_port}", status=400)
+        if not servers or not 0 <= master_port <= 65535:
+            raise CommandError(f"update_weights_distributed needs servers and a master_port in [0, 65535] (0: a free "
+                               f"one on the master's address); got {len(servers)} server(s) and port {master_port}",
+                               status=400)
         if tp_sizes is not None and (len(tp_sizes) != len(servers) or min(tp_sizes) < 1):
             raise CommandError(f"'tp_sizes' must hold one size >= 1 per server, got {tp_sizes} for {len(servers)} "
                                "server(s)", status=400)
@@ -248,6 +251,8 @@ class Trainer:
         seconds, failure = 0.0, None
         if self.rank == 0:
             try:
+                # the port is free where the group is hosted, on this node (the run may be on another host)
+                master_port = master_port or find_free_port(master_address)
                 seconds = broadcast_weights(self.weight_groups, state, servers, version, master_address, master_port,
                                             group_name, dtype, backend,
                                             bool(getattr(actor.model.config, "tie_word_embeddings", False)),
@@ -263,7 +268,7 @@ class Trainer:
 
     def status(self) -> dict:
         return {"version": self.actor.version if self.actor else None, "world_size": self.world_size,
-                "initialized": self.actor is not None}
+                "initialized": self.actor is not None, "settings": self.settings}
 
     def run(self, command: dict) -> Any:
         handlers = {"initialize": self.initialize, "reinitialize": self.reinitialize, "compute_logp": self.compute_logp, "train": self.train,
@@ -299,7 +304,7 @@ def trainer_threads(cfg: ExperimentConfig, device: torch.device, cores: Optional
     return max(1, (cores - serving) // cfg.trainer.nproc)
 
 
-def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int) -> None:
+def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int, announce: Optional[str] = None) -> None:
     device = resolve_device(cfg.trainer.device, cfg.trainer.backend)
     backend = cfg.trainer.backend if cfg.trainer.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
@@ -324,8 +329,11 @@ def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int) -> None:
     if dist.get_rank() == 0:
         endpoint = Endpoint(host, port, trainer)
         endpoint.start()
+        port = endpoint.server.server_address[1]
         logger.info("trainer (world size %d, %s, %s) listening on http://%s:%d", dist.get_world_size(),
                     backend, device, host, port)
+        if announce:  # a trainer on nodes of its own: the run finds rank 0 here (trainer.address=auto)
+            write_announcement(Path(announce), f"{host}:{port}", cfg.run_id, dist.get_world_size())
     while True:
         slot = done = None
         if endpoint is not None:
@@ -382,7 +390,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--config", required=True, help="the run's resolved config.yaml")
     p.add_argument("--model", required=True, help="initial weights: HF directory or hub id")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="0: a free one (see --announce)")
+    p.add_argument("--announce", default=None, help="rank 0 writes its endpoint's address to this JSON file")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
@@ -391,7 +400,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     exit_when_parent_dies()
     # the run's saved config, its workflow's section kept as written: the trainer never reads it, and parsing it
     # would import the workflow's (the user's agent's) module in every rank
-    serve(load(args.config, chosen=UNCHECKED_AGENT), args.model, args.host, args.port)
+    serve(load(args.config, chosen=UNCHECKED_AGENT), args.model, args.host, args.port, args.announce)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,111 @@
+"""The launch commands of a run across hosts, generated from its config, for whatever starts processes on a cluster
+(a shell on each host, Slurm's srun, a Kubernetes job's command): `areal-pipeline cluster` prints them.
+
+    inference servers   one per `inference.addresses` entry, on that host, listening on that address
+    trainer nodes       `trainer.nnodes` x `areal-pipeline trainer-node`, the first on trainer.rdzv_endpoint's host
+    the run             `areal-pipeline train` on the head, against a Prefect server every host's worker reaches
+
+The orchestrating run never reaches into another host: it finds the servers and the trainer at their addresses
+(trainer.address=auto: rank 0 announces itself on the shared path) and waits for them within their setup
+timeouts, so the parts may start in any order.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import asdict, dataclass, field
+
+from areal_pipeline.config import ExperimentConfig
+
+CLI = "areal-pipeline"
+
+
+@dataclass(frozen=True)
+class Launch:
+    role: str  # inference-server | trainer-node | run
+    host: str  # where it runs (a host name or address of the config); "" for any node the scheduler picks
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class ClusterConfigError(ValueError):
+    pass
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0].strip("[]")
+
+
+def server_argv(cfg: ExperimentConfig, model_path: str, address: str, index: int) -> list[str]:
+    """The server at `address`, as the run would launch it (the same flags, seed `seed + index`)."""
+    from areal_pipeline.inference.launcher import build_cpu_server_command, build_sglang_command, build_vllm_command
+
+    inf = cfg.inference
+    host, port = _host(address), int(address.rpartition(":")[2])
+    seed = cfg.seed + index
+    if inf.backend == "cpu":
+        command = build_cpu_server_command(model_path, host, port, inf, seed)
+        return [CLI, "inference-server", *command[3:]]  # `python -m areal_pipeline.inference.server` is this command
+    if inf.backend == "sglang":
+        return build_sglang_command(model_path, host, port, inf.sglang, seed, 0 if inf.device == "cuda" else None)
+    return build_vllm_command(model_path, host, port, inf.vllm, seed)
+
+
+def launch_plan(cfg: ExperimentConfig, config_path: str, overrides: list[str], model_path: str,
+                prefect_api_url: str = "") -> list[Launch]:
+    """Every process of the run across hosts, in the order a scheduler may start them."""
+    t = cfg.trainer
+    if not cfg.inference.addresses and not t.address:
+        raise ClusterConfigError("nothing runs on other hosts: set inference.addresses (the servers' host:port) "
+                                 "and/or trainer.address=auto with trainer.nnodes and trainer.rdzv_endpoint")
+    config = ["--config", config_path, *overrides]
+    plan = [Launch("inference-server", _host(a), tuple(server_argv(cfg, model_path, a, i)))
+            for i, a in enumerate(cfg.inference.addresses)]
+    if t.address:
+        first = _host(t.rdzv_endpoint) if t.rdzv_endpoint else (_host(t.address) if t.address != "auto" else "")
+        plan += [Launch("trainer-node", first if node == 0 else "", (CLI, "trainer-node", *config))
+                 for node in range(t.nnodes)]
+    env = {"PREFECT_API_URL": prefect_api_url} if prefect_api_url else {}
+    plan.append(Launch("run", "", (CLI, "train", *config), env))
+    return plan
+
+
+def _line(launch: Launch) -> str:
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items())
+    return (env + " " if env else "") + shlex.join(launch.argv)
+
+
+def as_shell(plan: list[Launch]) -> str:
+    """A comment naming each host, then its command."""
+    lines = []
+    for launch in plan:
+        where = {"inference-server": f"on {launch.host}", "run": "on the head (where the Prefect server is reached)",
+                 "trainer-node": f"on {launch.host} (the rendezvous host)" if launch.host else "on another trainer node"}
+        lines += [f"# {launch.role} {where[launch.role]}", _line(launch), ""]
+    return "\n".join(lines)
+
+
+def as_json(plan: list[Launch]) -> str:
+    return json.dumps([asdict(launch) for launch in plan], indent=2)
+
+
+def as_slurm(plan: list[Launch], cfg: ExperimentConfig, partition: str = "") -> str:
+    """An sbatch script: the servers and the trainer nodes as background job steps on their hosts, the run in the
+    batch step; when the run ends the script ends, and Slurm ends the steps with it."""
+    servers = [launch for launch in plan if launch.role == "inference-server"]
+    nodes = [launch for launch in plan if launch.role == "trainer-node"]
+    run = next(launch for launch in plan if launch.role == "run")
+    named = sorted({launch.host for launch in servers + nodes if launch.host})
+    header = ["#!/bin/bash", f"#SBATCH --job-name={cfg.run_id}",
+              f"#SBATCH --nodes={1 + len({s.host for s in servers}) + len(nodes)}",
+              f"#SBATCH --nodelist={','.join(named)}" if named else "",
+              f"#SBATCH --partition={partition}" if partition else "",
+              "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive"]
+    body = ["set -euo pipefail", "# the batch step runs on the allocation's first node: the head (the run)"]
+    body += [f"srun --nodes=1 --ntasks=1 --nodelist={launch.host} --overlap {_line(launch)} &" for launch in servers]
+    if nodes:
+        first = f" --nodelist={nodes[0].host}" if nodes[0].host else ""
+        body.append(f"srun --nodes={len(nodes)} --ntasks-per-node=1{first} --overlap {_line(nodes[0])} &")
+    body.append(_line(run))
+    return "\n".join([line for line in header if line] + [""] + body) + "\n"
