@@ -151,11 +151,11 @@ def _unreachable_ancestor(path: Path, user: _PgUser) -> Optional[Path]:
     return None
 
 
-def _port_free(port: int) -> bool:
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
     return True
@@ -312,9 +312,11 @@ class LocalPrefectServer:
 
     def start(self, port: int = DEFAULT_PORT, pg_port: int = DEFAULT_PG_PORT, timeout: float = 180,
               extra_env: Optional[dict[str, str]] = None,
-              say: Callable[[str], None] = lambda line: None) -> str:
-        """PostgreSQL and the Prefect server on it (either one left as it is where it runs already); the API URL."""
-        url = f"http://127.0.0.1:{port}/api"
+              say: Callable[[str], None] = lambda line: None, host: str = "127.0.0.1") -> str:
+        """PostgreSQL and the Prefect server on it (either one left as it is where it runs already); the API URL.
+        `host`: the address the server listens on (another host's workers and runs reach it there); PostgreSQL
+        stays on this host's loopback, reached by the server alone."""
+        url = f"http://{host}:{port}/api"
         if self.server_pid() is not None:
             running = self.state()
             if _healthy(running["url"]):
@@ -322,8 +324,8 @@ class LocalPrefectServer:
                 return running["url"]
             raise PrefectServerError(f"the Prefect server of {self.dir} (pid {running['pid']}) runs but does not "
                                      f"answer at {running['url']}: stop it first")
-        if not _port_free(port):
-            raise PrefectServerError(f"port {port} on 127.0.0.1 is in use (another Prefect server?): choose another "
+        if not _port_free(port, host):
+            raise PrefectServerError(f"port {port} on {host} is in use (another Prefect server?): choose another "
                                      f"with --port")
         if self.postgres_running():
             pg_port = self.state().get("pg_port", pg_port)
@@ -335,7 +337,7 @@ class LocalPrefectServer:
                           "PREFECT_HOME": str(self.prefect_home),
                           "PREFECT_API_DATABASE_CONNECTION_URL": self.database_url(pg_port)}, url)
         with open(self.server_log, "ab") as log:
-            server = subprocess.Popen([prefect_executable(), "server", "start", "--host", "127.0.0.1", "--port",
+            server = subprocess.Popen([prefect_executable(), "server", "start", "--host", host, "--port",
                                        str(port)], env=env, stdin=subprocess.DEVNULL, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True, cwd=self.dir)
         self._write_state({"pid": server.pid, "url": url, "port": port, "pg_port": pg_port,
@@ -350,7 +352,7 @@ class LocalPrefectServer:
                     self._stop_postgres()
                 raise PrefectServerError(f"prefect server start {why}; {self.server_log}:\n{_tail(self.server_log)}")
             time.sleep(0.3)
-        say(f"Prefect server: {url} (UI http://127.0.0.1:{port}, pid {server.pid}, log {self.server_log})")
+        say(f"Prefect server: {url} (UI http://{host}:{port}, pid {server.pid}, log {self.server_log})")
         return url
 
     def stop(self, timeout: float = 30, say: Callable[[str], None] = lambda line: None) -> None:
@@ -403,11 +405,11 @@ def _reap(pid: int) -> None:
         pass
 
 
-def main(action: str, directory: Optional[str], port: int, pg_port: int) -> None:
+def main(action: str, directory: Optional[str], port: int, pg_port: int, host: str = "127.0.0.1") -> None:
     """What `areal-pipeline prefect-server` runs."""
     server = LocalPrefectServer(directory)
     if action == "start":
-        url = server.start(port, pg_port, say=print)
+        url = server.start(port, pg_port, say=print, host=host)
         print(f"\nexport PREFECT_API_URL={url}")
     elif action == "stop":
         if server.server_pid() is None and not server.postgres_running():

@@ -11,7 +11,7 @@ from typing import Optional
 
 from cli.commands import (cmd_answers, cmd_branch, cmd_config, cmd_evaluate, cmd_export, cmd_guard,
                           cmd_inference_server, cmd_init_model, cmd_prefect_server, cmd_retrieval_server, cmd_rollout,
-                          cmd_serve, cmd_sweep, cmd_train)
+                          cmd_serve, cmd_sweep, cmd_train, cmd_trainer_node, cmd_cluster)
 
 
 def _api_grace(parser: argparse.ArgumentParser) -> None:
@@ -169,7 +169,25 @@ def build_parser() -> argparse.ArgumentParser:
                                                "/var/lib/areal-pipeline/prefect-server)")
     p.add_argument("--port", type=int, default=4200, help="the Prefect API and UI port")
     p.add_argument("--pg-port", type=int, default=5433, help="PostgreSQL's port (127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", help="the address the Prefect server listens on: an address of "
+                                                       "this host that other hosts reach, for a run across hosts")
     p.set_defaults(func=cmd_prefect_server)
+
+    p = sub.add_parser("trainer-node", help="this node's part of a trainer on nodes of its own (torchrun under it), "
+                                            "as a scheduler starts it on each trainer node: docs/multi-node.md")
+    p.add_argument("--config", required=True)
+    p.add_argument("--address", default="", help="this node's address the other hosts reach (default: the one it "
+                                                 "reaches trainer.rdzv_endpoint from, else its host name's)")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, the same as the run's")
+    p.set_defaults(func=cmd_trainer_node)
+
+    p = sub.add_parser("cluster", help="the launch commands of a run across hosts (servers, trainer nodes, the run), "
+                                       "generated from its config: for a shell on each host, or Slurm")
+    p.add_argument("--config", required=True)
+    p.add_argument("--format", choices=["shell", "slurm", "json"], default="shell")
+    p.add_argument("--partition", default="", help="Slurm: the partition (--format slurm)")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, passed on to every command")
+    p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("rollout", help="roll out one iteration's batch into Parquet shards, or show N decoded "
                                        "episodes (--show N)")

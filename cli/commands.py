@@ -209,9 +209,41 @@ def cmd_prefect_server(args) -> None:
     from areal_pipeline.prefect_server import PrefectServerError, main as server_main
 
     try:
-        server_main(args.action, args.dir, args.port, args.pg_port)
+        server_main(args.action, args.dir, args.port, args.pg_port, args.host)
     except PrefectServerError as e:
         sys.exit(f"prefect-server error: {e}")
+
+
+def cmd_trainer_node(args) -> None:
+    from areal_pipeline.model import resolve_model_path
+    from areal_pipeline.run_spec import load_config
+    from areal_pipeline.training.nodes import TrainerNodeError, run_trainer_node
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        run_trainer_node(cfg, resolve_model_path(cfg.model, cfg.output_dir, cfg.seed), args.address)
+    except TrainerNodeError as e:
+        sys.exit(f"trainer-node: {e}")
+
+
+def cmd_cluster(args) -> None:
+    import os
+
+    from areal_pipeline.cluster import ClusterConfigError, as_json, as_shell, as_slurm, launch_plan
+    from areal_pipeline.model import resolve_model_path
+    from areal_pipeline.run_spec import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    # the embedded model is built once, here, on the shared path, rather than by every host at once
+    model_path = resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
+    try:
+        # the config by its absolute path: every host reads it from the shared file system
+        plan = launch_plan(cfg, str(Path(args.config).resolve()), args.overrides, model_path,
+                           os.environ.get("PREFECT_API_URL", ""))
+    except ClusterConfigError as e:
+        sys.exit(f"cluster: {e}")
+    print({"shell": as_shell, "json": as_json}[args.format](plan) if args.format != "slurm"
+          else as_slurm(plan, cfg, args.partition))
 
 
 def cmd_sweep(args) -> None:

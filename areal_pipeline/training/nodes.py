@@ -116,7 +116,12 @@ def node_environment(address: str) -> dict[str, str]:
     interface = interface_of(address)
     if interface is None:
         raise TrainerNodeError(f"no network interface holds {address}")
-    return {name: os.environ.get(name) or interface for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    env = {name: os.environ.get(name) or interface for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    # torchrun's agents otherwise share the rendezvous' TCP store with the ranks and keep its address from the
+    # first round: after a lost node, rank 0's agent never publishes it to the new round and both nodes wait for
+    # each other until the store's timeout (a node restarting into a running job is exactly what must work)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
 
 
 def run_trainer_node(cfg: ExperimentConfig, model_path: str, address: str = "") -> None:

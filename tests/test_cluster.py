@@ -1,0 +1,139 @@
+"""The pieces of a run across hosts that need no second host: the launch commands generated from a config, a
+trainer node's torchrun arguments and addresses, rank 0's announcement, and the settings check between a run and
+the trainer it drives (tests/test_multi_host.py runs them on simulated hosts)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from areal_pipeline.cluster import ClusterConfigError, as_shell, as_slurm, launch_plan
+from areal_pipeline.run_spec import load_config
+from areal_pipeline.training.nodes import (TrainerNodeError, address_toward, announce_path, is_local_address,
+                                           node_address, settings_mismatch, torchrun_argv, training_settings,
+                                           wait_for_trainer, write_announcement)
+
+REPO = Path(__file__).resolve().parents[1]
+ACROSS = ["output_dir=/shared/runs", "run_id=r", "trainer.nnodes=2", "trainer.address=auto",
+          "trainer.rdzv_endpoint=train-a:29400", "inference.addresses=[gen:30000,gen:30001]",
+          "trainer.weight_sync=distributed"]
+
+
+def across(*more: str):
+    return load_config(REPO / "configs" / "tiny_cpu.yaml", [*ACROSS, *more])
+
+
+def test_the_launch_plan_starts_each_server_on_its_host_and_a_trainer_node_per_node():
+    cfg = across()
+    plan = launch_plan(cfg, "/shared/run.yaml", ACROSS, "/shared/model", "http://head:4200/api")
+    assert [(p.role, p.host) for p in plan] == [("inference-server", "gen"), ("inference-server", "gen"),
+                                               ("trainer-node", "train-a"), ("trainer-node", ""), ("run", "")]
+    first, second = plan[0].argv, plan[1].argv
+    assert first[:2] == ("areal-pipeline", "inference-server")
+    # as the run would launch them: on their own address and port, seeds seed + i, seeded sampling honoured
+    assert first[first.index("--host") + 1] == "gen" and first[first.index("--port") + 1] == "30000"
+    assert first[first.index("--seed") + 1] == "1" and second[second.index("--seed") + 1] == "2"
+    assert "--enable-deterministic-inference" in first
+    assert plan[2].argv == ("areal-pipeline", "trainer-node", "--config", "/shared/run.yaml", *ACROSS)
+    assert plan[-1].argv[:2] == ("areal-pipeline", "train") and plan[-1].env == {"PREFECT_API_URL": "http://head:4200/api"}
+
+
+def test_a_run_on_one_host_has_nothing_to_launch_elsewhere():
+    with pytest.raises(ClusterConfigError, match="nothing runs on other hosts"):
+        launch_plan(load_config(REPO / "configs" / "tiny_cpu.yaml"), "c.yaml", [], "/m")
+
+
+def test_the_shell_and_slurm_forms_name_every_host_and_parse():
+    cfg = across()
+    plan = launch_plan(cfg, "/shared/run.yaml", ACROSS, "/shared/model")
+    shell = as_shell(plan)
+    assert "# inference-server on gen" in shell and "# trainer-node on train-a (the rendezvous host)" in shell
+    script = as_slurm(plan, cfg, partition="gpu")
+    assert "#SBATCH --nodes=4" in script and "#SBATCH --nodelist=gen,train-a" in script
+    assert "srun --nodes=2 --ntasks-per-node=1 --nodelist=train-a --overlap areal-pipeline trainer-node" in script
+    assert script.rstrip().splitlines()[-1].startswith("areal-pipeline train")
+    if shutil.which("bash"):
+        assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_the_cluster_command_prints_the_plan_with_the_config_s_absolute_path(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "cli", "cluster", "--format", "json", "--config",
+                           "configs/tiny_cpu.yaml", *ACROSS[1:], f"output_dir={tmp_path}", f"model.path={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan[2]["argv"][3] == str(REPO / "configs" / "tiny_cpu.yaml")
+    refused = subprocess.run([sys.executable, "-m", "cli", "cluster", "--config", "configs/tiny_cpu.yaml",
+                              "trainer.nnodes=2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "trainer.nnodes=2: a trainer of several nodes runs on them" in refused.stderr
+
+
+def test_a_trainer_node_meets_the_others_at_the_rendezvous_on_its_own_address():
+    cfg = across("trainer.max_restarts=2")
+    cfg.trainer.rdzv_endpoint = "127.0.0.1:29400"  # an address of this host, as train-a's is on train-a
+    argv = torchrun_argv(cfg, Path("/shared/node.yaml"), "/m", "10.0.0.3")
+    assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--max-restarts") + 1] == "2"
+    assert argv[argv.index("--local-addr") + 1] == "10.0.0.3"
+    assert argv[argv.index("--rdzv-backend") + 1] == "c10d" and argv[argv.index("--rdzv-id") + 1] == "r"
+    # the rendezvous store is hosted where the endpoint's address is local
+    assert argv[argv.index("--rdzv-conf") + 1] == "is_host=true"
+    assert argv[argv.index("--host") + 1] == "10.0.0.3"
+    assert argv[argv.index("--announce") + 1] == "/shared/runs/r/trainer/endpoint.json"
+    one = torchrun_argv(across("trainer.nnodes=1"), Path("/n.yaml"), "/m", "10.0.0.3")
+    assert "--standalone" in one and "--rdzv-backend" not in one
+
+
+def test_a_node_address_is_never_loopback():
+    assert address_toward("127.0.0.1", 1) == "127.0.0.1"
+    assert is_local_address("127.0.0.1") and not is_local_address("192.0.2.1")  # TEST-NET-1: never this host's
+    with pytest.raises(TrainerNodeError, match="resolves to loopback"):
+        node_address(across(), "127.0.0.1")
+    with pytest.raises(TrainerNodeError, match="192.0.2.1 is not an address of this host"):
+        node_address(across(), "192.0.2.1")
+
+
+def test_a_trainer_started_with_other_settings_is_named_key_by_key():
+    ours = training_settings(across())
+    assert ours["run_id"] == "r" and "ppo.eps_clip" in ours and "trainer.optimizer.lr" in ours
+    theirs = training_settings(across("ppo.eps_clip=0.3"))
+    assert settings_mismatch(ours, theirs) == ["ppo.eps_clip=0.3 (this run: 0.2)"]
+    assert settings_mismatch(ours, dict(ours)) == []
+    # what does not decide the updates may differ (the servers, the trainer's nodes)
+    assert settings_mismatch(ours, training_settings(across("inference.addresses=[gen:1]"))) == []
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"status": "ok", "world_size": 2, "version": None}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_run_finds_rank_0_where_it_announced_itself(tmp_path):
+    cfg = across(f"output_dir={tmp_path}")
+    with pytest.raises(TrainerNodeError, match="no trainer answered announced in .*within 1s .nothing announced"):
+        wait_for_trainer(cfg, timeout=1)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        # a stale announcement (a rank 0 gone) is waited past until the new one answers
+        write_announcement(announce_path(cfg), "127.0.0.1:1", "r", 2)
+        with pytest.raises(TrainerNodeError, match="127.0.0.1:1: "):
+            wait_for_trainer(cfg, timeout=1)
+        write_announcement(announce_path(cfg), f"127.0.0.1:{server.server_address[1]}", "r", 2)
+        address, health = wait_for_trainer(cfg, timeout=10)
+        assert address == f"127.0.0.1:{server.server_address[1]}" and health["world_size"] == 2
+    finally:
+        server.shutdown()

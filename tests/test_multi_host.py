@@ -1,0 +1,136 @@
+"""A run across four simulated hosts (network namespaces: tests/_hosts.py), started as a cluster starts it: the
+commands `areal-pipeline cluster` generates from the run's config, each run on its host.
+
+    head      a Prefect server on PostgreSQL, listening on head's address; the run (`areal-pipeline train`)
+    gen       the inference server, listening on gen's address
+    train-a   trainer node 0 (the c10d rendezvous host)     } torchrun --nnodes 2, gloo between the hosts
+    train-b   trainer node 1                                 }
+
+No process binds an address another host needs to loopback: every host has a loopback of its own, so one would
+not be reached. The run directory is a shared path (the one file system the namespaces share stands for NFS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _hosts import SimulatedHosts, namespaces_unavailable
+from _learning_helpers import base_model, first_and_last
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = str(Path(sys.executable).with_name("areal-pipeline"))
+HOSTS = ("head", "gen", "train-a", "train-b")
+ITERATIONS = 20
+
+pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None,
+                                reason=f"simulated hosts: {namespaces_unavailable()}")
+
+
+def overrides(shared: Path, model: str, run_id: str, *more: str) -> list[str]:
+    return [f"output_dir={shared}", f"run_id={run_id}", f"model.path={model}", f"total_iterations={ITERATIONS}",
+            "save_freq=1", "eval_freq=0", "iterations_per_flow_run=5",
+            "trainer.nnodes=2", "trainer.address=auto", "trainer.rdzv_endpoint=train-a:29400",
+            "trainer.collective_timeout=60", "inference.addresses=[gen:30000]", *more]
+
+
+def launch_plan(hosts: SimulatedHosts, env: dict, config: list[str]) -> list[dict]:
+    done = hosts.run("head", [CLI, "cluster", "--format", "json", *config], timeout=120, env=env, cwd=REPO,
+                     capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def start(hosts: SimulatedHosts, host: str, launch: dict, env: dict, log: Path) -> subprocess.Popen:
+    argv = [CLI if launch["argv"][0] == "areal-pipeline" else launch["argv"][0], *launch["argv"][1:]]
+    return hosts.popen(host, argv, env={**env, **launch["env"]}, cwd=REPO, stdout=open(log, "ab"),
+                       stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step_{ITERATIONS}" / "model" / "model.safetensors"))
+
+
+def tail(path: Path, chars: int = 4000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else f"({path} missing)"
+
+
+@pytest.mark.timeout(1500)
+def test_a_run_across_four_hosts_learns_and_survives_a_lost_trainer_node(model_cache, tmp_path, request):
+    model = base_model("tiny_cpu.yaml", model_cache)
+    shared, logs = tmp_path / "shared", tmp_path / "logs"
+    logs.mkdir()
+    with SimulatedHosts(HOSTS) as hosts:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), NO_PROXY="*", no_proxy="*")
+        # PostgreSQL runs as its own user, who must reach the data folder (pytest's temp folders are root's alone)
+        pg = Path(tempfile.mkdtemp(prefix="areal-pg-", dir="/tmp"))
+        pg.chmod(0o755)
+        request.addfinalizer(lambda: shutil.rmtree(pg, ignore_errors=True))
+        server = hosts.run("head", [CLI, "prefect-server", "start", "--host", "head", "--dir", str(pg / "server")],
+                           timeout=240, env=env, capture_output=True, text=True)
+        assert server.returncode == 0, server.stdout + server.stderr
+        env["PREFECT_API_URL"] = "http://head:4200/api"
+
+        def run(run_id: str, *more: str) -> tuple[subprocess.Popen, dict[str, subprocess.Popen]]:
+            config = ["--config", "configs/tiny_cpu.yaml", *overrides(shared, model, run_id, *more)]
+            plan = launch_plan(hosts, env, config)
+            servers = [p for p in plan if p["role"] == "inference-server"]
+            nodes = [p for p in plan if p["role"] == "trainer-node"]
+            assert [s["host"] for s in servers] == ["gen"] and [n["host"] for n in nodes] == ["train-a", ""]
+            if not hosts.pids("gen"):
+                start(hosts, "gen", servers[0], env, logs / "gen.log")
+            started = {host: start(hosts, host, node, env, logs / f"{host}-{run_id}.log")
+                       for host, node in zip(("train-a", "train-b"), nodes)}
+            (orchestrator,) = [p for p in plan if p["role"] == "run"]
+            assert orchestrator["env"] == {"PREFECT_API_URL": "http://head:4200/api"}
+            return start(hosts, "head", orchestrator, env, logs / f"head-{run_id}.log"), started
+
+        # A: uninterrupted, weights to gen by process group (gloo between train-a and gen)
+        reference, _ = run("ref", "trainer.weight_sync=distributed")
+        assert reference.wait(timeout=900) == 0, tail(logs / "head-ref.log")
+        announced = json.loads((shared / "ref" / "trainer" / "endpoint.json").read_text())
+        assert announced["world_size"] == 2 and announced["address"].split(":")[0] in {
+            hosts.address("train-a"), hosts.address("train-b")}, announced
+        records = [json.loads(line) for line in (shared / "ref" / "metrics.jsonl").read_text().splitlines()]
+        assert len(records) == ITERATIONS
+        first, last = first_and_last(records)
+        assert last > first + 0.1, [r["reward_mean"] for r in records]
+        hosts.kill_host("train-a"), hosts.kill_host("train-b")  # the scheduler ends the job's trainer steps
+
+        # B: the same run with weights by disk; train-b is lost while iteration 3 is being updated, and its
+        # scheduler starts it again: the update's retry waits for the trainer, restores it and goes on
+        victim, nodes = run("victim", "trainer.weight_sync=disk")
+        batch = shared / "victim" / "iter_3" / "batch" / "manifest.json"
+        wait_for(lambda: batch.exists() or victim.poll() is not None, 600, "iteration 3's batch")
+        assert victim.poll() is None, tail(logs / "head-victim.log")
+        assert hosts.kill_host("train-b")
+        plan = launch_plan(hosts, env, ["--config", "configs/tiny_cpu.yaml",
+                                        *overrides(shared, model, "victim", "trainer.weight_sync=disk")])
+        start(hosts, "train-b", [p for p in plan if p["role"] == "trainer-node"][1], env,
+              logs / "train-b-victim-again.log")
+        assert victim.wait(timeout=900) == 0, tail(logs / "head-victim.log")
+        log = (shared / "victim" / "logs" / "train.log").read_text()
+        assert "waiting for its nodes to come back" in log or "no trainer answered" in log, log[-3000:]
+
+        a, b = final_weights(shared / "ref"), final_weights(shared / "victim")
+        assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
