@@ -134,3 +134,26 @@ def test_a_run_across_four_hosts_learns_and_survives_a_lost_trainer_node(model_c
 
         a, b = final_weights(shared / "ref"), final_weights(shared / "victim")
         assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+        # the head's Prefect server (PostgreSQL) recorded it: a node of the victim's ran twice, and completed
+        retried = hosts.run("head", [sys.executable, "-c", RETRIED_TASK_RUNS], timeout=120, env=env,
+                            capture_output=True, text=True)
+        assert retried.returncode == 0, retried.stderr
+        assert json.loads(retried.stdout), "no task run was retried"
+
+
+RETRIED_TASK_RUNS = """
+import asyncio, json
+from prefect.client.orchestration import get_client
+
+async def retried():
+    found, offset = [], 0
+    async with get_client() as client:
+        while page := await client.read_task_runs(limit=200, offset=offset):
+            found += [(r.name, r.state_type.value) for r in page
+                      if r.run_count > 1 and r.state_type.value == "COMPLETED"]
+            offset += len(page)
+    return found
+
+print(json.dumps(asyncio.run(retried())))
+"""

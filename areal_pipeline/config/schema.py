@@ -336,7 +336,9 @@ class TrainerConfig:
     # servers' share inference.sglang.mem_fraction_static, each rank's memory_fraction
     colocate: bool = False
     memory_fraction: float = 1.0  # share of its GPU's memory a rank may allocate (1: no cap)
-    setup_timeout: float = 300.0  # seconds the trainer has to load the model and answer after its launch
+    # seconds the trainer has to load the model and answer after its launch; for a trainer at trainer.address, how
+    # long the run waits for it to answer (its nodes starting, or a lost node being started again)
+    setup_timeout: float = 300.0
     command_timeout: float = 3600.0  # seconds one trainer command (an update, a save) may take
 
 
