@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 from areal_pipeline.config import ExperimentConfig
 
@@ -69,6 +70,23 @@ def launch_plan(cfg: ExperimentConfig, config_path: str, overrides: list[str], m
     env = {"PREFECT_API_URL": prefect_api_url} if prefect_api_url else {}
     plan.append(Launch("run", "", (CLI, "train", *config), env))
     return plan
+
+
+def prefect_api_warning(url: str) -> Optional[str]:
+    """What is wrong with the Prefect API URL the run is given, for a run across hosts (None: nothing)."""
+    from urllib.parse import urlparse
+
+    from areal_pipeline.training.nodes import is_loopback
+
+    if not url:
+        return ("PREFECT_API_URL is not set: the run would use a temporary Prefect server on the head, seen by no "
+                "other host and gone when the run ends; start a standing one (`areal-pipeline prefect-server start "
+                "--host <head's address>`) and export its URL before `areal-pipeline cluster`")
+    host = urlparse(url).hostname or ""
+    if is_loopback(host):
+        return (f"PREFECT_API_URL={url} names the head's loopback: workers and browsers on other hosts cannot reach "
+                "it; start the Prefect server with --host <head's address> and use that address")
+    return None
 
 
 def _line(launch: Launch) -> str:

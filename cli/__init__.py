@@ -186,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True)
     p.add_argument("--format", choices=["shell", "slurm", "json"], default="shell")
     p.add_argument("--partition", default="", help="Slurm: the partition (--format slurm)")
+    p.add_argument("--submit", action="store_true",
+                   help="rather than print them, submit the servers and trainer nodes as flow runs of the "
+                        "cluster-node deployment, each to the work queue of its host (a Prefect worker per host)")
+    p.add_argument("--trainer-hosts", default="", help="--submit: the trainer nodes' hosts, comma-separated, the "
+                                                       "rendezvous host first (default: that host alone)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, passed on to every command")
     p.set_defaults(func=cmd_cluster)
 

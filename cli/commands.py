@@ -214,12 +214,39 @@ def cmd_prefect_server(args) -> None:
         sys.exit(f"prefect-server error: {e}")
 
 
+def _submit_parts(plan, trainer_hosts: list[str]) -> None:
+    """The servers and trainer nodes of `plan` as flow runs of the cluster-node deployment, on their hosts' queues."""
+    import asyncio
+    from dataclasses import asdict
+
+    from flows.node import submit
+
+    parts = [asdict(launch) for launch in plan if launch.role != "run"]
+    nodes = [part for part in parts if part["role"] == "trainer-node"]
+    if trainer_hosts:
+        if len(trainer_hosts) != len(nodes) or (nodes[0]["host"] and trainer_hosts[0] != nodes[0]["host"]):
+            sys.exit(f"cluster: --trainer-hosts must name {len(nodes)} host(s), the rendezvous host "
+                     f"{nodes[0]['host'] or '(any)'} first; got {','.join(trainer_hosts)}")
+        for part, host in zip(nodes, trainer_hosts):
+            part["host"] = host
+    unplaced = [part["role"] for part in parts if not part["host"]]
+    if unplaced:
+        sys.exit(f"cluster: --submit needs a host for every part: name the trainer nodes' hosts with "
+                 f"--trainer-hosts ({len(nodes)} of them)")
+    for part, run_id in zip(parts, asyncio.run(submit(parts))):
+        print(f"{part['role']} on {part['host']}: flow run {run_id}")
+    run = next(launch for launch in plan if launch.role == "run")
+    print(f"\nthen, on the head: {' '.join(run.argv)}")
+
+
 def cmd_trainer_node(args) -> None:
     from areal_pipeline.model import resolve_model_path
     from areal_pipeline.run_spec import load_config
     from areal_pipeline.training.nodes import TrainerNodeError, run_trainer_node
+    from areal_pipeline.utils import exit_when_parent_dies
 
     cfg = load_config(args.config, args.overrides)
+    exit_when_parent_dies()  # a node ends with whatever started it (a worker's flow run, srun), as a server does
     try:
         run_trainer_node(cfg, resolve_model_path(cfg.model, cfg.output_dir, cfg.seed), args.address)
     except TrainerNodeError as e:
@@ -229,7 +256,8 @@ def cmd_trainer_node(args) -> None:
 def cmd_cluster(args) -> None:
     import os
 
-    from areal_pipeline.cluster import ClusterConfigError, as_json, as_shell, as_slurm, launch_plan
+    from areal_pipeline.cluster import (ClusterConfigError, as_json, as_shell, as_slurm, launch_plan,
+                                        prefect_api_warning)
     from areal_pipeline.model import resolve_model_path
     from areal_pipeline.run_spec import load_config
 
@@ -242,6 +270,12 @@ def cmd_cluster(args) -> None:
                            os.environ.get("PREFECT_API_URL", ""))
     except ClusterConfigError as e:
         sys.exit(f"cluster: {e}")
+    warning = prefect_api_warning(os.environ.get("PREFECT_API_URL", ""))
+    if warning:
+        print(f"cluster: warning: {warning}", file=sys.stderr)
+    if args.submit:
+        _submit_parts(plan, [h for h in args.trainer_hosts.split(",") if h])
+        return
     print({"shell": as_shell, "json": as_json}[args.format](plan) if args.format != "slurm"
           else as_slurm(plan, cfg, args.partition))
 

@@ -5,6 +5,7 @@ the trainer it drives (tests/test_multi_host.py runs them on simulated hosts).""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_pipeline.cluster import ClusterConfigError, as_shell, as_slurm, launch_plan
+from areal_pipeline.cluster import ClusterConfigError, as_shell, as_slurm, launch_plan, prefect_api_warning
 from areal_pipeline.run_spec import load_config
 from areal_pipeline.training.nodes import (TrainerNodeError, address_toward, announce_path, is_local_address,
                                            node_address, settings_mismatch, torchrun_argv, training_settings,
@@ -66,13 +67,22 @@ def test_the_shell_and_slurm_forms_name_every_host_and_parse():
 def test_the_cluster_command_prints_the_plan_with_the_config_s_absolute_path(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cli", "cluster", "--format", "json", "--config",
                            "configs/tiny_cpu.yaml", *ACROSS[1:], f"output_dir={tmp_path}", f"model.path={tmp_path}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PREFECT_API_URL": "http://127.0.0.1:4200/api"})
     assert done.returncode == 0, done.stderr
+    assert "cluster: warning: PREFECT_API_URL=http://127.0.0.1:4200/api names the head's loopback" in done.stderr
     plan = json.loads(done.stdout)
     assert plan[2]["argv"][3] == str(REPO / "configs" / "tiny_cpu.yaml")
     refused = subprocess.run([sys.executable, "-m", "cli", "cluster", "--config", "configs/tiny_cpu.yaml",
                               "trainer.nnodes=2"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "trainer.nnodes=2: a trainer of several nodes runs on them" in refused.stderr
+
+
+def test_a_prefect_api_other_hosts_cannot_reach_is_warned_about():
+    assert "not set: the run would use a temporary Prefect server" in prefect_api_warning("")
+    assert "names the head's loopback" in prefect_api_warning("http://127.0.0.1:4200/api")
+    assert "names the head's loopback" in prefect_api_warning("http://localhost:4200/api")
+    assert prefect_api_warning("http://head:4200/api") is None
 
 
 def test_a_trainer_node_meets_the_others_at_the_rendezvous_on_its_own_address():

@@ -74,22 +74,28 @@ def tail(path: Path, chars: int = 4000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else f"({path} missing)"
 
 
+def prefect_server_on_head(hosts: SimulatedHosts, tmp_path: Path, request) -> dict[str, str]:
+    """A standing Prefect server on PostgreSQL on `head`, listening on head's address; the environment of every
+    host's commands, with PREFECT_API_URL naming it (nothing of the test session's own Prefect API)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), NO_PROXY="*", no_proxy="*")
+    # PostgreSQL runs as its own user, who must reach the data folder (pytest's temp folders are root's alone)
+    pg = Path(tempfile.mkdtemp(prefix="areal-pg-", dir="/tmp"))
+    pg.chmod(0o755)
+    request.addfinalizer(lambda: shutil.rmtree(pg, ignore_errors=True))
+    server = hosts.run("head", [CLI, "prefect-server", "start", "--host", "head", "--dir", str(pg / "server")],
+                       timeout=240, env=env, capture_output=True, text=True)
+    assert server.returncode == 0, server.stdout + server.stderr
+    return {**env, "PREFECT_API_URL": "http://head:4200/api"}
+
+
 @pytest.mark.timeout(1500)
 def test_a_run_across_four_hosts_learns_and_survives_a_lost_trainer_node(model_cache, tmp_path, request):
     model = base_model("tiny_cpu.yaml", model_cache)
     shared, logs = tmp_path / "shared", tmp_path / "logs"
     logs.mkdir()
     with SimulatedHosts(HOSTS) as hosts:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-        env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), NO_PROXY="*", no_proxy="*")
-        # PostgreSQL runs as its own user, who must reach the data folder (pytest's temp folders are root's alone)
-        pg = Path(tempfile.mkdtemp(prefix="areal-pg-", dir="/tmp"))
-        pg.chmod(0o755)
-        request.addfinalizer(lambda: shutil.rmtree(pg, ignore_errors=True))
-        server = hosts.run("head", [CLI, "prefect-server", "start", "--host", "head", "--dir", str(pg / "server")],
-                           timeout=240, env=env, capture_output=True, text=True)
-        assert server.returncode == 0, server.stdout + server.stderr
-        env["PREFECT_API_URL"] = "http://head:4200/api"
+        env = prefect_server_on_head(hosts, tmp_path, request)
 
         def run(run_id: str, *more: str) -> tuple[subprocess.Popen, dict[str, subprocess.Popen]]:
             config = ["--config", "configs/tiny_cpu.yaml", *overrides(shared, model, run_id, *more)]
@@ -157,3 +163,68 @@ async def retried():
 
 print(json.dumps(asyncio.run(retried())))
 """
+
+
+FLOW_RUN_STATES = """
+import asyncio, json, sys
+from prefect.client.orchestration import get_client
+
+async def states():
+    async with get_client() as client:
+        return {i: (await client.read_flow_run(i)).state_type.value for i in sys.argv[1:]}
+
+print(json.dumps(asyncio.run(states())))
+"""
+
+
+@pytest.mark.timeout(900)
+def test_a_prefect_worker_on_each_host_runs_its_part(tiny_model_dir, tmp_path, request):
+    """The parts as flow runs of the cluster-node deployment, each run by the worker of its host (a work queue per
+    host); the run on the head uses them; cancelling their flow runs stops them."""
+    shared, logs = tmp_path / "shared", tmp_path / "logs"
+    logs.mkdir()
+    with SimulatedHosts(HOSTS) as hosts:
+        env = prefect_server_on_head(hosts, tmp_path, request)
+        prefect = str(Path(sys.executable).with_name("prefect"))
+        for argv in (["work-pool", "create", "areal-process", "--type", "process"],
+                     ["--no-prompt", "deploy", "--name", "cluster-node"]):
+            done = hosts.run("head", [prefect, *argv], timeout=300, env=env, cwd=REPO, capture_output=True, text=True)
+            assert done.returncode == 0, done.stdout + done.stderr
+        workers = {host: hosts.popen(host, [prefect, "worker", "start", "--pool", "areal-process", "--work-queue", host],
+                                     env={**env, "PREFECT_WORKER_QUERY_SECONDS": "1",
+                                          "PREFECT_HOME": str(tmp_path / f"prefect-{host}")},
+                                     cwd=tmp_path, stdout=open(logs / f"worker-{host}.log", "ab"),
+                                     stderr=subprocess.STDOUT)
+                   for host in ("gen", "train-a", "train-b")}
+        config = ["--config", "configs/tiny_cpu.yaml",
+                  *overrides(shared, str(tiny_model_dir), "pooled", "total_iterations=3",
+                             "trainer.weight_sync=distributed")]
+        submitted = hosts.run("head", [CLI, "cluster", "--submit", "--trainer-hosts", "train-a,train-b", *config],
+                              timeout=120, env=env, cwd=REPO, capture_output=True, text=True)
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        ids = dict(line.split(": flow run ") for line in submitted.stdout.splitlines() if ": flow run " in line)
+        assert set(ids) == {"inference-server on gen", "trainer-node on train-a", "trainer-node on train-b"}, ids
+
+        trained = hosts.run("head", [CLI, "train", *config], timeout=600, env=env, cwd=REPO,
+                            capture_output=True, text=True)
+        assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:] + "".join(
+            tail(logs / f"worker-{h}.log", 1500) for h in workers)
+        assert len((shared / "pooled" / "metrics.jsonl").read_text().splitlines()) == 3
+
+        def states() -> dict[str, str]:
+            done = hosts.run("head", [sys.executable, "-c", FLOW_RUN_STATES, *ids.values()], timeout=120, env=env,
+                             capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+            return json.loads(done.stdout)
+
+        assert set(states().values()) == {"RUNNING"}
+        for flow_run in ids.values():
+            done = hosts.run("head", [prefect, "flow-run", "cancel", flow_run], timeout=120, env=env,
+                             capture_output=True, text=True)
+            # a trainer node whose peer was cancelled first may have failed already (its rendezvous is gone)
+            assert done.returncode == 0 or "already in terminal state FAILED" in done.stdout, done.stdout + done.stderr
+        wait_for(lambda: set(states().values()) <= {"CANCELLED", "FAILED"}, 120, "the parts' flow runs to end", 1)
+        assert states()[ids["inference-server on gen"]] == "CANCELLED"
+        # nothing of the parts is left on their hosts: only each host's worker
+        for host, worker in workers.items():
+            wait_for(lambda: hosts.pids(host) == [worker.pid], 60, f"{host}'s part to stop", 0.5)
