@@ -107,6 +107,8 @@ def test_a_node_address_is_never_loopback():
         node_address(across(), "127.0.0.1")
     with pytest.raises(TrainerNodeError, match="192.0.2.1 is not an address of this host"):
         node_address(across(), "192.0.2.1")
+    with pytest.raises(TrainerNodeError, match="resolves to loopback"):  # a name is resolved first
+        node_address(across(), "localhost")
 
 
 def test_a_trainer_started_with_other_settings_is_named_key_by_key():

@@ -307,6 +307,10 @@ def _hosts_reach_each_other(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
     if t.nnodes > 1 and (not t.rdzv_endpoint or _LOOPBACK.fullmatch(t.rdzv_endpoint.rsplit(":", 1)[0])):
         yield (f"{key('trainer.rdzv_endpoint')}={t.rdzv_endpoint!r}: {t.nnodes} trainer nodes meet at a rendezvous "
                "every node reaches: host:port of the first node's address")
+    if t.address not in ("", "auto") and t.port != int(t.address.rsplit(":", 1)[1]):
+        yield (f"{key('trainer.port')}={t.port}: the trainer's nodes serve rank 0's endpoint on it, and the run looks "
+               f"for it at {key('trainer.address')}={t.address!r}: set it to {t.address.rsplit(':', 1)[1]} (or "
+               f"{key('trainer.address')}=auto, which finds any port)")
     remote_trainer = bool(t.address) and (t.address == "auto" or not _LOOPBACK.fullmatch(t.address.rsplit(":", 1)[0]))
     remote_servers = [a for a in inf.addresses if not _LOOPBACK.fullmatch(a.rsplit(":", 1)[0])]
     if remote_trainer and t.weight_sync_master_address and _LOOPBACK.fullmatch(t.weight_sync_master_address):

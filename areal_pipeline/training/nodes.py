@@ -77,8 +77,8 @@ def node_address(cfg: ExperimentConfig, given: str = "") -> str:
     """The address this trainer node serves at: `given`, else the one it reaches the rendezvous from, else the
     one its host name resolves to. Never loopback: the other node and the run could not reach it."""
     t = cfg.trainer
-    if given:
-        address = given
+    if given:  # a name is resolved here: the ranks' interface is looked up by address
+        address = socket.getaddrinfo(given, 0, type=socket.SOCK_STREAM)[0][4][0]
     elif t.rdzv_endpoint:
         address = address_toward(*split_address(t.rdzv_endpoint))
     else:
