@@ -325,7 +325,7 @@ def post_command(address: str, data: bytes, headers: dict[str, str]) -> tuple[in
     ({"cmd": "update_weights_distributed", "servers": ["127.0.0.1:1"], "master_address": "127.0.0.1",
       "master_port": 29500, "tp_sizes": [1, 1]}, 400, "'tp_sizes' must hold one size >= 1 per server"),
     ({"cmd": "update_weights_distributed", "servers": ["127.0.0.1:1"], "master_address": "127.0.0.1",
-      "master_port": 0}, 400, "a master_port in [1, 65535]"),
+      "master_port": 70000}, 400, "a master_port in [0, 65535] (0: a free one on the master's address)"),
     ({"cmd": "update_weights_distributed", "servers": "127.0.0.1:1", "master_address": "127.0.0.1",
       "master_port": 29500}, 400, "'servers' must be a list of strings"),
     ({"cmd": "update_weights_distributed", "servers": ["127.0.0.1:1"], "master_address": "127.0.0.1",
