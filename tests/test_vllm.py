@@ -205,7 +205,12 @@ def test_abort_mid_rollout_resumes_under_the_new_version(server, models):
                 await asyncio.sleep(0.02)
             await _push(engine, models[1], 1)
             return await asyncio.wait_for(task, 120)
-    responses = asyncio.run(run())
+    for _ in range(3):
+        responses = asyncio.run(run())
+        # where no token is of version 1 the update landed after every request had ended (the CPU engine decodes
+        # them in well under a second; a busy machine can delay the push that long): the scenario did not happen
+        if any(1 in r.output_versions for r in responses):
+            break
     for r in responses:
         assert r.output_len == new_tokens and len(r.output_logprobs) == len(r.output_versions) == new_tokens
         assert r.stop_reason == "length"
