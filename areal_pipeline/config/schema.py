@@ -199,6 +199,10 @@ class RolloutConfig:
     # fails with cause reward_timeout (rollout.on_failure), never a score of 0
     reward_timeout: float = 5.0
     reward_workers: int = 1  # processes of the reward pool that score answers
+    # A reward that scores each prompt's whole group at once, replacing the workflow's rewards: "judge" (an LLM
+    # judge behind an OpenAI-compatible endpoint: the `judge` section), or a builder of your own as "module:attr"
+    # (areal_pipeline/rewards/group.py). Empty: the workflow's own rewards
+    group_reward: str = ""
     shard_rows: int = 256  # trajectories per Parquet shard of a rollout
     # An episode that fails (an inference, tool or reward server error or timeout, an agent that raised) is played
     # again from a fresh environment with the same seed, up to this many times
