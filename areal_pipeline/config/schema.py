@@ -44,7 +44,7 @@ class TinyModelConfig:
 
 @dataclass
 class DatasetConfig:
-    # arithmetic (generated), gsm8k, search_qa
+    # arithmetic (generated), gsm8k, search_qa, grid (generated puzzles for the grid_world workflow)
     name: str = "arithmetic"
     # A local jsonl file / directory, or a hub id ("openai/gsm8k"). Empty: the built-in source.
     path: str = ""
@@ -58,6 +58,7 @@ class DatasetConfig:
     arithmetic_test_size: int = 200  # arithmetic generator: questions in the test split
     arithmetic_max_operand: int = 9  # arithmetic generator: operands are drawn from 0..this
     arithmetic_operators: list[str] = field(default_factory=lambda: ["+"])  # arithmetic generator: + - *
+    grid_size: int = 5  # grid generator: puzzles on a grid_size x grid_size square
 
 
 @dataclass
@@ -261,6 +262,12 @@ class PPOConfig:
     adv_norm: NormConfig = field(default_factory=lambda: NormConfig(mean_level="batch", std_level="batch"))
     kl_ctl: float = 0.0  # KL penalty on every generated token's reward, -kl_ctl * KL(policy || reference)
     kl_estimator: str = "k1"  # k1 | k2 | k3
+    # gigpo: A = A^E + gigpo_step_weight * A^S, the episode advantage plus the step-level one (GiGPO's omega)
+    gigpo_step_weight: float = 1.0
+    # gigpo: discount of the step rewards over an episode's steps, R_t = r_t + gigpo_discount * R_{t+1} (its gamma)
+    gigpo_discount: float = 0.95
+    # gigpo: a step group's returns are centred and divided by their std (std), or only centred (none: mean_norm)
+    gigpo_norm: str = "std"
     discount: float = 1.0  # per-token discount of the returns (GAE's gamma)
     gae_lambda: float = 1.0  # GAE's lambda
     mask_no_eos_with_zero: bool = False  # sequences cut off before EOS get no reward (their KL penalty stays)

@@ -10,6 +10,8 @@ Each record is a plain dict:
 
 Sources, by `cfg.name`:
     arithmetic  generated from `seed`; the train and test splits never share a question
+    grid        generated grid-navigation puzzles (a start and a goal on a `grid_size` square) for the grid_world
+                workflow; the splits never share a puzzle
     gsm8k       a jsonl file, a directory of `<split>.jsonl`, or a hub id (default "openai/gsm8k")
     search_qa   a jsonl file or a directory of `<split>.jsonl`; rows {"question", "answer", "id"?};
                 empty path: questions over the generated knowledge base (`data/knowledge_base.py`)
@@ -135,6 +137,36 @@ def _arithmetic_pool_size(ops: list[str], n: int) -> int:
     return sum(n * (n + 1) // 2 if op == "-" else n * n for op in ops)
 
 
+# ---------------------------------------------------------------------------------------------- grid puzzles
+
+GRID_INSTRUCTION = "Reach the goal. Reply U, D, L or R."
+GRID_MIN_DISTANCE = 2  # nearer goals are reached by chance too often to teach anything
+
+
+def grid_observation(dx: int, dy: int) -> str:
+    """What the agent sees: where the goal lies from it (x grows to the right, y upwards)."""
+    return f"goal {dx:+d},{dy:+d}"
+
+
+def _grid(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
+    if split not in (cfg.train_split, cfg.test_split):
+        raise DatasetError(f"grid has splits '{cfg.train_split}' and '{cfg.test_split}', not '{split}'")
+    n = cfg.grid_size
+    if n < 2:
+        raise DatasetError(f"grid_size must be >= 2, got {n}")
+    cells = [(x, y) for x in range(n) for y in range(n)]
+    puzzles = [(s, g) for s in cells for g in cells if abs(s[0] - g[0]) + abs(s[1] - g[1]) >= GRID_MIN_DISTANCE]
+    random.Random(seed).shuffle(puzzles)
+    n_test = max(1, len(puzzles) // 5)
+    chosen = puzzles[:n_test] if split == cfg.test_split else puzzles[n_test:]
+    records = []
+    for i, ((sx, sy), (gx, gy)) in enumerate(chosen):
+        puzzle = f"{sx},{sy}>{gx},{gy}"
+        prompt = f"{GRID_INSTRUCTION} {grid_observation(gx - sx, gy - sy)}"
+        records.append(_record(cfg, f"grid-{split}-{i:05d}", puzzle, prompt, puzzle))
+    return records
+
+
 # ---------------------------------------------------------------------------------------------- jsonl sources
 
 
@@ -258,4 +290,5 @@ _LOADERS: dict[str, Callable[[DatasetConfig, str, int], list[dict[str, Any]]]] =
     "arithmetic": _arithmetic,
     "gsm8k": _gsm8k,
     "search_qa": _search_qa,
+    "grid": _grid,
 }

@@ -59,13 +59,15 @@ TRAJECTORY_SCHEMA = pa.schema(
         # Nullable and last: shards written before they existed read back with nulls (no schema_version bump).
         ("token_returns", pa.list_(pa.float32())),
         ("baseline_reward", pa.float32()),
+        ("step_states", pa.list_(pa.int64())),
+        ("step_rewards", pa.list_(pa.float32())),
     ]
 )
 
 # Columns that map one-to-one onto `Trajectory` fields (messages/metadata go through JSON).
 _TRAJECTORY_COLUMNS = (
     "prompt_id", "group_id", "sample_idx", "input_ids", "loss_mask", "logprobs", "versions",
-    "reward", "num_turns", "stop_reason", "text", "token_returns", "baseline_reward",
+    "reward", "num_turns", "stop_reason", "text", "token_returns", "baseline_reward", "step_states", "step_rewards",
 )  # fmt: skip
 
 

@@ -36,10 +36,16 @@ class Trajectory:
     # The reward of the prompt's baseline episode, set by the rollout where the advantage asks for one (ReMax's
     # greedy completion: `advantage_registry.Advantage.greedy_baseline`); None otherwise.
     baseline_reward: Optional[float] = None
+    # Per-token step records of a multi-step environment, for step-level credit (GiGPO, training/gigpo.py): on each
+    # token of a model turn, an integer key of the environment state the turn acted from (`gigpo.anchor_key`), -1
+    # elsewhere, and the reward the environment gave that turn, 0 elsewhere. None where the workflow records none.
+    step_states: Optional[list[int]] = None
+    step_rewards: Optional[list[float]] = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
-        names = ["loss_mask", "logprobs", "versions"] + (["token_returns"] if self.token_returns is not None else [])
+        names = ["loss_mask", "logprobs", "versions"] + [
+            name for name in ("token_returns", "step_states", "step_rewards") if getattr(self, name) is not None]
         for name in names:
             if len(getattr(self, name)) != n:
                 raise ValueError(

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 ADVANTAGES: dict[str, str] = {
     "grpo": "areal_pipeline.training.advantage_registry:grpo",
     "remax": "areal_pipeline.training.advantage_registry:remax",
+    "gigpo": "areal_pipeline.training.advantage_registry:gigpo",
 }
 
 
@@ -79,6 +80,36 @@ def _remax_config_problems(cfg, key) -> Iterator[str]:
 
 
 remax.config_problems = _remax_config_problems
+
+
+def gigpo(ppo_cfg) -> Advantage:
+    """GiGPO (Feng et al. 2025): GRPO's episode advantage plus `ppo.gigpo_step_weight` times a step-level one, each
+    step's discounted return (`ppo.gigpo_discount`) against the steps of its group that acted from the same
+    environment state (training/gigpo.py); then `ppo.adv_norm`. Needs a workflow that records step states."""
+    import dataclasses
+
+    episode_cfg = dataclasses.replace(ppo_cfg, adv_norm=dataclasses.replace(ppo_cfg.adv_norm, mean_level="none",
+                                                                             std_level="none"))
+
+    def fn(batch):
+        from areal_pipeline.training.advantages import compute_advantages
+        from areal_pipeline.training.gigpo import gigpo_advantages
+
+        return gigpo_advantages(batch, ppo_cfg, lambda b: compute_advantages(b, episode_cfg))
+    return Advantage(fn)
+
+
+def _gigpo_config_problems(cfg, key) -> Iterator[str]:
+    """GiGPO's step groups come from the environment's states: the workflow must record them."""
+    from areal_pipeline.workflows import is_builtin
+
+    if is_builtin(cfg.rollout.workflow) and cfg.rollout.workflow != "grid_world":
+        yield (f"{key('ppo.advantage')}=gigpo needs a workflow that records each step's environment state; "
+               f"{key('rollout.workflow')}={cfg.rollout.workflow!r} records none (grid_world does, or a workflow of "
+               "your own that sets Trajectory.step_states and step_rewards)")
+
+
+gigpo.config_problems = _gigpo_config_problems
 
 
 def advantage_builder(name: str) -> Callable[[Any], Advantage]:

@@ -54,6 +54,16 @@ class _RaggedLayout:
         out[self.rows, self.cols] = column.flatten().to_numpy(zero_copy_only=False)
         return torch.from_numpy(out)
 
+    def pad_exact(self, column) -> torch.Tensor:
+        """`pad` in the column's own dtype (int64 state keys stay exact)."""
+        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        if not np.array_equal(pc.list_value_length(column).to_numpy(zero_copy_only=False), self.lengths):
+            raise ValueError("a per-token column's lengths differ from input_ids'")
+        values = column.flatten().to_numpy(zero_copy_only=False)
+        out = np.zeros((len(self.lengths), self.width), dtype=values.dtype)
+        out[self.rows, self.cols] = values
+        return torch.from_numpy(out)
+
     def unpad(self, grid: torch.Tensor) -> pa.ListArray:
         values = pa.array(grid.detach().to(torch.float32).numpy()[self.rows, self.cols], type=pa.float32())
         return pa.ListArray.from_arrays(pa.array(self.offsets, type=pa.int32()), values)
@@ -83,6 +93,9 @@ def compute_batch(rollout: pa.Table, ppo_cfg, extra_token_columns: Optional[dict
     token_returns = _given_by_every_row(rollout, "token_returns")
     if token_returns is not None:
         batch["token_returns"] = pad(token_returns, width)
+    for name in ("step_states", "step_rewards"):
+        if _given_by_every_row(rollout, name) is not None:
+            batch[name] = layout.pad_exact(rollout.column(name))
     baselines = _given_by_every_row(rollout, "baseline_reward")
     if baselines is not None:
         batch["baseline_rewards"] = torch.tensor(baselines, dtype=torch.float32)

@@ -29,6 +29,7 @@ CURRICULA: dict[str, str] = {
     "multi_turn": "areal_pipeline.warm_start.multi_turn_math:multi_turn",
     "search": "areal_pipeline.warm_start.search:curriculum",
     "calculator": "areal_pipeline.warm_start.calculator:curriculum",
+    "grid": "areal_pipeline.warm_start.grid:curriculum",
 }
 
 IGNORE = -100  # the label of a token the loss skips (prompts, environment turns)

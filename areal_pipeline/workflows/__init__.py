@@ -17,6 +17,7 @@ WORKFLOWS: dict[str, str] = {
     "multi_turn": "areal_pipeline.workflows.multi_turn:MultiTurnWorkflow",
     "search_agent": "areal_pipeline.workflows.search_agent:SearchAgentWorkflow",
     "openai_agent": "areal_pipeline.workflows.openai_agent:OpenAIAgentWorkflow",
+    "grid_world": "areal_pipeline.workflows.grid_world:GridWorldWorkflow",
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from areal_pipeline.workflows.grid_world import GridWorldConfig
 from areal_pipeline.workflows.multi_turn import MultiTurnConfig
 from areal_pipeline.workflows.openai_agent import OpenAIAgentConfig
 from areal_pipeline.workflows.reflection import ReflectionConfig
@@ -17,7 +18,7 @@ from areal_pipeline.workflows.search_agent import SearchAgentConfig
 
 
 @dataclass
-class AgentConfig(OpenAIAgentConfig, SearchAgentConfig, MultiTurnConfig, ReflectionConfig):
+class AgentConfig(GridWorldConfig, OpenAIAgentConfig, SearchAgentConfig, MultiTurnConfig, ReflectionConfig):
     """Settings of the multi-turn and tool-using workflows (rlvr takes none)."""
 
     # Fields come in the reverse order of the bases (reflection's first), as one section listed them before.

@@ -1,0 +1,67 @@
+"""The grid_world agent's curriculum: whole walks on the grid data set's train puzzles, in the workflow's own tokens.
+
+A walk is the puzzle's prompt (`chat_prompt_ids`), then model turns `<move><|im_end|>`, each followed by exactly the
+ids the workflow appends (`user_turn_ids` of the next observation; labels -100 there and on the prompt), until the
+goal or `GridWorldConfig.max_steps` moves. A share `RANDOM_MOVE_SHARE` of the moves is drawn uniformly from the four
+(a wall, a step away), the rest is a step towards the goal: the base model walks in the format and towards the goal
+more often than not, but wanders enough that most walks run out of steps; RL has to learn to read the observation.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from areal_pipeline.warm_start import IGNORE, Example, Sampler
+
+WRITTEN_FOR = {"rollout.workflow": "grid_world", "dataset.name": "grid"}
+RANDOM_MOVE_SHARE = 0.85
+
+
+def good_moves(cell: tuple[int, int], goal: tuple[int, int]) -> list[str]:
+    """The moves that bring `cell` one step nearer `goal`."""
+    dx, dy = goal[0] - cell[0], goal[1] - cell[1]
+    return [m for m, wanted in (("R", dx > 0), ("L", dx < 0), ("U", dy > 0), ("D", dy < 0)) if wanted]
+
+
+def curriculum(tokenizer, tiny: Any, seed: int) -> Sampler:
+    from areal_pipeline.config import DatasetConfig
+    from areal_pipeline.data.datasets import load_records
+    from areal_pipeline.workflows.grid_world import MOVES, GridWorldConfig, Puzzle, observation, step
+    from areal_pipeline.workflows.rlvr import chat_prompt_ids
+    from areal_pipeline.workflows.turns import user_turn_ids
+
+    dataset = DatasetConfig(name="grid")
+    records = load_records(dataset, dataset.train_split, seed)
+    puzzles = [(chat_prompt_ids(tokenizer, r["messages"]), Puzzle.parse(r["answer"], dataset.grid_size))
+               for r in records]
+    max_steps = GridWorldConfig().max_steps
+    move_ids = {move: tokenizer(move)["input_ids"] + [tokenizer.eos_token_id] for move in MOVES}
+    environment: dict[str, list[int]] = {}
+
+    def after(text: str) -> list[int]:
+        if text not in environment:
+            closing, message = user_turn_ids(tokenizer, text)
+            environment[text] = closing + message
+        return environment[text]
+
+    def walk(rng: random.Random, prompt: list[int], puzzle: Puzzle) -> Example:
+        ids, labels = list(prompt), [IGNORE] * len(prompt)
+        cell = puzzle.start
+        for turn in range(max_steps):
+            move = rng.choice(list(MOVES)) if rng.random() < RANDOM_MOVE_SHARE else rng.choice(
+                good_moves(cell, puzzle.goal))
+            ids += move_ids[move]
+            labels += move_ids[move]
+            cell = step(cell, move, puzzle.size)
+            if cell == puzzle.goal or turn + 1 == max_steps:
+                break
+            environment_ids = after(observation(cell, puzzle.goal))
+            ids += environment_ids
+            labels += [IGNORE] * len(environment_ids)
+        return ids, labels
+
+    def sample(rng: random.Random, n: int) -> list[Example]:
+        return [walk(rng, *rng.choice(puzzles)) for _ in range(n)]
+
+    return sample
