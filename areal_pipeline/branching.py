@@ -6,7 +6,9 @@
             config (as a rerun restores a trainer), saved as the branch's checkpoint K.
     replay  (mode "replay"): iterations K+1..N are retrained on the parent's recorded rollout shards under the
             branch's training config: new advantages and updates, no new rollouts, so that two algorithms can be
-            compared on identical data.
+            compared on identical data. With `rescored` the shards are those `areal-pipeline rescore` wrote beside
+            the parent's (rescoring.py): the same episodes under another reward, so two reward designs are
+            compared on identical rollouts.
 
 The parent's outputs are referenced, not copied: the branch's `iter_<k>` (k <= K), its checkpoint K when the
 parent has one, and in a replay the `rollout/` shards of K+1..N are hard links to the parent's files (the same
@@ -57,6 +59,7 @@ class BranchPlan:
     parent_cfg: ExperimentConfig
     overrides: list[str]
     parent_checkpoint: Optional[int]  # the parent's checkpoint at K, referenced; None: restored from an older one
+    rescored: Optional[str] = None  # a replay on the parent's shards re-scored under this name (rescoring.py)
 
     @property
     def run_dir(self) -> Path:
@@ -67,9 +70,26 @@ class BranchPlan:
         return self.cfg.total_iterations
 
     def record(self) -> dict[str, Any]:
+        from areal_pipeline.rescoring import read_lineage
+
+        rescored = None
+        if self.rescored is not None:
+            lineage = read_lineage(self.parent_dir, self.rescored) or {}
+            rescored = {"name": self.rescored, "scorer": lineage.get("scorer"), "reward": lineage.get("reward"),
+                        "group_reward": lineage.get("group_reward"), "lineage": lineage}
         return {"mode": self.mode, "parent_run_id": self.parent_run_id,
                 "parent_run_dir": str(self.parent_dir.resolve()), "at": self.at, "last_iteration": self.last,
-                "overrides": self.overrides, "parent_flow_runs": parent_flow_runs(self.parent_dir, self.at)}
+                "overrides": self.overrides, "parent_flow_runs": parent_flow_runs(self.parent_dir, self.at),
+                "rescored_from": rescored}
+
+    def source_rollout(self, k: int) -> Path:
+        """Where the replay's rollout of iteration k comes from: the parent's, or its re-scored one."""
+        from areal_pipeline.rescoring import rescored_rollout
+        from areal_pipeline.run_dir import RunPaths
+
+        if self.rescored is not None:
+            return rescored_rollout(self.parent_dir, self.rescored, k)
+        return RunPaths(self.parent_dir).rollout(k)
 
 
 def parent_config(parent_dir: Path) -> ExperimentConfig:
@@ -90,7 +110,7 @@ def _contiguous(done: list[int]) -> int:
 
 
 def plan_branch(parent_dir: str | Path, at: int, run_id: str, overrides: Optional[list[str]] = None,
-                replay: bool = False, iterations: Optional[int] = None) -> BranchPlan:
+                replay: bool = False, iterations: Optional[int] = None, rescored: Optional[str] = None) -> BranchPlan:
     """Check a branch (or replay) of the run in `parent_dir` at iteration `at` as run `run_id`; nothing is written.
     Bad input (no such run, K not finished, a setting a branch cannot change, a run directory in the way) raises
     BranchError or the config's ConfigError, naming it."""
@@ -104,6 +124,8 @@ def plan_branch(parent_dir: str | Path, at: int, run_id: str, overrides: Optiona
         raise BranchError(f"--at {at}: a branch starts after a finished iteration (K >= 1)")
     if iterations is not None and iterations < 1:
         raise BranchError(f"--iterations {iterations}: must be >= 1")
+    if rescored is not None and not replay:
+        raise BranchError("--rescored trains on re-scored rollouts: it goes with --replay")
     parent_cfg = parent_config(parent_dir)
     parent_run_id = parent_dir.name
     if run_id == parent_run_id:
@@ -137,9 +159,27 @@ def plan_branch(parent_dir: str | Path, at: int, run_id: str, overrides: Optiona
     cfg.total_iterations = last
     checkpoint = at if at in paths.saved_checkpoints() else None
     plan = BranchPlan("replay" if replay else "branch", parent_run_id, parent_dir, at, cfg, parent_cfg, overrides,
-                      checkpoint)
+                      checkpoint, rescored)
+    if rescored is not None:
+        _check_rescored(plan)
     _check_run_dir(plan)
     return plan
+
+
+def _check_rescored(plan: BranchPlan) -> None:
+    """Every replayed iteration must have been re-scored under the name."""
+    from areal_pipeline.data.shards import is_complete
+    from areal_pipeline.rescoring import read_lineage, rescored_dir
+
+    if read_lineage(plan.parent_dir, plan.rescored) is None:
+        raise BranchError(f"run {plan.parent_run_id} has no re-scoring named {plan.rescored!r} "
+                          f"({rescored_dir(plan.parent_dir, plan.rescored)}): areal-pipeline rescore --run-id "
+                          f"{plan.parent_run_id} --name {plan.rescored} ... first")
+    missing = [k for k in range(plan.at + 1, plan.last + 1) if not is_complete(plan.source_rollout(k))]
+    if missing:
+        raise BranchError(f"the re-scoring {plan.rescored!r} of run {plan.parent_run_id} has no iteration(s) "
+                          f"{missing}: rescore them (--iterations {missing[0]}:{missing[-1]}) or replay fewer "
+                          "(--iterations)")
 
 
 def _check_run_dir(plan: BranchPlan) -> None:
@@ -151,6 +191,9 @@ def _check_run_dir(plan: BranchPlan) -> None:
         raise BranchError(f"{plan.run_dir} already exists and is not a branch: choose another --run-id")
     wanted = plan.record()
     keys = ("mode", "parent_run_id", "at", "overrides")
+    if (recorded.get("rescored_from") or {}).get("name") != plan.rescored:
+        raise BranchError(f"{plan.run_dir} is another branch (re-scored shards: "
+                          f"{(recorded.get('rescored_from') or {}).get('name')}): choose another --run-id")
     same_parent = Path(recorded["parent_run_dir"]) == plan.parent_dir.resolve()
     if any(recorded.get(key) != wanted[key] for key in keys) or not same_parent:
         raise BranchError(f"{plan.run_dir} is another branch ({recorded['mode']} of {recorded['parent_run_id']} at "
@@ -210,7 +253,7 @@ def prepare_branch(plan: BranchPlan) -> dict[str, Any]:
     if plan.mode == "replay":  # the data a replay trains on must be intact before anything is built on it
         for k in range(plan.at + 1, plan.last + 1):
             try:
-                verify_shards(parent.rollout(k))
+                verify_shards(plan.source_rollout(k))
             except ShardError as error:
                 raise BranchError(f"run {plan.parent_run_id}'s rollout of iteration {k} cannot be replayed: {error}")
     if plan.parent_checkpoint is not None:
@@ -229,7 +272,7 @@ def prepare_branch(plan: BranchPlan) -> dict[str, Any]:
             linked &= _link_tree(parent.iteration(0), paths.iteration(0))
         if plan.mode == "replay":
             for k in range(plan.at + 1, plan.last + 1):
-                linked &= _link_tree(parent.rollout(k), paths.rollout(k))
+                linked &= _link_tree(plan.source_rollout(k), paths.rollout(k))
         if plan.parent_checkpoint is not None:
             linked &= _link_tree(parent.checkpoint(plan.at), paths.checkpoint(plan.at))
         lines = [json.dumps(json.loads(paths.metrics(k).read_text()), sort_keys=True) for k in range(1, plan.at + 1)]
@@ -275,10 +318,10 @@ def regenerated_rollouts(plan: BranchPlan) -> list[int]:
 
     if plan.mode != "replay":
         return []
-    own, parent = RunPaths(plan.run_dir), RunPaths(plan.parent_dir)
+    own = RunPaths(plan.run_dir)
     changed = []
     for k in range(plan.at + 1, plan.last + 1):
-        mine, theirs = own.rollout(k) / "manifest.json", parent.rollout(k) / "manifest.json"
+        mine, theirs = own.rollout(k) / "manifest.json", plan.source_rollout(k) / "manifest.json"
         if not (mine.is_file() and theirs.is_file() and mine.read_bytes() == theirs.read_bytes()):
             changed.append(k)
     return changed

@@ -11,7 +11,7 @@ from typing import Optional
 
 from cli.commands import (cmd_answers, cmd_branch, cmd_config, cmd_evaluate, cmd_export, cmd_guard,
                           cmd_inference_server, cmd_init_model, cmd_prefect_server, cmd_retrieval_server, cmd_rollout,
-                          cmd_serve, cmd_sweep, cmd_train, cmd_trainer_node, cmd_cluster)
+                          cmd_rescore, cmd_serve, cmd_sweep, cmd_train, cmd_trainer_node, cmd_cluster)
 
 
 def _api_grace(parser: argparse.ArgumentParser) -> None:
@@ -141,11 +141,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "iteration the parent recorded)")
     p.add_argument("--replay", action="store_true",
                    help="retrain the parent's iterations K+1.. on its recorded rollout shards (no new rollouts)")
+    p.add_argument("--rescored", default=None, metavar="NAME",
+                   help="with --replay: on the parent's shards as `areal-pipeline rescore --name NAME` re-scored them")
     p.add_argument("--output-dir", default="runs", help="where the parent's run directory is (and the new one goes)")
     p.add_argument("--verbose", action="store_true", help="every log record on the terminal, as train --verbose")
     p.add_argument("overrides", nargs="*",
                    help="dotted overrides of the parent's config, e.g. trainer.optimizer.lr=5e-4")
     p.set_defaults(func=cmd_branch)
+
+    p = sub.add_parser("rescore", help="score a run's stored rollouts again with another reward (no generation), "
+                                       "into new shards beside them; branch --replay --rescored trains on them")
+    p.add_argument("--run-id", required=True, help="the run whose rollouts are re-scored")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--reward", default=None, metavar="MODULE:ATTR",
+                       help="a reward function reward(completion, answer) -> float, 'module:attr' or 'file.py:attr'")
+    which.add_argument("--group-reward", default=None, metavar="NAME",
+                       help="a group reward scoring each prompt's group at once: judge, or 'module:attr' (a builder)")
+    p.add_argument("--iterations", default=None, metavar="A:B", help="the iterations (inclusive; default: all)")
+    p.add_argument("--name", default=None, help="the new shard set's name (default: from the reward)")
+    p.add_argument("--output-dir", default="runs", help="where the run directory is")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of the run's config, e.g. judge.model=...")
+    p.set_defaults(func=cmd_rescore)
 
     p = sub.add_parser("sweep", help="one train run per combination of the values given (cartesian product), at "
                                      "most --max-parallel at once, each its own flow run; a table of their figures")
@@ -220,7 +236,7 @@ def _interrupted_message(args) -> str:
     return message
 
 
-FLOW_COMMANDS = ("train", "evaluate", "branch", "sweep")
+FLOW_COMMANDS = ("train", "evaluate", "branch", "sweep", "rescore")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -205,6 +205,12 @@ def cmd_branch(args) -> None:
     branch_main(args)
 
 
+def cmd_rescore(args) -> None:
+    from flows.rescore import main as rescore_main
+
+    rescore_main(args)
+
+
 def cmd_prefect_server(args) -> None:
     from areal_pipeline.prefect_server import PrefectServerError, main as server_main
 

@@ -44,7 +44,8 @@ def _tag_and_link(plan: BranchPlan, record: dict[str, Any]) -> None:
     from prefect.settings import PREFECT_UI_URL
 
     flow_run = FlowRunContext.get().flow_run
-    tags = sorted({*flow_run.tags, plan.mode, f"branch-of:{plan.parent_run_id}"})
+    tags = sorted({*flow_run.tags, plan.mode, f"branch-of:{plan.parent_run_id}",
+                   *([f"rescored:{plan.rescored}"] if plan.rescored else [])})
     with get_client(sync_client=True) as client:
         client.update_flow_run(flow_run.id, tags=tags)
     ui = PREFECT_UI_URL.value()
@@ -57,15 +58,25 @@ def _tag_and_link(plan: BranchPlan, record: dict[str, Any]) -> None:
         markdown=(f"# {plan.cfg.run_id}: {plan.mode} of `{plan.parent_run_id}` at iteration {plan.at}\n\n"
                   f"Iterations 1..{plan.at} are the parent's (hard links to `{record['parent_run_dir']}`); the "
                   f"{plan.mode} {what}, starting from {record['start_checkpoint']}.\n\n"
+                  f"{_rescored_line(record)}"
                   f"Overrides: `{' '.join(plan.overrides) or '(none)'}`\n\n"
                   f"## The parent's train flow runs up to iteration {plan.at}\n{links}\n"),
         description=f"{plan.cfg.run_id}: {plan.mode} of {plan.parent_run_id} at {plan.at}")
 
 
+def _rescored_line(record: dict[str, Any]) -> str:
+    rescored = record.get("rescored_from")
+    if not rescored:
+        return ""
+    return (f"Rescored from: the parent's rollouts scored again by `{rescored['scorer']}` (`areal-pipeline rescore "
+            f"--name {rescored['name']}`): the same episodes, new rewards.\n\n")
+
+
 @flow(name="branch", flow_run_name="{run_id}: {mode} of {parent_run_id} at {at}", persist_result=True,
       result_serializer="json")
 def branch(parent_run_id: str, at: int, run_id: str, overrides: Optional[list[str]] = None,
-           output_dir: str = "runs", mode: str = "branch", iterations: Optional[int] = None) -> Any:
+           output_dir: str = "runs", mode: str = "branch", iterations: Optional[int] = None,
+           rescored: Optional[str] = None) -> Any:
     """Branch run `parent_run_id` (in `output_dir`) after iteration `at` as run `run_id`, with dotted `overrides`
     on the parent's config; `mode` "replay" retrains the parent's later iterations on its recorded rollouts
     instead of rolling out afresh. `iterations`: how many after `at` (default: the config's total_iterations, or
@@ -74,7 +85,8 @@ def branch(parent_run_id: str, at: int, run_id: str, overrides: Optional[list[st
         raise BranchError(f"mode {mode!r}: choose branch or replay")
     run_logs.keep_completed_task_runs_from_the_api()
     logger = get_run_logger()
-    plan = plan_branch(Path(output_dir) / parent_run_id, at, run_id, overrides, mode == "replay", iterations)
+    plan = plan_branch(Path(output_dir) / parent_run_id, at, run_id, overrides, mode == "replay", iterations,
+                       rescored)
     record = reference_parent(plan)
     if record["needs_restore"]:
         restore_parent_policy_task(plan)
@@ -87,7 +99,8 @@ def branch(parent_run_id: str, at: int, run_id: str, overrides: Optional[list[st
         logger.warning("replay %s: the rollouts of iterations %s were generated again (their referenced shards "
                        "were found corrupt): those iterations did not train on the parent's data", run_id,
                        regenerated)
-    return {**result, "parent_run_id": parent_run_id, "at": at, "mode": plan.mode, "regenerated": regenerated}
+    return {**result, "parent_run_id": parent_run_id, "at": at, "mode": plan.mode, "regenerated": regenerated,
+            "rescored": rescored}
 
 
 def main(args) -> None:
@@ -102,7 +115,7 @@ def main(args) -> None:
     mode = "replay" if args.replay else "branch"
     try:
         plan = plan_branch(Path(args.output_dir) / args.parent, args.at, args.run_id, args.overrides, args.replay,
-                           args.iterations)
+                           args.iterations, getattr(args, "rescored", None))
         # the run directory first (the flow's reference_parent then finds it made): the log file goes into it
         prepare_branch(plan)
     except (BranchError, ConfigError) as error:
@@ -110,7 +123,8 @@ def main(args) -> None:
     with quiet_console(args.run_id, plan.run_dir, args.verbose) as progress, listening(progress):
         with prefect_api():
             result = branch(parent_run_id=args.parent, at=args.at, run_id=args.run_id, overrides=args.overrides,
-                            output_dir=args.output_dir, mode=mode, iterations=args.iterations)
+                            output_dir=args.output_dir, mode=mode, iterations=args.iterations,
+                            rescored=getattr(args, "rescored", None))
     summary = summarize(read_metrics(plan.run_dir / "metrics.jsonl")[args.at:])
     print(f"\n{mode} {args.run_id} of {args.parent} at iteration {args.at}: iterations {args.at + 1}..{plan.last} "
           f"in {plan.run_dir}")
@@ -119,4 +133,6 @@ def main(args) -> None:
         print(f"  mean reward, last {summary['window']} iterations:      {summary['reward_last']:.3f}")
     if result.get("regenerated"):
         print(f"  WARNING: iterations {result['regenerated']} were rolled out again (their shards went bad)")
+    if plan.rescored:
+        print(f"  on the parent's rollouts re-scored as {plan.rescored!r}")
     print(f"  parent recorded in {plan.run_dir / 'branch.json'}")

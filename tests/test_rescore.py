@@ -1,0 +1,209 @@
+"""`areal-pipeline rescore` on a real run's shards: new rewards from a reward function or a group reward, written
+beside the old shards with their lineage; `branch --replay --rescored` trains on them; the lineage in Prefect."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from _learning_helpers import base_model
+from areal_pipeline.branching import BranchError, plan_branch
+from areal_pipeline.data.shards import read_trajectories, write_shards
+from areal_pipeline.rescoring import RescoreError, plan_rescore, rescore, rescore_iteration
+from test_flows import REPO, cli, fast_overrides
+
+SHORT_REWARD = '''
+def short(completion, answer):
+    """1 for an answer of one character: a reward design of its own, unlike the run's (the sum's correctness)."""
+    return 1.0 if len(completion.strip()) <= 1 else 0.0
+'''
+
+LENGTH_RANK = '''
+class LengthRank:
+    """Scores a group relative to itself: the shortest answer 1, the longest 0, linear in between."""
+
+    def __init__(self):
+        self.calls = 0
+
+    async def score_group(self, candidates):
+        self.calls += 1
+        lengths = [len(c.completion) for c in candidates]
+        low, high = min(lengths), max(lengths)
+        return [1.0 if high == low else (high - n) / (high - low) for n in lengths]
+
+    def take_usage(self):
+        calls, self.calls = self.calls, 0
+        return {"group/calls": float(calls)}
+
+    async def aclose(self):
+        pass
+
+
+def build(cfg):
+    return LengthRank()
+'''
+
+
+def short(text: str) -> float:
+    return 1.0 if len(text.strip()) <= 1 else 0.0
+
+
+@pytest.fixture(scope="module")
+def parent(prefect_api, model_cache, tmp_path_factory) -> Path:
+    """Run `p`: 3 iterations of the warm-started default model."""
+    from flows.train import train
+
+    out = tmp_path_factory.mktemp("runs")
+    model = base_model("tiny_cpu.yaml", model_cache)
+    train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
+          overrides=fast_overrides(out, Path(model), run_id="p", iterations=3) + ["save_freq=3"])
+    return out / "p"
+
+
+@pytest.fixture(scope="module")
+def rewards_dir(tmp_path_factory) -> Path:
+    where = tmp_path_factory.mktemp("rewards")
+    (where / "short_reward.py").write_text(SHORT_REWARD)
+    (where / "length_rank.py").write_text(LENGTH_RANK)
+    return where
+
+
+def _digests(run_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.glob("iter_*/rollout/*"))}
+
+
+def test_a_reward_function_rescores_the_stored_episodes_beside_them(parent, rewards_dir, prefect_api):
+    from flows.rescore import rescore as rescore_flow
+
+    before = _digests(parent)
+    reward = f"{rewards_dir / 'short_reward.py'}:short"
+    record = rescore_flow(run_id="p", scorer=reward, output_dir=str(parent.parent), reward=reward, iterations="2:3")
+    assert record["name"] == "short" and record["parent_run_id"] == "p"
+    assert [s["iteration"] for s in record["iterations"]] == [2, 3]
+    assert not (parent / "rescored/short/iter_1").exists()
+    for k in (2, 3):
+        old = read_trajectories(parent / f"iter_{k}/rollout")
+        new = read_trajectories(parent / f"rescored/short/iter_{k}/rollout")
+        assert [t.reward for t in new] == [short(t.text) for t in old]
+        assert [t.metadata["reward_before"] for t in new] == pytest.approx([t.reward for t in old])
+        assert [t.input_ids for t in new] == [t.input_ids for t in old]  # the same episodes
+        summary = record["iterations"][k - 2]
+        assert summary["reward_mean_after"] == pytest.approx(sum(short(t.text) for t in old) / len(old))
+        assert summary["reward_mean_before"] == pytest.approx(sum(t.reward for t in old) / len(old))
+    assert _digests(parent) == before  # the old shards untouched
+    lineage = json.loads((parent / "rescored/short/rescore.json").read_text())
+    assert lineage["scorer"] == reward and lineage["parent_run_dir"] == str(parent.resolve())
+
+    # a rerun keeps what is there; a wider one adds iteration 1 to the same lineage
+    plan = plan_rescore(parent, reward=reward, iterations="1:3")
+    again = rescore(plan)
+    assert [s["iteration"] for s in again["iterations"]] == [1, 2, 3]
+    assert rescore_iteration(plan, 2)["cached"] is True
+
+    # in Prefect: the flow run's tags and its lineage artifact
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterName
+
+    async def lookup():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="p: rescored")))
+            artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["p-rescored-short"])))
+            return runs, artifacts
+
+    runs, artifacts = asyncio.run(lookup())
+    assert runs and {"rescore", "rescore-of:p", "rescored:short"} <= set(runs[0].tags)
+    assert artifacts and "short_reward.py:short" in artifacts[0].data and "reward before" in artifacts[0].data
+
+
+def test_a_group_reward_from_the_command_line_then_a_replay_trains_on_it(parent, rewards_dir, prefect_api):
+    from flows.branch import branch
+
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    group = f"{rewards_dir / 'length_rank.py'}:build"
+    run = cli("rescore", "--run-id", "p", "--group-reward", group, "--name", "by-length", "--output-dir",
+              str(parent.parent), env=env)
+    out, _ = run.communicate(timeout=300)
+    assert run.returncode == 0, out[-3000:]
+    assert f"p rescored by group:{group}: 3 iteration(s) in {parent / 'rescored/by-length'}" in out
+    lineage = json.loads((parent / "rescored/by-length/rescore.json").read_text())
+    for k in (1, 2, 3):
+        new = read_trajectories(parent / f"rescored/by-length/iter_{k}/rollout")
+        for group_id in {t.group_id for t in new}:
+            members = [t for t in new if t.group_id == group_id]
+            lengths = [len(t.text) for t in members]
+            shortest, longest = min(lengths), max(lengths)
+            assert [t.reward for t in members] == pytest.approx(
+                [1.0 if longest == shortest else (longest - n) / (longest - shortest) for n in lengths])
+        assert lineage["iterations"][k - 1]["usage"] == {"group/calls": float(len({t.group_id for t in new}))}
+
+    result = branch(parent_run_id="p", at=1, run_id="on-length", output_dir=str(parent.parent), mode="replay",
+                    rescored="by-length")
+    assert result["rescored"] == "by-length" and result["regenerated"] == []
+    run_dir = parent.parent / "on-length"
+    record = json.loads((run_dir / "branch.json").read_text())
+    assert record["rescored_from"]["name"] == "by-length" and record["rescored_from"]["scorer"] == f"group:{group}"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for k in (2, 3):
+        assert os.path.samefile(run_dir / f"iter_{k}/rollout/manifest.json",
+                                parent / f"rescored/by-length/iter_{k}/rollout/manifest.json")
+        assert metrics[k - 1]["reward_mean"] == pytest.approx(lineage["iterations"][k - 1]["reward_mean_after"])
+        batch_rewards = read_trajectories(run_dir / f"iter_{k}/rollout")
+        assert [t.reward for t in batch_rewards] == [t.reward for t in read_trajectories(
+            parent / f"rescored/by-length/iter_{k}/rollout")]
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    async def tags():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(like_="on-length: replay of p")))
+            return runs[0].tags
+
+    assert {"replay", "branch-of:p", "rescored:by-length"} <= set(asyncio.run(tags()))
+
+
+def test_bad_rescorings_are_refused_with_the_reason(parent, rewards_dir, tmp_path):
+    reward = f"{rewards_dir / 'short_reward.py'}:short"
+    cases = [
+        (dict(run_dir=parent.parent / "nope", reward=reward), "no run directory"),
+        (dict(run_dir=parent), "give one of --reward"),
+        (dict(run_dir=parent, reward=reward, group_reward="judge"), "give one of --reward"),
+        (dict(run_dir=parent, reward=reward, iterations="3:2"), "must be 1 <= A <= B"),
+        (dict(run_dir=parent, reward=reward, iterations="2:9"), r"no rollout of iteration\(s\) 4\.\.9"),
+        (dict(run_dir=parent, reward=reward, iterations="x"), "must be A:B"),
+        (dict(run_dir=parent, reward="no_such_module_here:score"), "no_such_module_here"),
+        (dict(run_dir=parent, reward=reward, name="../up"), "letters, digits"),
+        (dict(run_dir=parent, group_reward="nothing-registered"), "unknown group reward 'nothing-registered'"),
+    ]
+    for kwargs, message in cases:
+        run_dir = kwargs.pop("run_dir")
+        with pytest.raises(RescoreError, match=message):
+            plan_rescore(run_dir, **kwargs)
+
+    with pytest.raises(BranchError, match="goes with --replay"):
+        plan_branch(parent, 1, "x", rescored="short")
+    with pytest.raises(BranchError, match="no re-scoring named 'absent'"):
+        plan_branch(parent, 1, "x", replay=True, rescored="absent")
+
+
+def test_per_turn_returns_cannot_be_rescored_by_one_reward(parent, rewards_dir, tmp_path):
+    """A multi_turn run's trajectories carry per-turn returns: one reward per trajectory cannot replace them."""
+    import shutil
+
+    run_dir = tmp_path / "mt"
+    (run_dir / "iter_1").mkdir(parents=True)
+    shutil.copy(parent / "config.yaml", run_dir / "config.yaml")
+    (t, *_) = read_trajectories(parent / "iter_1/rollout")
+    t.token_returns = [0.0] * len(t.input_ids)
+    write_shards([t], run_dir / "iter_1/rollout", run_id="mt", iteration=1)
+    plan = plan_rescore(run_dir, reward=f"{rewards_dir / 'short_reward.py'}:short")
+    with pytest.raises(RescoreError, match="per-turn returns"):
+        rescore_iteration(plan, 1)
+    assert not (run_dir / "rescored/short/iter_1/rollout/manifest.json").exists()
