@@ -94,9 +94,9 @@ def _loads(lookup) -> Any:
 # the package's own losses are known without importing the trainer's modules here
 _LOSS = Rule("ppo, reinforce, or 'module:attr' naming an importable loss builder (training/loss_registry.py)",
              lambda name: name in LOSSES or _loads(loss_builder)(name))
-_ADVANTAGE = Rule("grpo, remax, or 'module:attr' naming an importable advantage builder "
+_ADVANTAGE = Rule("grpo, remax, gigpo, or 'module:attr' naming an importable advantage builder "
                   "(training/advantage_registry.py)", _loads(advantage_builder))
-_WORKFLOW = Rule("rlvr, reflection, multi_turn, search_agent, openai_agent, or 'module:Class' / "
+_WORKFLOW = Rule("rlvr, reflection, multi_turn, search_agent, openai_agent, grid_world, or 'module:Class' / "
                  "'path/to/file.py:Class' naming a workflow class of your own (workflows/protocol.py)",
                  _loads(_workflow))
 

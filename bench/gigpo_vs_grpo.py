@@ -3,7 +3,7 @@ grid_world workflow), only `ppo.advantage` differs. Success rate (the batch's sh
 against iterations for each, and how many iterations each needs before its success rate, averaged over a window of
 iterations, first reaches a threshold.
 
-    python bench/gigpo_vs_grpo.py [--iterations 40] [--seeds 1 2] [--threshold 0.5] [--window 3] [overrides ...]
+    python bench/gigpo_vs_grpo.py [--iterations 30] [--seeds 1 2] [--threshold 0.7] [--window 3] [overrides ...]
 
 `iterations_ratio` is GRPO's iterations to the threshold over GiGPO's, summed over the seeds (above 1: GiGPO gets
 there in fewer iterations); a run that never reaches it counts as iterations + 1 and is reported as not reached.
@@ -51,9 +51,9 @@ def iterations_to(curve: list[float], threshold: float, window: int) -> Optional
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/gigpo_grid.yaml")
-    p.add_argument("--iterations", type=int, default=40)
+    p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--seeds", type=int, nargs="+", default=[1])
-    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--threshold", type=float, default=0.7)
     p.add_argument("--window", type=int, default=3)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()

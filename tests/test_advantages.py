@@ -274,7 +274,7 @@ def _rows(rewards, group_ids, width=3, **extra):
 def test_the_default_advantage_is_grpo_and_remax_subtracts_the_greedy_reward():
     from areal_pipeline.training.advantage_registry import ADVANTAGES, Advantage, make_advantage
 
-    assert list(ADVANTAGES) == ["grpo", "remax"] and PPOConfig().advantage == "grpo"
+    assert list(ADVANTAGES) == ["grpo", "remax", "gigpo"] and PPOConfig().advantage == "grpo"
     batch = _rows([1.0, 0.0, 0.0, 0.0], [0, 0, 1, 1])
     grpo = make_advantage(PPOConfig())
     assert isinstance(grpo, Advantage) and not grpo.greedy_baseline
@@ -327,7 +327,7 @@ def test_an_advantage_of_your_own_from_a_file(tmp_path):
     mine, _ = compute_batch(rollout, cfg.ppo)
     grpo, _ = compute_batch(rollout, load_config().ppo)
     assert mine.column("advantages").to_pylist() == [[2 * a for a in row] for row in grpo.column("advantages").to_pylist()]
-    with pytest.raises(ConfigError, match=r"ppo.advantage='.*mine.py:nothing': must be grpo, remax, or 'module:attr'"):
+    with pytest.raises(ConfigError, match=r"ppo.advantage='.*mine.py:nothing': must be grpo, remax, gigpo, or 'module:attr'"):
         load_config(None, [f"ppo.advantage={tmp_path / 'mine.py'}:nothing"])
     with pytest.raises(TypeError, match=r"its builder returned str, not an advantage_registry.Advantage"):
         make_advantage(load_config(None, [f"ppo.advantage={tmp_path / 'mine.py'}:no_advantage"]).ppo)

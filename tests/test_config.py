@@ -299,7 +299,7 @@ def test_remax_refuses_the_ppo_loss():
     assert (cfg.ppo.loss, cfg.ppo.advantage, cfg.rollout.workflow) == ("reinforce", "remax", "rlvr")
     with pytest.raises(ConfigError, match=r"ppo.loss='ppo': must be reinforce .* with ppo.advantage=remax"):
         load_config(None, ["ppo.advantage=remax"])  # whatever the workflow
-    with pytest.raises(ConfigError, match=r"ppo.advantage='gae': must be grpo, remax, or 'module:attr' naming an "
+    with pytest.raises(ConfigError, match=r"ppo.advantage='gae': must be grpo, remax, gigpo, or 'module:attr' naming an "
                                           r"importable advantage builder"):
         load_config(None, ["ppo.advantage=gae"])
 

@@ -9,7 +9,9 @@ An advantage is made from the run's `ppo` config section by a builder, `build(pp
                                                       rewards [B], loss_mask [B, T], logprobs [B, T], group_ids [B]
                                                       (the rows of one prompt share one), no_eos [B], and where
                                                       present ref_logprobs [B, T] (ppo.kl_ctl != 0), token_returns
-                                                      [B, T] (a workflow's per-turn returns), baseline_rewards [B];
+                                                      [B, T] (a workflow's per-turn returns), baseline_rewards [B],
+                                                      step_states (int64) and step_rewards [B, T] (a multi-step
+                                                      environment's states and step rewards: gigpo);
                                                       returns it with advantages, returns, token_rewards, kl [B, T]
                                                       and task_rewards [B] added (advantages.compute_advantages)
     Advantage.greedy_baseline                         True: the rollout plays one more episode per prompt, greedily,

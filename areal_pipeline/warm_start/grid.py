@@ -14,8 +14,8 @@ from typing import Any
 
 from areal_pipeline.warm_start import IGNORE, Example, Sampler
 
-WRITTEN_FOR = {"rollout.workflow": "grid_world", "dataset.name": "grid"}
-RANDOM_MOVE_SHARE = 0.85
+WRITTEN_FOR = {"rollout.workflow": "grid_world", "dataset.name": "grid", "dataset.grid_size": 5}
+RANDOM_MOVE_SHARE = 0.6
 
 
 def good_moves(cell: tuple[int, int], goal: tuple[int, int]) -> list[str]:
