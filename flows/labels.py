@@ -2,6 +2,7 @@
 on its iteration runs,
 
     run:<run id>   config:<config file stem>   workflow:<rollout.workflow>   branch-of:<parent run id> (a branch)
+    branch-at:<K> (a branch)   rescored:<name> (a replay on re-scored rollouts)
 
 so that the flow-run search by tag `run:<id>` finds the train run and its `<id>/iter-<k>` runs together.
 """
@@ -35,7 +36,9 @@ def run_tags(cfg: ExperimentConfig, config_path: str) -> tuple[str, ...]:
     tags = [f"run:{cfg.run_id}", f"config:{Path(str(config_path)).stem}", f"workflow:{cfg.rollout.workflow}"]
     branch = read_branch(cfg.run_dir)  # written by the branch flow before its train run starts
     if branch is not None:
-        tags.append(f"branch-of:{branch['parent_run_id']}")
+        tags += [f"branch-of:{branch['parent_run_id']}", f"branch-at:{branch['at']}"]
+        if branch.get("rescored_from"):
+            tags.append(f"rescored:{branch['rescored_from']['name']}")
     return tuple(tags)
 
 

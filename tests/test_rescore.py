@@ -160,13 +160,18 @@ def test_a_group_reward_from_the_command_line_then_a_replay_trains_on_it(parent,
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    async def tags():
+    async def tags(name: str):
         async with get_client() as client:
-            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                name=FlowRunFilterName(like_="on-length: replay of p")))
-            return runs[0].tags
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=name)))
+            return {run.name: set(run.tags) for run in runs}
 
-    assert {"replay", "branch-of:p", "rescored:by-length"} <= set(asyncio.run(tags()))
+    (branch_tags,) = asyncio.run(tags("on-length: replay of p")).values()
+    assert {"replay", "branch-of:p", "rescored:by-length"} <= branch_tags
+    # the new run's train run and its iteration runs carry the lineage too
+    train_tags = asyncio.run(tags("on-length"))
+    assert {"on-length", "on-length/iter-2", "on-length/iter-3"} <= set(train_tags)
+    for name in ("on-length", "on-length/iter-3"):
+        assert {"branch-of:p", "branch-at:1", "rescored:by-length"} <= train_tags[name], name
 
 
 def test_bad_rescorings_are_refused_with_the_reason(parent, rewards_dir, tmp_path):
