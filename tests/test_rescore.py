@@ -9,12 +9,14 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from _learning_helpers import base_model
 from areal_pipeline.branching import BranchError, plan_branch
-from areal_pipeline.data.shards import read_trajectories, write_shards
-from areal_pipeline.rescoring import RescoreError, plan_rescore, rescore, rescore_iteration
+from areal_pipeline.data.shards import read_table, read_trajectories, write_shards
+from areal_pipeline.rescoring import (RescoreError, check_sources, plan_rescore, rescore, rescore_iteration,
+                                      sign_flips)
 from test_flows import REPO, cli, fast_overrides
 
 SHORT_REWARD = '''
@@ -92,10 +94,21 @@ def test_a_reward_function_rescores_the_stored_episodes_beside_them(parent, rewa
         new = read_trajectories(parent / f"rescored/short/iter_{k}/rollout")
         assert [t.reward for t in new] == [short(t.text) for t in old]
         assert [t.metadata["reward_before"] for t in new] == pytest.approx([t.reward for t in old])
-        assert [t.input_ids for t in new] == [t.input_ids for t in old]  # the same episodes
+        old_table, new_table = read_table(parent / f"iter_{k}/rollout"), read_table(parent / f"rescored/short/iter_{k}/rollout")
+        for column in old_table.column_names:  # the same episodes: every column but the reward's
+            if column not in ("reward", "metadata", "baseline_reward"):
+                assert new_table.column(column).equals(old_table.column(column)), column
+        assert [{**t.metadata, "reward_before": None} for t in new] == [{**t.metadata, "reward_before": None}
+                                                                       for t in old]
         summary = record["iterations"][k - 2]
         assert summary["reward_mean_after"] == pytest.approx(sum(short(t.text) for t in old) / len(old))
         assert summary["reward_mean_before"] == pytest.approx(sum(t.reward for t in old) / len(old))
+        olds, news = [t.reward for t in old], [short(t.text) for t in old]
+        if len(set(olds)) > 1 and len(set(news)) > 1:
+            assert summary["reward_correlation"] == pytest.approx(float(np.corrcoef(olds, news)[0, 1]))
+        else:
+            assert summary["reward_correlation"] is None
+        assert 0.0 <= summary["advantage_sign_flips"] <= 1.0
     assert _digests(parent) == before  # the old shards untouched
     lineage = json.loads((parent / "rescored/short/rescore.json").read_text())
     assert lineage["scorer"] == reward and lineage["parent_run_dir"] == str(parent.resolve())
@@ -191,19 +204,75 @@ def test_bad_rescorings_are_refused_with_the_reason(parent, rewards_dir, tmp_pat
         plan_branch(parent, 1, "x", rescored="short")
     with pytest.raises(BranchError, match="no re-scoring named 'absent'"):
         plan_branch(parent, 1, "x", replay=True, rescored="absent")
+    rescore(plan_rescore(parent, reward=reward, iterations="2", name="short-2"))
+    with pytest.raises(BranchError, match=r"'short-2' of run p has no iteration\(s\) \[3\]"):
+        plan_branch(parent, 1, "x", replay=True, rescored="short-2", iterations=2)
+    with pytest.raises(BranchError, match="ppo.advantage='remax' compares each reward with the prompt's greedy"):
+        plan_branch(parent, 1, "x", ["ppo.advantage=remax", "ppo.loss=reinforce"], replay=True, rescored="short-2",
+                    iterations=1)
+    with pytest.raises(RescoreError, match="holds a re-scoring by"):
+        plan_rescore(parent, reward=f"{rewards_dir / 'length_rank.py'}:build", name="short")
+
+
+def _copy_run(parent: Path, run_dir: Path, k: int = 1) -> None:
+    import shutil
+
+    (run_dir / f"iter_{k}").mkdir(parents=True)
+    shutil.copy(parent / "config.yaml", run_dir / "config.yaml")
+    shutil.copytree(parent / f"iter_{k}/rollout", run_dir / f"iter_{k}/rollout")
+
+
+def test_shards_that_fail_their_checksums_are_refused_before_any_scoring(parent, rewards_dir, tmp_path):
+    run_dir = tmp_path / "bad"
+    _copy_run(parent, run_dir)
+    shard = next((run_dir / "iter_1/rollout").glob("part-*.parquet"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    plan = plan_rescore(run_dir, reward=f"{rewards_dir / 'short_reward.py'}:short")
+    with pytest.raises(RescoreError, match=rf"iteration 1 cannot be re-scored: .*{shard.name}"):
+        check_sources(plan)
+    assert not (run_dir / "rescored").exists()
 
 
 def test_per_turn_returns_cannot_be_rescored_by_one_reward(parent, rewards_dir, tmp_path):
     """A multi_turn run's trajectories carry per-turn returns: one reward per trajectory cannot replace them."""
     import shutil
 
-    run_dir = tmp_path / "mt"
+    for field, message in (("token_returns", "per-turn returns"), ("step_rewards", "per-step rewards")):
+        run_dir = tmp_path / field
+        (run_dir / "iter_1").mkdir(parents=True)
+        shutil.copy(parent / "config.yaml", run_dir / "config.yaml")
+        (t, *_) = read_trajectories(parent / "iter_1/rollout")
+        setattr(t, field, [0.0] * len(t.input_ids))
+        write_shards([t], run_dir / "iter_1/rollout", run_id=field, iteration=1)
+        plan = plan_rescore(run_dir, reward=f"{rewards_dir / 'short_reward.py'}:short")
+        with pytest.raises(RescoreError, match=rf"{message} \({field}, workflow 'rlvr'\)"):
+            check_sources(plan)
+        with pytest.raises(RescoreError, match=message):
+            rescore_iteration(plan, 1)
+        assert not (run_dir / "rescored/short/iter_1/rollout/manifest.json").exists()
+
+
+def test_a_remax_baseline_moves_into_the_metadata(parent, rewards_dir, tmp_path):
+    """ReMax's baseline is the reward of an episode that is not kept: it cannot be re-scored, so it is not kept
+    as a baseline of the new rewards."""
+    run_dir = tmp_path / "remax"
     (run_dir / "iter_1").mkdir(parents=True)
-    shutil.copy(parent / "config.yaml", run_dir / "config.yaml")
-    (t, *_) = read_trajectories(parent / "iter_1/rollout")
-    t.token_returns = [0.0] * len(t.input_ids)
-    write_shards([t], run_dir / "iter_1/rollout", run_id="mt", iteration=1)
-    plan = plan_rescore(run_dir, reward=f"{rewards_dir / 'short_reward.py'}:short")
-    with pytest.raises(RescoreError, match="per-turn returns"):
-        rescore_iteration(plan, 1)
-    assert not (run_dir / "rescored/short/iter_1/rollout/manifest.json").exists()
+    (run_dir / "config.yaml").write_text((parent / "config.yaml").read_text())
+    trajectories = read_trajectories(parent / "iter_1/rollout")
+    for i, t in enumerate(trajectories):
+        t.baseline_reward = 0.25 * (i % 3)
+    write_shards(trajectories, run_dir / "iter_1/rollout", run_id="remax", iteration=1)
+    summary = rescore_iteration(plan_rescore(run_dir, reward=f"{rewards_dir / 'short_reward.py'}:short"), 1)
+    assert summary["baseline_rewards_dropped"] is True
+    new = read_trajectories(run_dir / "rescored/short/iter_1/rollout")
+    assert [t.baseline_reward for t in new] == [None] * len(new)
+    assert [t.metadata["baseline_reward_before"] for t in new] == [0.25 * (i % 3) for i in range(len(new))]
+
+
+def test_sign_flips_by_hand():
+    groups = ["a", "a", "b", "b", "c", "c"]
+    before = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]  # centred: +.5 -.5 | +.5 -.5 | 0 0
+    after = [0.0, 1.0, 1.0, 0.5, 0.0, 1.0]   # centred: -.5 +.5 | +.25 -.25 | -.5 +.5
+    assert sign_flips(groups, before, after) == pytest.approx(4 / 6)
