@@ -197,6 +197,13 @@ def _check_rescorable(table: pa.Table, k: int, plan: RescorePlan) -> None:
             raise RescoreError(f"run {plan.run_id}, iteration {k}: the trajectories carry {what} ({column}, workflow "
                                f"{plan.cfg.rollout.workflow!r}), which one reward per trajectory cannot replace: "
                                "re-scoring covers workflows with one reward per trajectory")
+    if plan.reward is not None:
+        without = [i for i, raw in enumerate(table.column("metadata").to_pylist())
+                   if "answer" not in (json.loads(raw) if raw else {})]
+        if without:
+            raise RescoreError(f"run {plan.run_id}, iteration {k}: {len(without)} trajectory(ies) kept no answer "
+                               f"(metadata['answer'], workflow {plan.cfg.rollout.workflow!r}) for --reward "
+                               "reward(completion, answer): use --group-reward, which needs none")
 
 
 def _source(plan: RescorePlan, k: int) -> pa.Table:
@@ -252,8 +259,12 @@ async def _score(plan: RescorePlan, trajectories: list[Trajectory]) -> tuple[lis
 
 
 def _question(trajectory: Trajectory) -> str:
-    users = [m.get("content", "") for m in trajectory.messages if m.get("role") == "user"]
-    return users[0] if users else ""
+    """As the rollout gives a group reward the question (rollout/group.py): the data set's where the trajectory
+    kept it, else the prompt's last user message."""
+    kept = trajectory.metadata.get("question")
+    if kept:
+        return str(kept)
+    return next((str(m.get("content", "")) for m in reversed(trajectory.messages) if m.get("role") == "user"), "")
 
 
 def sign_flips(groups: list[str], before: list[float], after: list[float]) -> float:

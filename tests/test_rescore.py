@@ -25,18 +25,18 @@ def short(completion, answer):
     return 1.0 if len(completion.strip()) <= 1 else 0.0
 '''
 
-LENGTH_RANK = '''
-class LengthRank:
-    """Scores a group relative to itself: the shortest answer 1, the longest 0, linear in between."""
+MAJORITY_VOTE = '''
+class MajorityVote:
+    """Scores a group against itself, no reference answer (self-consistency): each answer's share of the group's
+    votes."""
 
     def __init__(self):
         self.calls = 0
 
     async def score_group(self, candidates):
         self.calls += 1
-        lengths = [len(c.completion) for c in candidates]
-        low, high = min(lengths), max(lengths)
-        return [1.0 if high == low else (high - n) / (high - low) for n in lengths]
+        answers = [c.completion.strip() for c in candidates]
+        return [answers.count(a) / len(answers) for a in answers]
 
     def take_usage(self):
         calls, self.calls = self.calls, 0
@@ -47,7 +47,7 @@ class LengthRank:
 
 
 def build(cfg):
-    return LengthRank()
+    return MajorityVote()
 '''
 
 
@@ -71,7 +71,7 @@ def parent(prefect_api, model_cache, tmp_path_factory) -> Path:
 def rewards_dir(tmp_path_factory) -> Path:
     where = tmp_path_factory.mktemp("rewards")
     (where / "short_reward.py").write_text(SHORT_REWARD)
-    (where / "length_rank.py").write_text(LENGTH_RANK)
+    (where / "majority_vote.py").write_text(MAJORITY_VOTE)
     return where
 
 
@@ -138,37 +138,47 @@ def test_a_group_reward_from_the_command_line_then_a_replay_trains_on_it(parent,
     from flows.branch import branch
 
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
-    group = f"{rewards_dir / 'length_rank.py'}:build"
-    run = cli("rescore", "--run-id", "p", "--group-reward", group, "--name", "by-length", "--output-dir",
+    group = f"{rewards_dir / 'majority_vote.py'}:build"
+    run = cli("rescore", "--run-id", "p", "--group-reward", group, "--name", "by-votes", "--output-dir",
               str(parent.parent), env=env)
     out, _ = run.communicate(timeout=300)
     assert run.returncode == 0, out[-3000:]
-    assert f"p rescored by group:{group}: 3 iteration(s) in {parent / 'rescored/by-length'}" in out
-    lineage = json.loads((parent / "rescored/by-length/rescore.json").read_text())
+    assert f"p rescored by group:{group}: 3 iteration(s) in {parent / 'rescored/by-votes'}" in out
+    lineage = json.loads((parent / "rescored/by-votes/rescore.json").read_text())
     for k in (1, 2, 3):
-        new = read_trajectories(parent / f"rescored/by-length/iter_{k}/rollout")
-        for group_id in {t.group_id for t in new}:
-            members = [t for t in new if t.group_id == group_id]
-            lengths = [len(t.text) for t in members]
-            shortest, longest = min(lengths), max(lengths)
-            assert [t.reward for t in members] == pytest.approx(
-                [1.0 if longest == shortest else (longest - n) / (longest - shortest) for n in lengths])
+        new = read_trajectories(parent / f"rescored/by-votes/iter_{k}/rollout")
+        answers = [t.text.strip() for t in new]
+        expected = [sum(u.group_id == t.group_id and v == a for u, v in zip(new, answers))
+                    / sum(u.group_id == t.group_id for u in new) for t, a in zip(new, answers)]
+        assert [t.reward for t in new] == pytest.approx(expected)
         assert lineage["iterations"][k - 1]["usage"] == {"group/calls": float(len({t.group_id for t in new}))}
+        summary = lineage["iterations"][k - 1]
+        assert (f"iteration {k}: reward {summary['reward_mean_before']:.3f} -> {summary['reward_mean_after']:.3f}"
+                in out)
 
-    result = branch(parent_run_id="p", at=1, run_id="on-length", output_dir=str(parent.parent), mode="replay",
-                    rescored="by-length")
-    assert result["rescored"] == "by-length" and result["regenerated"] == []
-    run_dir = parent.parent / "on-length"
+    result = branch(parent_run_id="p", at=1, run_id="on-votes", output_dir=str(parent.parent), mode="replay",
+                    rescored="by-votes")
+    assert result["rescored"] == "by-votes" and result["regenerated"] == []
+    run_dir = parent.parent / "on-votes"
     record = json.loads((run_dir / "branch.json").read_text())
-    assert record["rescored_from"]["name"] == "by-length" and record["rescored_from"]["scorer"] == f"group:{group}"
+    assert record["rescored_from"]["name"] == "by-votes" and record["rescored_from"]["scorer"] == f"group:{group}"
+    assert record["rescored_from"]["lineage"]["parent_run_id"] == "p"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for k in (2, 3):
-        assert os.path.samefile(run_dir / f"iter_{k}/rollout/manifest.json",
-                                parent / f"rescored/by-length/iter_{k}/rollout/manifest.json")
+        rescored = parent / f"rescored/by-votes/iter_{k}/rollout"
+        assert os.path.samefile(run_dir / f"iter_{k}/rollout/manifest.json", rescored / "manifest.json")
+        # the advantages step read the new rewards: its batch carries them, and its figures are theirs
+        new_rewards = read_table(rescored).column("reward").to_pylist()
+        batch = read_table(run_dir / f"iter_{k}/batch", schema=None)
+        assert batch.column("reward").to_pylist() == new_rewards
+        stats = json.loads((run_dir / f"iter_{k}/batch/manifest.json").read_text())["stats"]
+        assert stats["reward_mean"] == pytest.approx(lineage["iterations"][k - 1]["reward_mean_after"])
         assert metrics[k - 1]["reward_mean"] == pytest.approx(lineage["iterations"][k - 1]["reward_mean_after"])
-        batch_rewards = read_trajectories(run_dir / f"iter_{k}/rollout")
-        assert [t.reward for t in batch_rewards] == [t.reward for t in read_trajectories(
-            parent / f"rescored/by-length/iter_{k}/rollout")]
+        parent_batch = read_table(parent / f"iter_{k}/batch", schema=None)
+        old_rewards = parent_batch.column("reward").to_pylist()
+        assert old_rewards == read_table(parent / f"iter_{k}/rollout").column("reward").to_pylist()
+        assert new_rewards != old_rewards  # so the advantages below come from the new rewards, not the old
+        assert batch.column("advantages").to_pylist() != parent_batch.column("advantages").to_pylist()
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
@@ -176,10 +186,10 @@ def test_a_group_reward_from_the_command_line_then_a_replay_trains_on_it(parent,
     async def tags():
         async with get_client() as client:
             runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                name=FlowRunFilterName(like_="on-length: replay of p")))
+                name=FlowRunFilterName(like_="on-votes: replay of p")))
             return runs[0].tags
 
-    assert {"replay", "branch-of:p", "rescored:by-length"} <= set(asyncio.run(tags()))
+    assert {"replay", "branch-of:p", "rescored:by-votes"} <= set(asyncio.run(tags()))
 
 
 def test_bad_rescorings_are_refused_with_the_reason(parent, rewards_dir, tmp_path):
@@ -211,7 +221,7 @@ def test_bad_rescorings_are_refused_with_the_reason(parent, rewards_dir, tmp_pat
         plan_branch(parent, 1, "x", ["ppo.advantage=remax", "ppo.loss=reinforce"], replay=True, rescored="short-2",
                     iterations=1)
     with pytest.raises(RescoreError, match="holds a re-scoring by"):
-        plan_rescore(parent, reward=f"{rewards_dir / 'length_rank.py'}:build", name="short")
+        plan_rescore(parent, reward=f"{rewards_dir / 'majority_vote.py'}:build", name="short")
 
 
 def _copy_run(parent: Path, run_dir: Path, k: int = 1) -> None:
@@ -252,6 +262,15 @@ def test_per_turn_returns_cannot_be_rescored_by_one_reward(parent, rewards_dir, 
         with pytest.raises(RescoreError, match=message):
             rescore_iteration(plan, 1)
         assert not (run_dir / "rescored/short/iter_1/rollout/manifest.json").exists()
+
+    run_dir = tmp_path / "no-answer"  # a workflow that keeps no answer: nothing for reward(completion, answer)
+    _copy_run(parent, run_dir)
+    trajectories = read_trajectories(run_dir / "iter_1/rollout")
+    del trajectories[0].metadata["answer"]
+    write_shards(trajectories, run_dir / "iter_1/rollout", run_id="no-answer", iteration=1, overwrite=True)
+    with pytest.raises(RescoreError, match=r"1 trajectory\(ies\) kept no answer \(metadata\['answer'\], workflow 'rlvr'\)"):
+        check_sources(plan_rescore(run_dir, reward=f"{rewards_dir / 'short_reward.py'}:short"))
+    check_sources(plan_rescore(run_dir, group_reward=f"{rewards_dir / 'majority_vote.py'}:build"))
 
 
 def test_a_remax_baseline_moves_into_the_metadata(parent, rewards_dir, tmp_path):
