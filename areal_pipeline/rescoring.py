@@ -1,7 +1,7 @@
 """Re-scoring a run's stored rollouts: new rewards for the same episodes, no generation.
 
     areal-pipeline rescore --run-id R --reward my_rewards:score [--iterations A:B] [--name N]
-    areal-pipeline rescore --run-id R --group-reward judge [judge.model=...]
+    areal-pipeline rescore --run-id R --group-reward judge [key=value ...  (the judge's settings)]
 
 Each iteration's rollout shards are read (checked against their manifest), every trajectory gets a new reward from
 `--reward` (a reward function `reward(completion, answer) -> float`, run in the reward pool with the run's time limit,
