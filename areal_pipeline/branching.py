@@ -175,6 +175,12 @@ def _check_rescored(plan: BranchPlan) -> None:
         raise BranchError(f"run {plan.parent_run_id} has no re-scoring named {plan.rescored!r} "
                           f"({rescored_dir(plan.parent_dir, plan.rescored)}): areal-pipeline rescore --run-id "
                           f"{plan.parent_run_id} --name {plan.rescored} ... first")
+    from areal_pipeline.training.advantage_registry import make_advantage
+
+    if make_advantage(plan.cfg.ppo).greedy_baseline:
+        raise BranchError(f"ppo.advantage={plan.cfg.ppo.advantage!r} compares each reward with the prompt's greedy "
+                          "episode's, which re-scoring cannot score again (that episode's text is not kept): replay "
+                          "re-scored shards with another ppo.advantage (e.g. grpo)")
     missing = [k for k in range(plan.at + 1, plan.last + 1) if not is_complete(plan.source_rollout(k))]
     if missing:
         raise BranchError(f"the re-scoring {plan.rescored!r} of run {plan.parent_run_id} has no iteration(s) "

@@ -1,7 +1,7 @@
 """Re-scoring a run's stored rollouts: new rewards for the same episodes, no generation.
 
     areal-pipeline rescore --run-id R --reward my_rewards:score [--iterations A:B] [--name N]
-    areal-pipeline rescore --run-id R --group-reward judge [judge.model=...]
+    areal-pipeline rescore --run-id R --group-reward judge [key=value ...  (the judge's settings)]
 
 Each iteration's rollout shards are read (checked against their manifest), every trajectory gets a new reward from
 `--reward` (a reward function `reward(completion, answer) -> float`, run in the reward pool with the run's time limit,
@@ -33,8 +33,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
+import pyarrow as pa
+
 from areal_pipeline.data.shards import (ShardError, content_sha256, is_complete, read_manifest, read_table,
-                                        table_trajectories, trajectory_table, verify_shards, write_table)
+                                        table_trajectories, verify_shards, write_table)
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.utils import atomic_write_text, get_logger
 
@@ -187,12 +189,39 @@ def _answer(trajectory: Trajectory) -> Any:
     return trajectory.metadata.get("answer")
 
 
-def _check_rescorable(trajectories: list[Trajectory], k: int, plan: RescorePlan) -> None:
-    per_turn = [t for t in trajectories if t.token_returns is not None]
-    if per_turn:
-        raise RescoreError(f"iteration {k}: the trajectories carry per-turn returns (token_returns, workflow "
-                           f"{plan.cfg.rollout.workflow}), which one reward per trajectory cannot replace: re-scoring "
-                           "covers workflows with one reward per trajectory")
+def _check_rescorable(table: pa.Table, k: int, plan: RescorePlan) -> None:
+    """Rewards a per-answer reward cannot replace: per-turn returns (multi_turn's token_returns) and per-step rewards
+    (GiGPO's step_rewards) are the workflow's own, for each turn or step."""
+    for column, what in (("token_returns", "per-turn returns"), ("step_rewards", "per-step rewards")):
+        if table.column(column).null_count != table.num_rows:
+            raise RescoreError(f"run {plan.run_id}, iteration {k}: the trajectories carry {what} ({column}, workflow "
+                               f"{plan.cfg.rollout.workflow!r}), which one reward per trajectory cannot replace: "
+                               "re-scoring covers workflows with one reward per trajectory")
+    if plan.reward is not None:
+        without = [i for i, raw in enumerate(table.column("metadata").to_pylist())
+                   if "answer" not in (json.loads(raw) if raw else {})]
+        if without:
+            raise RescoreError(f"run {plan.run_id}, iteration {k}: {len(without)} trajectory(ies) kept no answer "
+                               f"(metadata['answer'], workflow {plan.cfg.rollout.workflow!r}) for --reward "
+                               "reward(completion, answer): use --group-reward, which needs none")
+
+
+def _source(plan: RescorePlan, k: int) -> pa.Table:
+    """Iteration k's rollout, checked against its manifest and for rewards that can be replaced."""
+    try:
+        table = read_table(plan.rollout(k))
+    except ShardError as error:
+        raise RescoreError(f"run {plan.run_id}'s rollout of iteration {k} cannot be re-scored: {error}") from None
+    _check_rescorable(table, k, plan)
+    return table
+
+
+def check_sources(plan: RescorePlan) -> None:
+    """Every planned iteration not re-scored yet can be (its shards intact, one reward per trajectory), so that a
+    bad one is refused before anything is scored."""
+    for k in plan.iterations:
+        if not is_complete(plan.rescored(k)):
+            _source(plan, k)
 
 
 async def _score(plan: RescorePlan, trajectories: list[Trajectory]) -> tuple[list[float], dict[str, float]]:
@@ -230,8 +259,12 @@ async def _score(plan: RescorePlan, trajectories: list[Trajectory]) -> tuple[lis
 
 
 def _question(trajectory: Trajectory) -> str:
-    users = [m.get("content", "") for m in trajectory.messages if m.get("role") == "user"]
-    return users[0] if users else ""
+    """As the rollout gives a group reward the question (rollout/group.py): the data set's where the trajectory
+    kept it, else the prompt's last user message."""
+    kept = trajectory.metadata.get("question")
+    if kept:
+        return str(kept)
+    return next((str(m.get("content", "")) for m in reversed(trajectory.messages) if m.get("role") == "user"), "")
 
 
 def sign_flips(groups: list[str], before: list[float], after: list[float]) -> float:
@@ -250,6 +283,32 @@ def sign_flips(groups: list[str], before: list[float], after: list[float]) -> fl
     return sum(sign(a) != sign(b) for a, b in pairs) / max(1, len(pairs))
 
 
+def with_rewards(table: pa.Table, rewards: list[float]) -> pa.Table:
+    """The rollout table with new rewards, every other column as it was but two: each row's metadata keeps the old
+    reward ("reward_before"), and `baseline_reward` (ReMax's greedy episode's reward, under the old reward: that
+    episode's text is not kept, so it cannot be scored again) moves into the metadata ("baseline_reward_before")."""
+    metadata = []
+    for raw, old, baseline in zip(table.column("metadata").to_pylist(), table.column("reward").to_pylist(),
+                                  table.column("baseline_reward").to_pylist()):
+        record = {**(json.loads(raw) if raw else {}), "reward_before": old}
+        if baseline is not None:
+            record["baseline_reward_before"] = baseline
+        metadata.append(json.dumps(record, ensure_ascii=False, sort_keys=True))
+    replaced = {"reward": pa.array(rewards, pa.float32()), "metadata": pa.array(metadata, pa.string()),
+                "baseline_reward": pa.nulls(table.num_rows, pa.float32())}
+    for name, column in replaced.items():
+        index = table.schema.get_field_index(name)
+        table = table.set_column(index, table.schema.field(index), column)
+    return table
+
+
+def reward_correlation(before: list[float], after: list[float]) -> Optional[float]:
+    """Pearson's r of the old and new rewards; None where either is constant (r is undefined)."""
+    if len(before) < 2 or len(set(before)) < 2 or len(set(after)) < 2:
+        return None
+    return statistics.correlation(before, after)
+
+
 def rescore_iteration(plan: RescorePlan, k: int) -> dict[str, Any]:
     """Iteration k's rollout re-scored into `plan.rescored(k)`; its summary. Kept as it is when already there and
     intact (a rerun)."""
@@ -261,22 +320,18 @@ def rescore_iteration(plan: RescorePlan, k: int) -> dict[str, Any]:
         except ShardError as error:
             logger.warning("re-scoring iteration %d again: %s", k, error)
     source = plan.rollout(k)
-    try:
-        table = read_table(source)
-    except ShardError as error:
-        raise RescoreError(f"run {plan.run_id}'s rollout of iteration {k} cannot be re-scored: {error}") from None
+    table = _source(plan, k)
     trajectories = table_trajectories(table)
-    _check_rescorable(trajectories, k, plan)
     scores, usage = asyncio.run(_score(plan, trajectories))
-    before = [t.reward for t in trajectories]
-    for t, score in zip(trajectories, scores):
-        t.metadata = {**t.metadata, "reward_before": t.reward}
-        t.reward = score
-    new_table = trajectory_table(trajectories, table.column("run_id")[0].as_py() if table.num_rows else plan.run_id, k)
+    new_table = with_rewards(table, scores)
+    scores = new_table.column("reward").to_pylist()  # as stored (float32), as the trainer will read them
+    before = table.column("reward").to_pylist()
     summary = {"iteration": k, "trajectories": len(trajectories),
                "reward_mean_before": statistics.fmean(before) if before else 0.0,
                "reward_mean_after": statistics.fmean(scores) if scores else 0.0,
                "advantage_sign_flips": sign_flips([t.group_id for t in trajectories], before, scores),
+               "reward_correlation": reward_correlation(before, scores),
+               "baseline_rewards_dropped": table.column("baseline_reward").null_count != table.num_rows,
                "usage": usage}
     parent = read_manifest(source)
     stats = {**parent.get("stats", {}), "reward_mean": summary["reward_mean_after"],

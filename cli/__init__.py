@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", default=None, metavar="A:B", help="the iterations (inclusive; default: all)")
     p.add_argument("--name", default=None, help="the new shard set's name (default: from the reward)")
     p.add_argument("--output-dir", default="runs", help="where the run directory is")
-    p.add_argument("overrides", nargs="*", help="dotted overrides of the run's config, e.g. rollout.reward_timeout=10")
+    p.add_argument("overrides", nargs="*",
+                   help="dotted overrides of the run's config (the judge's settings), e.g. rollout.reward_timeout=30")
     p.set_defaults(func=cmd_rescore)
 
     p = sub.add_parser("sweep", help="one train run per combination of the values given (cartesian product), at "

@@ -20,7 +20,8 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from areal_pipeline.rescoring import RescoreError, RescorePlan, plan_rescore, rescore_iteration, write_lineage
+from areal_pipeline.rescoring import (RescoreError, RescorePlan, check_sources, plan_rescore, rescore_iteration,
+                                      write_lineage)
 from flows.artifacts import artifact_key
 
 
@@ -38,16 +39,22 @@ def _tag_and_record(plan: RescorePlan, record: dict[str, Any]) -> None:
     with get_client(sync_client=True) as client:
         client.update_flow_run(flow_run.id, tags=tags)
     rows = "\n".join(f"| {s['iteration']} | {s['trajectories']} | {s['reward_mean_before']:.3f} | "
-                     f"{s['reward_mean_after']:.3f} | {s['advantage_sign_flips']:.2f} |" for s in record["iterations"])
+                     f"{s['reward_mean_after']:.3f} | {s['advantage_sign_flips']:.2f} | {_r(s)} |"
+                     for s in record["iterations"])
     create_markdown_artifact(
         key=artifact_key(plan.run_id, f"rescored-{plan.name}"),
         markdown=(f"# {plan.run_id}: rescored by `{plan.scorer}` as `{plan.name}`\n\n"
                   f"From the rollout shards of run `{plan.run_id}` (`{record['parent_run_dir']}`), no generation; "
                   f"the new shards are in `{plan.out_dir}`. Train on them with `areal-pipeline branch --from "
                   f"{plan.run_id} --at K --replay --rescored {plan.name} --run-id NEW`.\n\n"
-                  "| iteration | trajectories | reward before | reward after | advantage sign flips |\n"
-                  f"|---|---|---|---|---|\n{rows}\n"),
+                  "| iteration | trajectories | reward before | reward after | advantage sign flips | r(before, after) |"
+                  f"\n|---|---|---|---|---|---|\n{rows}\n"),
         description=f"{plan.run_id} rescored by {plan.scorer}")
+
+
+def _r(summary: dict[str, Any]) -> str:
+    r = summary.get("reward_correlation")
+    return "-" if r is None else f"{r:.2f}"
 
 
 @flow(name="rescore", flow_run_name="{run_id}: rescored by {scorer}", persist_result=True, result_serializer="json")
@@ -59,6 +66,7 @@ def rescore(run_id: str, scorer: str, output_dir: str = "runs", reward: Optional
     rescored/<name>/ beside them. `scorer` names the reward in the flow run's name."""
     plan = plan_rescore(Path(output_dir) / run_id, reward=reward, group_reward=group_reward, iterations=iterations,
                         name=name, overrides=overrides)
+    check_sources(plan)  # every iteration refused or none: no re-scoring stops half-way on a bad shard
     summaries = [rescore_iteration_task(plan, k) for k in plan.iterations]
     record = write_lineage(plan, summaries)
     _tag_and_record(plan, record)
@@ -76,6 +84,7 @@ def main(args) -> None:
     try:
         plan = plan_rescore(Path(args.output_dir) / args.run_id, reward=args.reward, group_reward=args.group_reward,
                             iterations=args.iterations, name=args.name, overrides=args.overrides)
+        check_sources(plan)
     except (RescoreError, ConfigError) as error:
         sys.exit(f"rescore error: {error}")
     with prefect_api():
@@ -89,7 +98,7 @@ def main(args) -> None:
     for s in record["iterations"]:
         if s["iteration"] in plan.iterations:
             print(f"  iteration {s['iteration']}: reward {s['reward_mean_before']:.3f} -> {s['reward_mean_after']:.3f}"
-                  f", advantage sign flips {s['advantage_sign_flips']:.2f}")
+                  f", advantage sign flips {s['advantage_sign_flips']:.2f}, r(before, after) {_r(s)}")
     print(f"  lineage: {plan.out_dir / 'rescore.json'}")
     print(f"  train on them: areal-pipeline branch --from {args.run_id} --at K --replay --rescored {plan.name} "
           f"--run-id NEW --output-dir {args.output_dir}")

@@ -9,12 +9,14 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from _learning_helpers import base_model
 from areal_pipeline.branching import BranchError, plan_branch
-from areal_pipeline.data.shards import read_trajectories, write_shards
-from areal_pipeline.rescoring import RescoreError, plan_rescore, rescore, rescore_iteration
+from areal_pipeline.data.shards import read_table, read_trajectories, write_shards
+from areal_pipeline.rescoring import (RescoreError, check_sources, plan_rescore, rescore, rescore_iteration,
+                                      sign_flips)
 from test_flows import REPO, cli, fast_overrides
 
 SHORT_REWARD = '''
@@ -23,18 +25,18 @@ def short(completion, answer):
     return 1.0 if len(completion.strip()) <= 1 else 0.0
 '''
 
-LENGTH_RANK = '''
-class LengthRank:
-    """Scores a group relative to itself: the shortest answer 1, the longest 0, linear in between."""
+MAJORITY_VOTE = '''
+class MajorityVote:
+    """Scores a group against itself, no reference answer (self-consistency): each answer's share of the group's
+    votes."""
 
     def __init__(self):
         self.calls = 0
 
     async def score_group(self, candidates):
         self.calls += 1
-        lengths = [len(c.completion) for c in candidates]
-        low, high = min(lengths), max(lengths)
-        return [1.0 if high == low else (high - n) / (high - low) for n in lengths]
+        answers = [c.completion.strip() for c in candidates]
+        return [answers.count(a) / len(answers) for a in answers]
 
     def take_usage(self):
         calls, self.calls = self.calls, 0
@@ -45,7 +47,7 @@ class LengthRank:
 
 
 def build(cfg):
-    return LengthRank()
+    return MajorityVote()
 '''
 
 
@@ -69,7 +71,7 @@ def parent(prefect_api, model_cache, tmp_path_factory) -> Path:
 def rewards_dir(tmp_path_factory) -> Path:
     where = tmp_path_factory.mktemp("rewards")
     (where / "short_reward.py").write_text(SHORT_REWARD)
-    (where / "length_rank.py").write_text(LENGTH_RANK)
+    (where / "majority_vote.py").write_text(MAJORITY_VOTE)
     return where
 
 
@@ -92,10 +94,21 @@ def test_a_reward_function_rescores_the_stored_episodes_beside_them(parent, rewa
         new = read_trajectories(parent / f"rescored/short/iter_{k}/rollout")
         assert [t.reward for t in new] == [short(t.text) for t in old]
         assert [t.metadata["reward_before"] for t in new] == pytest.approx([t.reward for t in old])
-        assert [t.input_ids for t in new] == [t.input_ids for t in old]  # the same episodes
+        old_table, new_table = read_table(parent / f"iter_{k}/rollout"), read_table(parent / f"rescored/short/iter_{k}/rollout")
+        for column in old_table.column_names:  # the same episodes: every column but the reward's
+            if column not in ("reward", "metadata", "baseline_reward"):
+                assert new_table.column(column).equals(old_table.column(column)), column
+        assert [{**t.metadata, "reward_before": None} for t in new] == [{**t.metadata, "reward_before": None}
+                                                                       for t in old]
         summary = record["iterations"][k - 2]
         assert summary["reward_mean_after"] == pytest.approx(sum(short(t.text) for t in old) / len(old))
         assert summary["reward_mean_before"] == pytest.approx(sum(t.reward for t in old) / len(old))
+        olds, news = [t.reward for t in old], [short(t.text) for t in old]
+        if len(set(olds)) > 1 and len(set(news)) > 1:
+            assert summary["reward_correlation"] == pytest.approx(float(np.corrcoef(olds, news)[0, 1]))
+        else:
+            assert summary["reward_correlation"] is None
+        assert 0.0 <= summary["advantage_sign_flips"] <= 1.0
     assert _digests(parent) == before  # the old shards untouched
     lineage = json.loads((parent / "rescored/short/rescore.json").read_text())
     assert lineage["scorer"] == reward and lineage["parent_run_dir"] == str(parent.resolve())
@@ -125,37 +138,47 @@ def test_a_group_reward_from_the_command_line_then_a_replay_trains_on_it(parent,
     from flows.branch import branch
 
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
-    group = f"{rewards_dir / 'length_rank.py'}:build"
-    run = cli("rescore", "--run-id", "p", "--group-reward", group, "--name", "by-length", "--output-dir",
+    group = f"{rewards_dir / 'majority_vote.py'}:build"
+    run = cli("rescore", "--run-id", "p", "--group-reward", group, "--name", "by-votes", "--output-dir",
               str(parent.parent), env=env)
     out, _ = run.communicate(timeout=300)
     assert run.returncode == 0, out[-3000:]
-    assert f"p rescored by group:{group}: 3 iteration(s) in {parent / 'rescored/by-length'}" in out
-    lineage = json.loads((parent / "rescored/by-length/rescore.json").read_text())
+    assert f"p rescored by group:{group}: 3 iteration(s) in {parent / 'rescored/by-votes'}" in out
+    lineage = json.loads((parent / "rescored/by-votes/rescore.json").read_text())
     for k in (1, 2, 3):
-        new = read_trajectories(parent / f"rescored/by-length/iter_{k}/rollout")
-        for group_id in {t.group_id for t in new}:
-            members = [t for t in new if t.group_id == group_id]
-            lengths = [len(t.text) for t in members]
-            shortest, longest = min(lengths), max(lengths)
-            assert [t.reward for t in members] == pytest.approx(
-                [1.0 if longest == shortest else (longest - n) / (longest - shortest) for n in lengths])
+        new = read_trajectories(parent / f"rescored/by-votes/iter_{k}/rollout")
+        answers = [t.text.strip() for t in new]
+        expected = [sum(u.group_id == t.group_id and v == a for u, v in zip(new, answers))
+                    / sum(u.group_id == t.group_id for u in new) for t, a in zip(new, answers)]
+        assert [t.reward for t in new] == pytest.approx(expected)
         assert lineage["iterations"][k - 1]["usage"] == {"group/calls": float(len({t.group_id for t in new}))}
+        summary = lineage["iterations"][k - 1]
+        assert (f"iteration {k}: reward {summary['reward_mean_before']:.3f} -> {summary['reward_mean_after']:.3f}"
+                in out)
 
-    result = branch(parent_run_id="p", at=1, run_id="on-length", output_dir=str(parent.parent), mode="replay",
-                    rescored="by-length")
-    assert result["rescored"] == "by-length" and result["regenerated"] == []
-    run_dir = parent.parent / "on-length"
+    result = branch(parent_run_id="p", at=1, run_id="on-votes", output_dir=str(parent.parent), mode="replay",
+                    rescored="by-votes")
+    assert result["rescored"] == "by-votes" and result["regenerated"] == []
+    run_dir = parent.parent / "on-votes"
     record = json.loads((run_dir / "branch.json").read_text())
-    assert record["rescored_from"]["name"] == "by-length" and record["rescored_from"]["scorer"] == f"group:{group}"
+    assert record["rescored_from"]["name"] == "by-votes" and record["rescored_from"]["scorer"] == f"group:{group}"
+    assert record["rescored_from"]["lineage"]["parent_run_id"] == "p"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for k in (2, 3):
-        assert os.path.samefile(run_dir / f"iter_{k}/rollout/manifest.json",
-                                parent / f"rescored/by-length/iter_{k}/rollout/manifest.json")
+        rescored = parent / f"rescored/by-votes/iter_{k}/rollout"
+        assert os.path.samefile(run_dir / f"iter_{k}/rollout/manifest.json", rescored / "manifest.json")
+        # the advantages step read the new rewards: its batch carries them, and its figures are theirs
+        new_rewards = read_table(rescored).column("reward").to_pylist()
+        batch = read_table(run_dir / f"iter_{k}/batch", schema=None)
+        assert batch.column("reward").to_pylist() == new_rewards
+        stats = json.loads((run_dir / f"iter_{k}/batch/manifest.json").read_text())["stats"]
+        assert stats["reward_mean"] == pytest.approx(lineage["iterations"][k - 1]["reward_mean_after"])
         assert metrics[k - 1]["reward_mean"] == pytest.approx(lineage["iterations"][k - 1]["reward_mean_after"])
-        batch_rewards = read_trajectories(run_dir / f"iter_{k}/rollout")
-        assert [t.reward for t in batch_rewards] == [t.reward for t in read_trajectories(
-            parent / f"rescored/by-length/iter_{k}/rollout")]
+        parent_batch = read_table(parent / f"iter_{k}/batch", schema=None)
+        old_rewards = parent_batch.column("reward").to_pylist()
+        assert old_rewards == read_table(parent / f"iter_{k}/rollout").column("reward").to_pylist()
+        assert new_rewards != old_rewards  # so the advantages below come from the new rewards, not the old
+        assert batch.column("advantages").to_pylist() != parent_batch.column("advantages").to_pylist()
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
@@ -165,13 +188,24 @@ def test_a_group_reward_from_the_command_line_then_a_replay_trains_on_it(parent,
             runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=name)))
             return {run.name: set(run.tags) for run in runs}
 
-    (branch_tags,) = asyncio.run(tags("on-length: replay of p")).values()
-    assert {"replay", "branch-of:p", "rescored:by-length"} <= branch_tags
+    (branch_tags,) = asyncio.run(tags("on-votes: replay of p")).values()
+    assert {"replay", "branch-of:p", "rescored:by-votes"} <= branch_tags
     # the new run's train run and its iteration runs carry the lineage too
-    train_tags = asyncio.run(tags("on-length"))
-    assert {"on-length", "on-length/iter-2", "on-length/iter-3"} <= set(train_tags)
-    for name in ("on-length", "on-length/iter-3"):
-        assert {"branch-of:p", "branch-at:1", "rescored:by-length"} <= train_tags[name], name
+    train_tags = asyncio.run(tags("on-votes"))
+    assert {"on-votes", "on-votes/iter-2", "on-votes/iter-3"} <= set(train_tags)
+    for name in ("on-votes", "on-votes/iter-3"):
+        assert {"branch-of:p", "branch-at:1", "rescored:by-votes"} <= train_tags[name], name
+
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def lineage_artifact():
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
+                any_=["on-votes-lineage"])))
+
+    (artifact, *_) = asyncio.run(lineage_artifact())
+    assert "replay of `p` at iteration 1" in artifact.data and "Rescored from" in artifact.data
+    assert "--name by-votes" in artifact.data
 
 
 def test_bad_rescorings_are_refused_with_the_reason(parent, rewards_dir, tmp_path):
@@ -196,19 +230,84 @@ def test_bad_rescorings_are_refused_with_the_reason(parent, rewards_dir, tmp_pat
         plan_branch(parent, 1, "x", rescored="short")
     with pytest.raises(BranchError, match="no re-scoring named 'absent'"):
         plan_branch(parent, 1, "x", replay=True, rescored="absent")
+    rescore(plan_rescore(parent, reward=reward, iterations="2", name="short-2"))
+    with pytest.raises(BranchError, match=r"'short-2' of run p has no iteration\(s\) \[3\]"):
+        plan_branch(parent, 1, "x", replay=True, rescored="short-2", iterations=2)
+    with pytest.raises(BranchError, match="ppo.advantage='remax' compares each reward with the prompt's greedy"):
+        plan_branch(parent, 1, "x", ["ppo.advantage=remax", "ppo.loss=reinforce"], replay=True, rescored="short-2",
+                    iterations=1)
+    with pytest.raises(RescoreError, match="holds a re-scoring by"):
+        plan_rescore(parent, reward=f"{rewards_dir / 'majority_vote.py'}:build", name="short")
+
+
+def _copy_run(parent: Path, run_dir: Path, k: int = 1) -> None:
+    import shutil
+
+    (run_dir / f"iter_{k}").mkdir(parents=True)
+    shutil.copy(parent / "config.yaml", run_dir / "config.yaml")
+    shutil.copytree(parent / f"iter_{k}/rollout", run_dir / f"iter_{k}/rollout")
+
+
+def test_shards_that_fail_their_checksums_are_refused_before_any_scoring(parent, rewards_dir, tmp_path):
+    run_dir = tmp_path / "bad"
+    _copy_run(parent, run_dir)
+    shard = next((run_dir / "iter_1/rollout").glob("part-*.parquet"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    plan = plan_rescore(run_dir, reward=f"{rewards_dir / 'short_reward.py'}:short")
+    with pytest.raises(RescoreError, match=rf"iteration 1 cannot be re-scored: .*{shard.name}"):
+        check_sources(plan)
+    assert not (run_dir / "rescored").exists()
 
 
 def test_per_turn_returns_cannot_be_rescored_by_one_reward(parent, rewards_dir, tmp_path):
     """A multi_turn run's trajectories carry per-turn returns: one reward per trajectory cannot replace them."""
     import shutil
 
-    run_dir = tmp_path / "mt"
+    for field, message in (("token_returns", "per-turn returns"), ("step_rewards", "per-step rewards")):
+        run_dir = tmp_path / field
+        (run_dir / "iter_1").mkdir(parents=True)
+        shutil.copy(parent / "config.yaml", run_dir / "config.yaml")
+        (t, *_) = read_trajectories(parent / "iter_1/rollout")
+        setattr(t, field, [0.0] * len(t.input_ids))
+        write_shards([t], run_dir / "iter_1/rollout", run_id=field, iteration=1)
+        plan = plan_rescore(run_dir, reward=f"{rewards_dir / 'short_reward.py'}:short")
+        with pytest.raises(RescoreError, match=rf"{message} \({field}, workflow 'rlvr'\)"):
+            check_sources(plan)
+        with pytest.raises(RescoreError, match=message):
+            rescore_iteration(plan, 1)
+        assert not (run_dir / "rescored/short/iter_1/rollout/manifest.json").exists()
+
+    run_dir = tmp_path / "no-answer"  # a workflow that keeps no answer: nothing for reward(completion, answer)
+    _copy_run(parent, run_dir)
+    trajectories = read_trajectories(run_dir / "iter_1/rollout")
+    del trajectories[0].metadata["answer"]
+    write_shards(trajectories, run_dir / "iter_1/rollout", run_id="no-answer", iteration=1, overwrite=True)
+    with pytest.raises(RescoreError, match=r"1 trajectory\(ies\) kept no answer \(metadata\['answer'\], workflow 'rlvr'\)"):
+        check_sources(plan_rescore(run_dir, reward=f"{rewards_dir / 'short_reward.py'}:short"))
+    check_sources(plan_rescore(run_dir, group_reward=f"{rewards_dir / 'majority_vote.py'}:build"))
+
+
+def test_a_remax_baseline_moves_into_the_metadata(parent, rewards_dir, tmp_path):
+    """ReMax's baseline is the reward of an episode that is not kept: it cannot be re-scored, so it is not kept
+    as a baseline of the new rewards."""
+    run_dir = tmp_path / "remax"
     (run_dir / "iter_1").mkdir(parents=True)
-    shutil.copy(parent / "config.yaml", run_dir / "config.yaml")
-    (t, *_) = read_trajectories(parent / "iter_1/rollout")
-    t.token_returns = [0.0] * len(t.input_ids)
-    write_shards([t], run_dir / "iter_1/rollout", run_id="mt", iteration=1)
-    plan = plan_rescore(run_dir, reward=f"{rewards_dir / 'short_reward.py'}:short")
-    with pytest.raises(RescoreError, match="per-turn returns"):
-        rescore_iteration(plan, 1)
-    assert not (run_dir / "rescored/short/iter_1/rollout/manifest.json").exists()
+    (run_dir / "config.yaml").write_text((parent / "config.yaml").read_text())
+    trajectories = read_trajectories(parent / "iter_1/rollout")
+    for i, t in enumerate(trajectories):
+        t.baseline_reward = 0.25 * (i % 3)
+    write_shards(trajectories, run_dir / "iter_1/rollout", run_id="remax", iteration=1)
+    summary = rescore_iteration(plan_rescore(run_dir, reward=f"{rewards_dir / 'short_reward.py'}:short"), 1)
+    assert summary["baseline_rewards_dropped"] is True
+    new = read_trajectories(run_dir / "rescored/short/iter_1/rollout")
+    assert [t.baseline_reward for t in new] == [None] * len(new)
+    assert [t.metadata["baseline_reward_before"] for t in new] == [0.25 * (i % 3) for i in range(len(new))]
+
+
+def test_sign_flips_by_hand():
+    groups = ["a", "a", "b", "b", "c", "c"]
+    before = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]  # centred: +.5 -.5 | +.5 -.5 | 0 0
+    after = [0.0, 1.0, 1.0, 0.5, 0.0, 1.0]   # centred: -.5 +.5 | +.25 -.25 | -.5 +.5
+    assert sign_flips(groups, before, after) == pytest.approx(4 / 6)
