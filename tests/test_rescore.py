@@ -181,15 +181,23 @@ def test_a_group_reward_from_the_command_line_then_a_replay_trains_on_it(parent,
         assert batch.column("advantages").to_pylist() != parent_batch.column("advantages").to_pylist()
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, FlowRunFilter,
+                                                FlowRunFilterName)
 
-    async def tags():
+    async def lookup():
         async with get_client() as client:
             runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 name=FlowRunFilterName(like_="on-votes: replay of p")))
-            return runs[0].tags
+            artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["on-votes-lineage"])))
+            return runs, artifacts
 
-    assert {"replay", "branch-of:p", "rescored:by-votes"} <= set(asyncio.run(tags()))
+    runs, artifacts = asyncio.run(lookup())
+    assert {"replay", "branch-of:p", "rescored:by-votes"} <= set(runs[0].tags)
+    lineage_card = artifacts[0].data
+    assert "replay of `p` at iteration 1" in lineage_card
+    assert f"Rescored from: the parent's rollouts scored again by `group:{group}`" in lineage_card
+    assert "--name by-votes" in lineage_card
 
 
 def test_bad_rescorings_are_refused_with_the_reason(parent, rewards_dir, tmp_path):
