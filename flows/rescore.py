@@ -47,8 +47,8 @@ def _tag_and_record(plan: RescorePlan, record: dict[str, Any]) -> None:
                   f"From the rollout shards of run `{plan.run_id}` (`{record['parent_run_dir']}`), no generation; "
                   f"the new shards are in `{plan.out_dir}`. Train on them with `areal-pipeline branch --from "
                   f"{plan.run_id} --at K --replay --rescored {plan.name} --run-id NEW`.\n\n"
-                  "| iteration | trajectories | reward before | reward after | advantage sign flips | r(before, after) |"
-                  f"\n|---|---|---|---|---|---|\n{rows}\n"),
+                  "| iteration | trajectories | reward before | reward after | advantage sign flips "
+                  f"| r(before, after) |\n|---|---|---|---|---|---|\n{rows}\n"),
         description=f"{plan.run_id} rescored by {plan.scorer}")
 
 

@@ -94,7 +94,8 @@ def test_a_reward_function_rescores_the_stored_episodes_beside_them(parent, rewa
         new = read_trajectories(parent / f"rescored/short/iter_{k}/rollout")
         assert [t.reward for t in new] == [short(t.text) for t in old]
         assert [t.metadata["reward_before"] for t in new] == pytest.approx([t.reward for t in old])
-        old_table, new_table = read_table(parent / f"iter_{k}/rollout"), read_table(parent / f"rescored/short/iter_{k}/rollout")
+        old_table = read_table(parent / f"iter_{k}/rollout")
+        new_table = read_table(parent / f"rescored/short/iter_{k}/rollout")
         for column in old_table.column_names:  # the same episodes: every column but the reward's
             if column not in ("reward", "metadata", "baseline_reward"):
                 assert new_table.column(column).equals(old_table.column(column)), column
@@ -125,8 +126,10 @@ def test_a_reward_function_rescores_the_stored_episodes_beside_them(parent, rewa
 
     async def lookup():
         async with get_client() as client:
-            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="p: rescored")))
-            artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["p-rescored-short"])))
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(like_="p: rescored")))
+            artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["p-rescored-short"])))
             return runs, artifacts
 
     runs, artifacts = asyncio.run(lookup())
@@ -181,7 +184,8 @@ def test_a_group_reward_from_the_command_line_then_a_replay_trains_on_it(parent,
         assert batch.column("advantages").to_pylist() != parent_batch.column("advantages").to_pylist()
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, FlowRunFilter,
+                                                FlowRunFilterName)
 
     async def tags(name: str):
         async with get_client() as client:
@@ -196,15 +200,14 @@ def test_a_group_reward_from_the_command_line_then_a_replay_trains_on_it(parent,
     for name in ("on-votes", "on-votes/iter-3"):
         assert {"branch-of:p", "branch-at:1", "rescored:by-votes"} <= train_tags[name], name
 
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-
     async def lineage_artifact():
         async with get_client() as client:
             return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
                 any_=["on-votes-lineage"])))
 
     (artifact, *_) = asyncio.run(lineage_artifact())
-    assert "replay of `p` at iteration 1" in artifact.data and "Rescored from" in artifact.data
+    assert "replay of `p` at iteration 1" in artifact.data
+    assert f"Rescored from: the parent's rollouts scored again by `group:{group}`" in artifact.data
     assert "--name by-votes" in artifact.data
 
 
@@ -284,7 +287,8 @@ def test_per_turn_returns_cannot_be_rescored_by_one_reward(parent, rewards_dir, 
     trajectories = read_trajectories(run_dir / "iter_1/rollout")
     del trajectories[0].metadata["answer"]
     write_shards(trajectories, run_dir / "iter_1/rollout", run_id="no-answer", iteration=1, overwrite=True)
-    with pytest.raises(RescoreError, match=r"1 trajectory\(ies\) kept no answer \(metadata\['answer'\], workflow 'rlvr'\)"):
+    with pytest.raises(RescoreError,
+                       match=r"1 trajectory\(ies\) kept no answer \(metadata\['answer'\], workflow 'rlvr'\)"):
         check_sources(plan_rescore(run_dir, reward=f"{rewards_dir / 'short_reward.py'}:short"))
     check_sources(plan_rescore(run_dir, group_reward=f"{rewards_dir / 'majority_vote.py'}:build"))
 
