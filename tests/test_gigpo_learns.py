@@ -30,5 +30,17 @@ def test_gigpo_raises_the_success_rate_of_grid_walks(grid_base_model, tmp_path):
     for group in {t.group_id for t in walks}:
         first_states = {next(s for s in t.step_states if s != -1) for t in walks if t.group_id == group}
         assert len(first_states) == 1
+    # the reward is the goal step's alone; and walks of a group meet again beyond their start (the step groups)
+    for t in walks:
+        steps = [(s, r) for s, r, m in zip(t.step_states, t.step_rewards, t.loss_mask) if m]
+        assert [r for _, r in steps if r] == ([1.0] if t.reward == 1.0 else [])
+    revisited = 0
+    for group in {t.group_id for t in walks}:
+        seen: dict[int, int] = {}
+        for t in (t for t in walks if t.group_id == group):
+            for state in {s for s in t.step_states if s != -1}:
+                seen[state] = seen.get(state, 0) + 1
+        revisited += sum(count > 1 for count in seen.values()) - 1  # the start cell is shared by construction
+    assert revisited > 0
     batch = read_table(paths.batch(1), schema=None)
     assert batch.column("step_states").null_count == 0
