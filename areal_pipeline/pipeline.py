@@ -253,6 +253,8 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
             # the failure policy's counts (rollout/failures.py): failed and retried episodes by cause, groups dropped
             **{key: value for key, value in rollout.items() if key.startswith(("failures/", "retries/"))
                or key in FAILURE_METRICS},
+            # what the group reward's judge calls cost (rollout.group_reward, rewards/judge.py)
+            **{key: value for key, value in rollout.items() if key.startswith("judge/")},
         }
         # None where the config computes no such thing, rather than the 0.0 its step reports
         record.update(dict.fromkeys(self._metrics_not_computed(), None))

@@ -41,10 +41,11 @@ class AsyncRolloutExecutor:
                  batch_for: Callable[[int], list[dict[str, Any]]], workflow, engine_factory,
                  max_concurrent_rollouts: int, n_samples: int, baseline=None, policy: Optional[FailurePolicy] = None,
                  journal_for: Optional[Callable[[int], Any]] = None, recover=None,
-                 refill_for: Optional[Callable[[int], Callable[[int, int], dict[str, Any]]]] = None):
+                 refill_for: Optional[Callable[[int], Callable[[int, int], dict[str, Any]]]] = None,
+                 group_reward: Any = None):
         """`n_samples` episodes a prompt, `baseline`, the failure `policy` and `recover` as `executor.play_batch`
         takes them, and `refill_for(k)` its `refill` for iteration k; `journal_for(k)`: iteration k's
-        `journal.EpisodeJournal` (None: nothing is journaled)."""
+        `journal.EpisodeJournal` (None: nothing is journaled); `group_reward` as `executor.play_batch` takes it."""
         self.first_iteration = first_iteration
         self.last_iteration = last_iteration
         self.eta = eta
@@ -58,6 +59,7 @@ class AsyncRolloutExecutor:
         self.journal_for = journal_for
         self.recover = recover
         self.refill_for = refill_for
+        self.group_reward = group_reward
         self._version = version
         self._loop = asyncio.new_event_loop()
         self._batches: dict[int, concurrent.futures.Future] = {
@@ -150,7 +152,8 @@ class AsyncRolloutExecutor:
             async def group(slot, data):
                 async with in_flight:
                     result = await play_group(self.workflow, engine, data, self.n_samples, self.baseline, slot=slot,
-                                              policy=self.policy, recover=self.recover, refill=refill)
+                                              policy=self.policy, recover=self.recover, refill=refill,
+                                              group_reward=self.group_reward)
                 if journal is not None:
                     await asyncio.to_thread(journal.write, result, data.get("sampling_seed"))
                 return result

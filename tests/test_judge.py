@@ -1,0 +1,176 @@
+"""The LLM judge group reward (rewards/judge.py): strict parsing, the content-hash cache, retries and the outage,
+against a real OpenAI-compatible HTTP server in a subprocess (tests/_judge_server.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from areal_pipeline.config.schema import JudgeConfig
+from areal_pipeline.errors import is_transient
+from areal_pipeline.rewards.group import Candidate
+from areal_pipeline.rewards.judge import (Judge, JudgeAnswerError, JudgeUnavailable, default_limit_name,
+                                          judge_messages, parse_scores)
+from areal_pipeline.utils import find_free_port
+
+SERVER = Path(__file__).resolve().parent / "_judge_server.py"
+
+
+@contextlib.contextmanager
+def judge_server(tmp_path: Path, *args: str, name: str = "judge"):
+    """The judge endpoint on a free port: yields (base_url, the call log)."""
+    port = find_free_port()
+    log = tmp_path / f"{name}-calls.jsonl"
+    log.touch()
+    process = subprocess.Popen([sys.executable, str(SERVER), "--port", str(port), "--log", str(log), *args],
+                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.err", "w"))
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"the judge server did not start: {(tmp_path / f'{name}.err').read_text()}")
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/v1", log
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def calls(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def group(prompt: str, question: str, answer: str, completions: list[str]) -> list[Candidate]:
+    return [Candidate(prompt_id=prompt, sample_idx=i, question=question, completion=c, answer=answer)
+            for i, c in enumerate(completions)]
+
+
+GROUPS = [group("p1", "What is 2+3?", "5", ["5", "6", "The answer is 5.", "4"]),
+          group("p2", "What is 7+1?", "8", ["9", "8"])]
+
+
+def config(base_url: str, **changes) -> JudgeConfig:
+    return dataclasses.replace(JudgeConfig(base_url=base_url, model="grader", retry_delay=0.05, timeout=10),
+                               **changes)
+
+
+def score_all(judge: Judge, groups=GROUPS) -> list[list[float]]:
+    async def run():
+        return [await judge.score_group(g) for g in groups]
+    return asyncio.run(run())
+
+
+def test_parse_scores_takes_exactly_n_numbers_in_0_1():
+    assert parse_scores('{"scores": [1, 0, 0.5]}', 3) == [1.0, 0.0, 0.5]
+    assert parse_scores('```json\n{"scores": [0.25]}\n```', 1) == [0.25]
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"scores": [1, 0]}', "2 scores for 3"), ('{"scores": [1, "0", 1]}', "not a number"),
+    ('{"scores": [1, true, 1]}', "not a number"), ('{"scores": [1, 1.5, 0]}', "outside [0, 1]"),
+    ('{"scores": [1, -0.1, 0]}', "outside [0, 1]"), ("[1, 0, 1]", "no {\"scores\""),
+    ("the first is right", "not JSON"), ('{"scores": [1, NaN, 0]}', "not a number")])
+def test_parse_scores_refuses_what_is_not_n_scores(text, words):
+    with pytest.raises(JudgeAnswerError, match=words.replace("[", r"\[").replace("{", r"\{")):
+        parse_scores(text, 3)
+
+
+def test_the_prompt_shows_the_question_the_reference_and_every_candidate():
+    user = judge_messages(GROUPS[0])[1]["content"]
+    assert "What is 2+3?" in user and "Reference answer:\n5" in user
+    assert all(f"Candidate {i}:\n{c.completion}" in user for i, c in enumerate(GROUPS[0], 1))
+    assert "Reference answer" not in judge_messages(GROUPS[0], include_reference=False)[1]["content"]
+    assert default_limit_name("https://api.example.com:8443/v1") == "judge-api.example.com"
+
+
+def test_scores_come_from_the_judge_and_a_rerun_asks_again_for_nothing(tmp_path):
+    with judge_server(tmp_path) as (base_url, log):
+        cfg = config(base_url, prompt_price_per_mtok=2.0, completion_price_per_mtok=10.0)
+        first = Judge(cfg, tmp_path / "cache")
+        assert score_all(first) == [[1.0, 0.0, 1.0, 0.0], [0.0, 1.0]]
+        usage = first.take_usage()
+        made = calls(log)
+        assert len(made) == 2 and usage["judge/calls"] == 2 and usage["judge/cache_hits"] == 0
+        assert usage["judge/prompt_tokens"] > 0 and usage["judge/completion_tokens"] > 0
+        assert usage["judge/cost_usd"] == pytest.approx(
+            (usage["judge/prompt_tokens"] * 2.0 + usage["judge/completion_tokens"] * 10.0) / 1e6)
+        assert first.take_usage()["judge/calls"] == 0  # taken: the next take counts from here
+
+        rerun = Judge(cfg, tmp_path / "cache")  # another run (or a retried node) on the same output dir
+        assert score_all(rerun) == [[1.0, 0.0, 1.0, 0.0], [0.0, 1.0]]
+        assert len(calls(log)) == 2
+        assert rerun.take_usage() == {"judge/calls": 0, "judge/cache_hits": 2, "judge/prompt_tokens": 0,
+                                      "judge/completion_tokens": 0, "judge/cost_usd": 0.0}
+
+        other = Judge(config(base_url, temperature=0.5), tmp_path / "cache")  # other sampling: another question
+        score_all(other, GROUPS[:1])
+        assert len(calls(log)) == 3
+
+
+def test_transient_errors_are_retried_honouring_retry_after(tmp_path):
+    with judge_server(tmp_path, "--fail-first", "2", "--status", "429", "--retry-after", "0.5") as (base_url, log):
+        judge = Judge(config(base_url), tmp_path / "cache")
+        assert score_all(judge, GROUPS[:1]) == [[1.0, 0.0, 1.0, 0.0]]
+        made = calls(log)
+        assert [c["status"] for c in made] == [429, 429, 200]
+        assert made[1]["start"] - made[0]["end"] >= 0.45 and made[2]["start"] - made[1]["end"] >= 0.45
+        assert judge.take_usage()["judge/calls"] == 1
+
+
+def test_answers_that_are_no_scores_are_retried_then_a_clear_transient_error(tmp_path):
+    with judge_server(tmp_path, "--garbage") as (base_url, log):
+        judge = Judge(config(base_url, retries=2), tmp_path / "cache")
+        with pytest.raises(JudgeUnavailable, match=r"gave no valid answer in 3 attempt\(s\).*not JSON") as error:
+            score_all(judge, GROUPS[:1])
+        assert base_url in str(error.value) and is_transient(error.value)
+        assert len(calls(log)) == 3
+        assert not list((tmp_path / "cache").rglob("*.json"))  # nothing made up, nothing cached
+
+
+def test_a_judge_that_is_down_is_retried_then_a_clear_transient_error(tmp_path):
+    base_url = f"http://127.0.0.1:{find_free_port()}/v1"  # nothing listens there
+    judge = Judge(config(base_url, retries=2), tmp_path / "cache")
+    started = time.monotonic()
+    with pytest.raises(JudgeUnavailable, match=r"3 attempt\(s\); the last: ConnectionError") as error:
+        score_all(judge, GROUPS[:1])
+    assert base_url in str(error.value) and is_transient(error.value)
+    assert time.monotonic() - started >= 0.05 + 0.1  # the backoff between the attempts
+
+
+def test_a_refused_request_is_not_retried(tmp_path):
+    with judge_server(tmp_path, "--api-key", "right") as (base_url, log):
+        judge = Judge(config(base_url), tmp_path / "cache", api_key="wrong")
+        with pytest.raises(JudgeUnavailable, match="refused the request: HTTP 401"):
+            score_all(judge, GROUPS[:1])
+        assert len(calls(log)) == 1
+        judge = Judge(config(base_url), tmp_path / "cache", api_key="right")
+        assert score_all(judge, GROUPS[:1]) == [[1.0, 0.0, 1.0, 0.0]]
+
+
+def test_the_local_limit_keeps_calls_within_max_concurrency(tmp_path):
+    with judge_server(tmp_path, "--delay", "0.2") as (base_url, log):
+        judge = Judge(config(base_url, max_concurrency=1), tmp_path / "cache")
+        groups = [group(f"p{i}", f"What is {i}+1?", str(i + 1), [str(i + 1), "0"]) for i in range(4)]
+
+        async def run():
+            return await asyncio.gather(*(judge.score_group(g) for g in groups))
+        assert asyncio.run(run()) == [[1.0, 0.0]] * 4
+        assert_no_overlap(calls(log))
+
+
+def assert_no_overlap(made: list[dict]) -> None:
+    spans = sorted((c["start"], c["end"]) for c in made)
+    assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:])), spans
