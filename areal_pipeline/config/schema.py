@@ -403,7 +403,7 @@ class JudgeConfig:
     # A call that fails transiently (no connection, a timeout, 429, 5xx, an answer that is no valid scores JSON) is
     # made again up to this many times, after retry_delay seconds doubling (a 429's Retry-After where longer)
     retries: int = 4
-    retry_delay: float = 1.0
+    retry_delay: float = 1.0  # seconds before a judge call's first retry, doubling with each retry after it
     include_reference: bool = True  # show the judge the data set's reference answer, where there is one
     # The Prefect global concurrency limit every run and sweep on one Prefect server shares around judge calls
     # (created when missing); empty: "judge-<endpoint host>"
@@ -412,7 +412,7 @@ class JudgeConfig:
     slot_timeout: float = 1800.0  # seconds a judge call may wait for a slot of that limit before it fails
     # the endpoint's prices in US dollars per million tokens, for the judge/cost_usd metric (0: not counted)
     prompt_price_per_mtok: float = 0.0
-    completion_price_per_mtok: float = 0.0
+    completion_price_per_mtok: float = 0.0  # US dollars per million tokens the judge writes (judge/cost_usd)
     # Where judged groups are kept by content hash (a rerun or a retried node asks again for nothing); empty:
     # <output_dir>/judge_cache, shared by the runs of one output directory
     cache_dir: str = ""
