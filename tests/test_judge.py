@@ -174,3 +174,69 @@ def test_the_local_limit_keeps_calls_within_max_concurrency(tmp_path):
 def assert_no_overlap(made: list[dict]) -> None:
     spans = sorted((c["start"], c["end"]) for c in made)
     assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:])), spans
+
+
+# ----- runs: the rollout scores its groups with the judge, under Prefect ----------------------------------------------
+
+def run_overrides(tmp_path: Path, model_dir: Path, run_id: str, base_url: str, limit: str) -> list[str]:
+    return [f"output_dir={tmp_path}", f"run_id={run_id}", f"model.path={model_dir}", "total_iterations=1",
+            "rollout.batch_size=4", "rollout.gconfig.n_samples=2", "rollout.gconfig.max_new_tokens=4",
+            "eval_freq=0", "dataset.arithmetic_train_size=32", "rollout.group_reward=judge",
+            f"judge.base_url={base_url}", "judge.model=grader", f"judge.limit_name={limit}",
+            "judge.max_concurrency=1", "judge.retries=1", "judge.retry_delay=0.05",
+            "judge.prompt_price_per_mtok=1.0", "judge.completion_price_per_mtok=4.0"]
+
+
+def train(overrides: list[str], env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "cli", "train", "--config", "configs/tiny_cpu.yaml", *overrides],
+                            cwd=Path(__file__).resolve().parents[1], env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def judged_rows(run_dir: Path) -> list[dict]:
+    from areal_pipeline.data.shards import read_table
+
+    return read_table(run_dir / "iter_1" / "rollout").to_pylist()
+
+
+def assert_judged(run_dir: Path) -> dict:
+    """The run's rewards are the judge's grades of its answers (1 where the answer holds the reference), the
+    workflow's own kept beside them, and its metrics carry the judge's usage."""
+    rows = judged_rows(run_dir)
+    assert len(rows) == 8
+    for row in rows:
+        meta = json.loads(row["metadata"])
+        assert "workflow_reward" in meta
+        assert row["reward"] == (1.0 if str(meta["answer"]) in row["text"] else 0.0), row
+    metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert metrics["judge/calls"] + metrics["judge/cache_hits"] == 4
+    assert metrics["judge/prompt_tokens"] > 0 and metrics["judge/cost_usd"] == pytest.approx(
+        (metrics["judge/prompt_tokens"] * 1.0 + metrics["judge/completion_tokens"] * 4.0) / 1e6)
+    return metrics
+
+
+def test_two_concurrent_runs_share_one_prefect_limit_on_the_judge(prefect_api, tiny_model_dir, tmp_path):
+    import os
+    import uuid
+
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    limit = f"judge-test-{uuid.uuid4().hex[:8]}"
+    # a slow judge: the two runs' rollouts end close together, so calls not held back by the shared limit overlap
+    with judge_server(tmp_path, "--delay", "1.0") as (base_url, log):
+        # seeds of their own: their groups differ, so neither finds the other's in the shared cache
+        runs = [train([*run_overrides(tmp_path, tiny_model_dir, f"j{i}", base_url, limit), f"seed={i + 1}"], env,
+                      tmp_path / f"j{i}.log") for i in range(2)]
+        for i, run in enumerate(runs):
+            assert run.wait(timeout=600) == 0, (tmp_path / f"j{i}.log").read_text()[-3000:]
+        made = calls(log)
+        assert len(made) == 8 and {c["status"] for c in made} == {200}
+        assert_no_overlap(made)  # one slot between both runs: never two calls at once
+        for i in range(2):
+            metrics = assert_judged(tmp_path / f"j{i}")
+            assert metrics["judge/calls"] == 4
+    from prefect.client.orchestration import get_client
+
+    async def slots():
+        async with get_client() as client:
+            return (await client.read_global_concurrency_limit_by_name(limit)).limit
+    assert asyncio.run(slots()) == 1
