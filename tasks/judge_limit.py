@@ -9,7 +9,9 @@ have set them in the UI: `prefect gcl update <name> --limit N`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import weakref
 from typing import AsyncIterator
 
 from areal_pipeline.utils import get_logger
@@ -17,6 +19,8 @@ from areal_pipeline.utils import get_logger
 logger = get_logger(__name__)
 
 _ensured: set[tuple[str, str]] = set()  # (API URL, limit name) known to exist
+# one check at a time per event loop: a rollout's groups ask for their first slots together
+_checking: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock]" = weakref.WeakKeyDictionary()
 
 
 async def ensure_limit(name: str, slots: int) -> None:
@@ -29,7 +33,10 @@ async def ensure_limit(name: str, slots: int) -> None:
     key = (str(PREFECT_API_URL.value()), name)
     if key in _ensured:
         return
-    async with get_client() as client:
+    lock = _checking.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+    async with lock, get_client() as client:
+        if key in _ensured:
+            return
         try:
             await client.read_global_concurrency_limit_by_name(name)
         except ObjectNotFound:

@@ -26,9 +26,9 @@ SERVER = Path(__file__).resolve().parent / "_judge_server.py"
 
 
 @contextlib.contextmanager
-def judge_server(tmp_path: Path, *args: str, name: str = "judge"):
-    """The judge endpoint on a free port: yields (base_url, the call log)."""
-    port = find_free_port()
+def judge_server(tmp_path: Path, *args: str, name: str = "judge", port: int = 0):
+    """The judge endpoint on `port` (0: a free one): yields (base_url, the call log)."""
+    port = port or find_free_port()
     log = tmp_path / f"{name}-calls.jsonl"
     log.touch()
     process = subprocess.Popen([sys.executable, str(SERVER), "--port", str(port), "--log", str(log), *args],
@@ -240,3 +240,50 @@ def test_two_concurrent_runs_share_one_prefect_limit_on_the_judge(prefect_api, t
         async with get_client() as client:
             return (await client.read_global_concurrency_limit_by_name(limit)).limit
     assert asyncio.run(slots()) == 1
+
+
+async def rollout_task_run(run_id: str):
+    """The rollout node of iteration 1 of run `run_id` (its task run), or None before it starts."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterName
+
+    async with get_client() as client:
+        runs = await client.read_task_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"{run_id}/iter-1"])),
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["rollout-1"])))
+    return runs[0] if runs else None
+
+
+def test_a_judge_outage_fails_the_rollout_node_clearly_and_its_prefect_retry_scores_the_groups(
+        prefect_api, tiny_model_dir, tmp_path):
+    import os
+    import uuid
+
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    port = find_free_port()
+    base_url = f"http://127.0.0.1:{port}/v1"  # down until the rollout node has failed once
+    run_id = f"outage-{uuid.uuid4().hex[:6]}"
+    log = tmp_path / "out.log"
+    run = train(run_overrides(tmp_path, tiny_model_dir, run_id, base_url, f"judge-test-{uuid.uuid4().hex[:8]}"),
+                env, log)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # until Prefect holds the failed node for its retry (rollout's first retry: 5 s later)
+            node = asyncio.run(rollout_task_run(run_id))
+            if node is not None and node.state is not None and node.state.name == "AwaitingRetry":
+                break
+            assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert not (tmp_path / run_id / "iter_1" / "rollout" / "manifest.json").exists()
+        with judge_server(tmp_path, port=port) as (_, calls_log):  # the judge is back for the node's retry
+            assert run.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert (f"judge at {base_url}/chat/completions: attempt 1 of 2 failed (ConnectionError" in log.read_text())
+    node = asyncio.run(rollout_task_run(run_id))
+    assert node.state.is_completed() and node.run_count == 2
+    assert len(calls(calls_log)) == 4
+    metrics = assert_judged(tmp_path / run_id)  # every reward is the judge's: none is a 0 for the outage
+    assert metrics["judge/calls"] == 4
