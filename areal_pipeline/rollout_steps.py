@@ -21,6 +21,7 @@ from typing import Any, Callable
 from areal_pipeline.data.shards import keep_if_intact, read_manifest
 from areal_pipeline.rollout.executor import episode_seed, play_batch, refill_prompt, select_batch
 from areal_pipeline.rollout.failures import FailurePolicy
+from areal_pipeline.rollout.group import judge_group
 from areal_pipeline.rollout.journal import EpisodeJournal, episodes_digest, finish_rollout
 from areal_pipeline.run_spec import build_workflow
 from areal_pipeline.steps import timed
@@ -50,6 +51,17 @@ class RolloutSteps:
         workflow, baseline = self._workflow(), self._baseline_workflow()
         started = time.perf_counter()
 
+        unjudged = {slot: group for slot, group in groups.items() if not group.judged}
+        if unjudged:
+            logger.warning("iteration %d: %d group(s) on disk await the group reward's scores (it failed before): "
+                           "judging them, not playing them again", k, len(unjudged))
+
+        async def judge_journaled():  # played before the judge failed: judged now, not played again
+            return {slot: await judge_group(self.group_reward, group, slots[slot], journal.writer(slots))
+                    for slot, group in unjudged.items()}
+        if unjudged:
+            groups.update(run_async(judge_journaled()))
+
         async def run():
             async with self._engine() as engine:
                 return await play_batch(
@@ -77,13 +89,8 @@ class RolloutSteps:
         if getattr(self, "_group_reward", None) is None:
             from areal_pipeline.rewards.group import make_group_reward
 
-            self._group_reward = make_group_reward(self.cfg.rollout.group_reward, self.group_reward_cfg())
+            self._group_reward = make_group_reward(self.cfg.rollout.group_reward, self.cfg)
         return self._group_reward
-
-    def group_reward_cfg(self) -> Any:
-        """The config the group reward is built from: the run's (the embedded judge's launch fills in its
-        endpoint, rewards/judge_server.py)."""
-        return self.cfg
 
     def _finish_rollout(self, k: int, groups: list, seconds: float) -> dict[str, Any]:
         # what the group reward's calls cost since the last rollout (asynchronous mode: the calls of the iterations

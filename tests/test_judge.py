@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import time
@@ -281,9 +282,31 @@ def test_a_judge_outage_fails_the_rollout_node_clearly_and_its_prefect_retry_sco
         if run.poll() is None:
             run.kill()
             run.wait()
-    assert (f"judge at {base_url}/chat/completions: attempt 1 of 2 failed (ConnectionError" in log.read_text())
+    out = log.read_text()
+    assert f"judge at {base_url}/chat/completions: attempt 1 of 2 failed (ConnectionError" in out
+    # the groups played before the judge failed were journaled unjudged: the retry judged them, played none again
+    resumed = re.search(r"iteration 1: (\d) group\(s\) on disk await the group reward's scores", out)
+    assert resumed and int(resumed.group(1)) >= 1, out[-3000:]
     node = asyncio.run(rollout_task_run(run_id))
     assert node.state.is_completed() and node.run_count == 2
     assert len(calls(calls_log)) == 4
     metrics = assert_judged(tmp_path / run_id)  # every reward is the judge's: none is a 0 for the outage
     assert metrics["judge/calls"] == 4
+
+
+def test_a_judge_reward_needs_an_endpoint_and_a_model_and_one_reward_per_trajectory():
+    from areal_pipeline.config import ConfigError
+    from areal_pipeline.run_spec import load_config
+
+    with pytest.raises(ConfigError, match=r"judge.base_url: empty, with rollout.group_reward=judge"):
+        load_config("configs/tiny_cpu.yaml", ["rollout.group_reward=judge", "judge.model=m"])
+    with pytest.raises(ConfigError, match=r"judge.model: empty"):
+        load_config("configs/tiny_cpu.yaml", ["rollout.group_reward=judge", "judge.base_url=http://127.0.0.1:1/v1"])
+    with pytest.raises(ConfigError, match=r"judge.api_key_env='sk-123': must be empty or an environment variable"):
+        load_config("configs/tiny_cpu.yaml", ["judge.api_key_env=sk-123"])
+    with pytest.raises(ConfigError, match=r"per-turn returns"):
+        load_config("configs/tiny_cpu.yaml", ["rollout.group_reward=judge", "judge.base_url=http://h/v1",
+                                              "judge.model=m", "rollout.workflow=multi_turn"])
+    cfg = load_config("configs/tiny_cpu.yaml", ["rollout.group_reward=judge", "judge.base_url=http://h/v1",
+                                                "judge.model=m", "judge.api_key_env=JUDGE_KEY"])
+    assert cfg.judge.api_key_env == "JUDGE_KEY"

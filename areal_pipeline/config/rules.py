@@ -266,17 +266,15 @@ def _mask_keeps_enough_survivors(rollout: RolloutConfig, key: Key) -> Iterator[s
 
 
 def _judge_is_complete(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
-    """rollout.group_reward=judge needs a judge model at a given endpoint; its scores replace a trajectory's one
-    reward, which per-turn returns and a baseline episode's reward would not follow."""
+    """rollout.group_reward=judge needs a judge model at an endpoint; its scores replace a trajectory's one reward,
+    which the multi_turn workflow's per-turn returns would not follow."""
     if cfg.rollout.group_reward != "judge":
         return
-    judge = cfg.judge
-    if judge.base_url and not judge.model:
-        yield (f"{key('judge.model')}: empty, with {key('judge.base_url')}={judge.base_url!r}: name the judge model "
-               "the endpoint serves (rollout.group_reward=judge)")
-    if judge.model and not judge.base_url and cfg.inference.backend != "cpu":
-        yield (f"{key('judge.base_url')}: empty, with {key('judge.model')}={judge.model!r}: give the endpoint that "
-               "serves it (the run starts a judge of its own only for the embedded model, judge.model empty)")
+    for name in ("base_url", "model"):
+        if not getattr(cfg.judge, name):
+            yield (f"{key('judge.' + name)}: empty, with {key('rollout.group_reward')}=judge: the judge needs an "
+                   "OpenAI-compatible endpoint (judge.base_url, e.g. http://127.0.0.1:8000/v1) and the model it "
+                   "serves (judge.model); docs/judge.md")
     if cfg.rollout.workflow == "multi_turn":
         yield (f"{key('rollout.group_reward')}=judge: the multi_turn workflow's per-turn returns (token_returns) "
                "would ignore the judge's score; use a workflow with one reward per trajectory")

@@ -392,9 +392,9 @@ class JudgeConfig:
     prompt scores its whole group, each answer in [0, 1], relative to the others."""
 
     # The judge's OpenAI-compatible endpoint, up to /v1 (e.g. http://127.0.0.1:8000/v1, https://api.openai.com/v1);
-    # empty: the run starts a judge server of its own on 127.0.0.1 serving the embedded judge model
+    # needed with rollout.group_reward=judge
     base_url: str = ""
-    model: str = ""  # the judge model's name at the endpoint (its `model` field); empty with an empty base_url
+    model: str = ""  # the judge model's name at the endpoint (the requests' `model` field)
     # The NAME of the environment variable holding the endpoint's API key (never the key itself); empty: no key
     api_key_env: str = ""
     temperature: float = 0.0  # sampling temperature of the judge's answers (0: its most likely scores)

@@ -30,7 +30,7 @@ import threading
 from typing import Any, Callable, Optional
 
 from areal_pipeline.rollout.failures import FailurePolicy, GroupResult
-from areal_pipeline.rollout.group import play_group
+from areal_pipeline.rollout.group import judge_group, play_group
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -152,11 +152,19 @@ class AsyncRolloutExecutor:
             async def group(slot, data):
                 async with in_flight:
                     result = await play_group(self.workflow, engine, data, self.n_samples, self.baseline, slot=slot,
-                                              policy=self.policy, recover=self.recover, refill=refill,
-                                              group_reward=self.group_reward)
-                if journal is not None:
-                    await asyncio.to_thread(journal.write, result, data.get("sampling_seed"))
+                                              policy=self.policy, recover=self.recover, refill=refill)
+                write = journal.writer(slots) if journal is not None else None
+                if self.group_reward is not None:
+                    result.judged = False
+                    result = await judge_group(self.group_reward, result, data, write)
+                if write is not None and result.judged:
+                    await asyncio.to_thread(write, result)
                 return result
+
+            # groups journaled before their judge answered: judged now, not played again
+            for slot in [slot for slot, g in done.items() if not g.judged]:
+                done[slot] = await judge_group(self.group_reward, done[slot], slots[slot],
+                                               journal.writer(slots) if journal is not None else None)
             episodes = [asyncio.ensure_future(group(slot, d)) for slot, d in slots.items() if slot not in done]
             played = await asyncio.gather(*episodes)
             self._batches[k].set_result(sorted([*done.values(), *played], key=lambda g: g.slot))

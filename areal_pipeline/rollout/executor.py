@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 from tqdm.auto import tqdm
 
 from areal_pipeline.data.trajectory import Trajectory
-from areal_pipeline.rollout.group import play_group
+from areal_pipeline.rollout.group import judge_group, play_group
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -69,15 +69,18 @@ async def play_batch(workflow, engine, slots: dict[int, dict[str, Any]], *, max_
     `failures.GroupResult`s in slot order. `on_group(result)` is called as each group ends (the episode journal
     writes it then); `refill(slot, j)` gives the j-th reserve prompt of a group that `rollout.on_failure=refill`
     replaces (a pure function, so a rerun refills with the same prompts; `refill_prompt` is one); `group_reward`
-    scores each kept group (`rollout.group_reward`, group.play_group)."""
+    scores each kept group (`rollout.group_reward`, group.judge_group)."""
     gate = asyncio.Semaphore(max(1, max_concurrent_rollouts // max(1, n_samples)))
     bar = tqdm(total=len(slots), desc="rollout", unit="group", disable=not progress, leave=False)
 
     async def one(slot, data):
         async with gate:
             result = await play_group(workflow, engine, data, n_samples, baseline, slot=slot, policy=policy,
-                                      recover=recover, refill=refill, group_reward=group_reward)
-        if on_group is not None:
+                                      recover=recover, refill=refill)
+        if group_reward is not None:
+            result.judged = False
+            result = await judge_group(group_reward, result, data, on_group)
+        if on_group is not None and result.judged:
             on_group(result)
         bar.update(1)
         return result

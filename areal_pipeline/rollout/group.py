@@ -124,8 +124,7 @@ REFILL_TRIES = 3  # reserve prompts tried, one after another, for a group that o
 
 async def play_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples: int, baseline: Optional[Any] = None,
                      *, slot: int, policy: Any, recover: Optional[Any] = None,
-                     refill: Optional[Callable[[int, int], dict[str, Any]]] = None,
-                     group_reward: Optional[Any] = None) -> Any:
+                     refill: Optional[Callable[[int, int], dict[str, Any]]] = None) -> Any:
     """The group of prompt `data` (batch position `slot`) under the failure policy `policy` (failures.FailurePolicy):
     a `failures.GroupResult`. `recover`, where given, is awaited before an episode that failed at an inference server
     is played again (it brings a restarted server back to the expected weights). `refill(slot, j)` gives the j-th
@@ -134,19 +133,15 @@ async def play_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples
     Each episode (and the baseline's) plays in its own attempts: a failure that classify() calls retryable is played
     again, from a fresh `arun_episode` with the same seed (so a retry that succeeds makes the tokens an undisturbed
     run makes), after `episode_retry_delay` seconds, doubling; each attempt has `episode_timeout` seconds. Its
-    siblings go on meanwhile. An error classify() does not call an episode's fault fails the group as itself.
-
-    `group_reward` (rewards/group.GroupReward, `rollout.group_reward`), where given, scores each kept group once its
-    episodes are played: its scores become the trajectories' rewards (`score_group_rewards`). A group reward that
-    cannot answer fails the group with its error (a judge's is transient: the node's retry goes again)."""
+    siblings go on meanwhile. An error classify() does not call an episode's fault fails the group as itself."""
     from areal_pipeline.rollout.failures import EpisodesFailed, GroupResult, describe_failures
 
     if policy is None:  # strict (run_group, run_episodes)
-        return await _play(workflow, engine, data, n_samples, baseline, slot, None, None, group_reward)
+        return await _play(workflow, engine, data, n_samples, baseline, slot, None, None)
     if policy.on_failure == "refill" and refill is None:
         raise ValueError("rollout.on_failure=refill: the rollout passes no refill(slot, j) to take reserve prompts "
                          "from")
-    result = await _play(workflow, engine, data, n_samples, baseline, slot, policy, recover, group_reward)
+    result = await _play(workflow, engine, data, n_samples, baseline, slot, policy, recover)
     if not result.failures:
         return result
     if policy.on_failure == "fail":
@@ -157,7 +152,7 @@ async def play_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples
         failures, retried, episodes = list(result.failures), list(result.retried), result.episodes
         for j in range(REFILL_TRIES):
             reserve = refill(slot, j)
-            tried = await _play(workflow, engine, reserve, n_samples, baseline, slot, policy, recover, group_reward)
+            tried = await _play(workflow, engine, reserve, n_samples, baseline, slot, policy, recover)
             failures += tried.failures
             retried += tried.retried
             episodes += tried.episodes
@@ -169,7 +164,7 @@ async def play_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples
 
 
 async def _play(workflow: Any, engine: Any, data: dict[str, Any], n_samples: int, baseline: Optional[Any], slot: int,
-                policy: Any, recover: Optional[Any], group_reward: Optional[Any] = None) -> Any:
+                policy: Any, recover: Optional[Any]) -> Any:
     """One prompt's group, each episode in its own attempts (policy None: one attempt, its error raised as
     itself): outcome ok, masked (`on_failure=mask` and at least `min_group_survivors` episodes left) or dropped."""
     from areal_pipeline.rollout.failures import GroupResult
@@ -213,42 +208,65 @@ async def _play(workflow: Any, engine: Any, data: dict[str, Any], n_samples: int
         for t in group:
             t.baseline_reward = sum(rewards) / len(rewards)
     if not failures:
-        await score_group_rewards(group_reward, group, data)
         return GroupResult(slot, prompt_id, group, retried=retried, episodes=len(players))
     survivors = sum(result is not None for result, _, _ in outcomes[:n_samples])
     if policy.on_failure == "mask" and survivors >= policy.min_group_survivors:
-        await score_group_rewards(group_reward, group, data)
         return GroupResult(slot, prompt_id, group, failures, retried, "masked", episodes=len(players))
     return GroupResult(slot, prompt_id, [], failures, retried, "dropped", episodes=len(players))
 
 
-async def score_group_rewards(group_reward: Optional[Any], group: list[Trajectory], data: dict[str, Any]) -> None:
-    """Score a played group with `group_reward` (None: keep the workflow's rewards): each trajectory's reward becomes
-    its score, the workflow's own kept as `metadata["workflow_reward"]`."""
-    from areal_pipeline.rewards.group import Candidate
+async def judge_group(group_reward: Optional[Any], result: Any, record: Optional[dict[str, Any]] = None,
+                      on_group: Optional[Callable[[Any], None]] = None) -> Any:
+    """Score a played group (a failures.GroupResult) with `group_reward` (rewards/group.GroupReward,
+    `rollout.group_reward`; None: the workflow's rewards stay): each kept trajectory's reward becomes its score, the
+    workflow's own kept as `metadata["workflow_reward"]`. `record` is the data set's record of the group's prompt
+    (its question and reference answer), where at hand; else the trajectories' prompt and `metadata["answer"]`.
 
-    if group_reward is None or not group:
-        return
+    With `on_group` (the episode journal's writer), the group is written before it is judged, marked unjudged, and
+    again once judged: a judge that stays down fails the rollout node (its error is transient), and the node's retry
+    judges the journaled group without playing it again."""
+    if group_reward is None or result.judged:
+        return result
+    if not result.trajectories:  # dropped: nothing to score
+        result.judged = True
+        return result
+    if on_group is not None:
+        await asyncio.to_thread(on_group, result)
+    group = result.trajectories
     if any(t.token_returns is not None for t in group):
         raise TypeError("rollout.group_reward: the workflow's trajectories carry per-turn returns (token_returns), "
                         "which a group score cannot replace; use a workflow with one reward per trajectory")
     if any(t.baseline_reward is not None for t in group):
         raise TypeError("rollout.group_reward: the advantage's baseline episode (ReMax's greedy completion) is scored "
                         "by the workflow, not the group reward; use another ppo.advantage")
-    question = data.get("question") or _last_user_message(data.get("messages") or [])
-    candidates = [Candidate(prompt_id=str(t.prompt_id), sample_idx=t.sample_idx, question=question,
-                            completion=t.text, answer=data.get("answer"), messages=list(t.messages)) for t in group]
+    if record is None or record.get("prompt_id") != result.prompt_id:  # a refilled group: the reserve's prompt
+        record = {}
+    candidates = [candidate(t, record) for t in group]
     scores = await group_reward.score_group(candidates)
     if len(scores) != len(group):
         raise ValueError(f"rollout.group_reward gave {len(scores)} scores for the {len(group)} trajectories of "
-                         f"prompt {data.get('prompt_id')}")
+                         f"prompt {result.prompt_id}")
     for t, score in zip(group, scores):
         t.metadata["workflow_reward"] = t.reward
         t.reward = float(score)
+    result.judged = True
+    if on_group is not None:
+        await asyncio.to_thread(on_group, result)
+    return result
 
 
-def _last_user_message(messages: list[dict[str, Any]]) -> str:
-    return next((str(m.get("content", "")) for m in reversed(messages) if m.get("role") == "user"), "")
+def candidate(t: Trajectory, record: dict[str, Any]) -> Any:
+    """What a group reward sees of trajectory `t` of the prompt `record` ({} where unknown)."""
+    from areal_pipeline.rewards.group import Candidate
+
+    question = record.get("question") or _first_user_message(record.get("messages") or t.messages)
+    answer = record["answer"] if "answer" in record else t.metadata.get("answer")
+    return Candidate(prompt_id=str(t.prompt_id), sample_idx=t.sample_idx, question=question, completion=t.text,
+                     answer=answer, messages=list(t.messages))
+
+
+def _first_user_message(messages: list[dict[str, Any]]) -> str:
+    return next((str(m.get("content", "")) for m in messages if m.get("role") == "user"), "")
 
 
 async def _attempts(play: Callable[[], Any], sample_idx: int, prompt_id: Any, policy: Any,

@@ -125,7 +125,7 @@ class EpisodeJournal:
                            failures=[EpisodeFailure.from_record(f) for f in meta["failures"]],
                            retried=[EpisodeFailure.from_record(f) for f in meta["retried"]],
                            outcome=meta["outcome"], replaced_prompt_id=meta["replaced_prompt_id"],
-                           episodes=meta.get("episodes", 0))
+                           episodes=meta.get("episodes", 0), judged=meta.get("judged", True))
 
     def write(self, group: GroupResult, sampling_seed: Optional[int] = None) -> None:
         """Write a finished group (its file replaces any earlier one atomically). `sampling_seed`: the seed of the
@@ -134,7 +134,7 @@ class EpisodeJournal:
         meta = {"slot": group.slot, "prompt_id": group.prompt_id, "replaced_prompt_id": group.replaced_prompt_id,
                 "sampling_seed": sampling_seed, "outcome": group.outcome,
                 "failures": [f.as_record() for f in group.failures],
-                "retried": [f.as_record() for f in group.retried], "episodes": group.episodes,
+                "retried": [f.as_record() for f in group.retried], "episodes": group.episodes, "judged": group.judged,
                 "rows": table.num_rows, "rows_sha256": content_sha256(table)}
         sink = pa.BufferOutputStream()
         pq.write_table(table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()}), sink)
@@ -160,6 +160,10 @@ def finish_rollout(groups: list[GroupResult], out: Path, journal: EpisodeJournal
     journal files are deleted: a retry plays those again and keeps the others."""
     groups = sorted(groups, key=lambda g: g.slot)
     run_id, k = journal.run_id, journal.iteration
+    unjudged = [g.slot for g in groups if not g.judged]
+    if unjudged:
+        raise RuntimeError(f"iteration {k}: the groups at batch positions {unjudged} were never scored by the group "
+                           "reward (rollout.group_reward)")
     try:
         check_failure_rate(k, groups, policy)
     except RolloutFailureRate:
