@@ -19,7 +19,7 @@ import pytest
 from areal_pipeline.config.schema import JudgeConfig
 from areal_pipeline.errors import is_transient
 from areal_pipeline.rewards.group import Candidate
-from areal_pipeline.rewards.judge import (Judge, JudgeAnswerError, JudgeUnavailable, default_limit_name,
+from areal_pipeline.rewards.judge import (Judge, JudgeAnswerError, JudgeRefused, JudgeUnavailable, default_limit_name,
                                           judge_messages, parse_scores)
 from areal_pipeline.utils import find_free_port
 
@@ -154,8 +154,9 @@ def test_a_judge_that_is_down_is_retried_then_a_clear_transient_error(tmp_path):
 def test_a_refused_request_is_not_retried(tmp_path):
     with judge_server(tmp_path, "--api-key", "right") as (base_url, log):
         judge = Judge(config(base_url), tmp_path / "cache", api_key="wrong")
-        with pytest.raises(JudgeUnavailable, match="refused the request: HTTP 401"):
+        with pytest.raises(JudgeRefused, match="refused the request: HTTP 401") as error:
             score_all(judge, GROUPS[:1])
+        assert not is_transient(error.value)  # the node is not retried for a wrong key
         assert len(calls(log)) == 1
         judge = Judge(config(base_url), tmp_path / "cache", api_key="right")
         assert score_all(judge, GROUPS[:1]) == [[1.0, 0.0, 1.0, 0.0]]
@@ -255,8 +256,9 @@ async def rollout_task_run(run_id: str):
     return runs[0] if runs else None
 
 
+@pytest.mark.parametrize("eta", [0, 1], ids=["sync", "async"])
 def test_a_judge_outage_fails_the_rollout_node_clearly_and_its_prefect_retry_scores_the_groups(
-        prefect_api, tiny_model_dir, tmp_path):
+        prefect_api, tiny_model_dir, tmp_path, eta):
     import os
     import uuid
 
@@ -265,8 +267,8 @@ def test_a_judge_outage_fails_the_rollout_node_clearly_and_its_prefect_retry_sco
     base_url = f"http://127.0.0.1:{port}/v1"  # down until the rollout node has failed once
     run_id = f"outage-{uuid.uuid4().hex[:6]}"
     log = tmp_path / "out.log"
-    run = train(run_overrides(tmp_path, tiny_model_dir, run_id, base_url, f"judge-test-{uuid.uuid4().hex[:8]}"),
-                env, log)
+    run = train([*run_overrides(tmp_path, tiny_model_dir, run_id, base_url, f"judge-test-{uuid.uuid4().hex[:8]}"),
+                 f"rollout.max_head_offpolicyness={eta}"], env, log)
     try:
         deadline = time.monotonic() + 300
         while True:  # until Prefect holds the failed node for its retry (rollout's first retry: 5 s later)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, AsyncContextManager, Callable, Optional
 from urllib.parse import urlparse
 
+from areal_pipeline.errors import PermanentError
 from areal_pipeline.rewards.group import Candidate
 from areal_pipeline.utils import atomic_write_text, get_logger
 
@@ -52,6 +53,11 @@ SYSTEM_PROMPT = (
 
 class JudgeUnavailable(ConnectionError):
     """The judge gave no valid answer within its retries: transient (errors.is_transient), never a score of 0."""
+
+
+class JudgeRefused(PermanentError):
+    """The judge's endpoint refused the request itself (a 4xx but 408/409/425/429: a wrong key, an unknown model):
+    the same request is refused again, so the node is not retried."""
 
 
 class JudgeAnswerError(ValueError):
@@ -215,7 +221,8 @@ class Judge:
                     f"the judge's reply is no chat completion: {type(error).__name__}: {error}")
             except JudgeHTTPError as error:
                 if not is_transient(error):
-                    raise JudgeUnavailable(f"the judge at {self.url} refused the request: {error}") from None
+                    raise JudgeRefused(f"the judge at {self.url} (model {self.cfg.model}) refused the request: "
+                                       f"{error}") from None
                 last = error
                 delay = max(delay, error.retry_after or 0.0)
             except asyncio.CancelledError:

@@ -162,7 +162,11 @@ class AsyncRolloutExecutor:
                 return result
 
             # groups journaled before their judge answered: judged now, not played again
-            for slot in [slot for slot, g in done.items() if not g.judged]:
+            unjudged = [slot for slot, g in done.items() if not g.judged]
+            if unjudged:
+                logger.warning("iteration %d: %d group(s) on disk await the group reward's scores (it failed "
+                               "before): judging them, not playing them again", k, len(unjudged))
+            for slot in unjudged:
                 done[slot] = await judge_group(self.group_reward, done[slot], slots[slot],
                                                journal.writer(slots) if journal is not None else None)
             episodes = [asyncio.ensure_future(group(slot, d)) for slot, d in slots.items() if slot not in done]
