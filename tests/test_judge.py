@@ -289,8 +289,11 @@ def test_a_judge_outage_fails_the_rollout_node_clearly_and_its_prefect_retry_sco
     # the groups played before the judge failed were journaled unjudged: the retry judged them, played none again
     resumed = re.search(r"iteration 1: (\d) group\(s\) on disk await the group reward's scores", out)
     assert resumed and int(resumed.group(1)) >= 1, out[-3000:]
-    node = asyncio.run(rollout_task_run(run_id))
-    assert node.state.is_completed() and node.run_count == 2
+    deadline = time.monotonic() + 60  # task run states reach the API through its events: a moment later
+    while not (node := asyncio.run(rollout_task_run(run_id))).state.is_completed():
+        assert time.monotonic() < deadline, node.state
+        time.sleep(0.2)
+    assert node.run_count == 2
     assert len(calls(calls_log)) == 4
     metrics = assert_judged(tmp_path / run_id)  # every reward is the judge's: none is a 0 for the outage
     assert metrics["judge/calls"] == 4
