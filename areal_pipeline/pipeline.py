@@ -54,7 +54,7 @@ from areal_pipeline.services import Services
 from areal_pipeline.steps import STEPS, Step, due_steps, run_steps, timed
 from areal_pipeline.training.loss_registry import make_loss
 from areal_pipeline.training.ppo import write_batch
-from areal_pipeline.utils import atomic_write_text, get_logger, import_in_background
+from areal_pipeline.utils import atomic_write_text, get_logger, import_in_background, run_async
 
 logger = get_logger(__name__)
 
@@ -128,6 +128,12 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
         if self._reward_pool is not None:
             self._reward_pool.close()
             self._reward_pool = None
+        group_reward, self._group_reward = getattr(self, "_group_reward", None), None
+        if group_reward is not None:  # rollout.group_reward: its connections
+            try:
+                run_async(group_reward.aclose())
+            except Exception as error:  # closing: a warning, not a failure of the run
+                logger.warning("rollout.group_reward: aclose() failed: %s", error)
 
     # ----- versions --------------------------------------------------------------------------------
     def _engine(self) -> RemoteSGLangEngine:
@@ -253,6 +259,8 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
             # the failure policy's counts (rollout/failures.py): failed and retried episodes by cause, groups dropped
             **{key: value for key, value in rollout.items() if key.startswith(("failures/", "retries/"))
                or key in FAILURE_METRICS},
+            # what the group reward's judge calls cost (rollout.group_reward, rewards/judge.py)
+            **{key: value for key, value in rollout.items() if key.startswith("judge/")},
         }
         # None where the config computes no such thing, rather than the 0.0 its step reports
         record.update(dict.fromkeys(self._metrics_not_computed(), None))

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from areal_pipeline.data.shards import keep_if_intact, read_manifest
 from areal_pipeline.rollout.executor import episode_seed, play_batch, refill_prompt, select_batch
 from areal_pipeline.rollout.failures import FailurePolicy
+from areal_pipeline.rollout.group import judge_group
 from areal_pipeline.rollout.journal import EpisodeJournal, episodes_digest, finish_rollout
 from areal_pipeline.run_spec import build_workflow
 from areal_pipeline.steps import timed
@@ -50,13 +51,24 @@ class RolloutSteps:
         workflow, baseline = self._workflow(), self._baseline_workflow()
         started = time.perf_counter()
 
+        unjudged = {slot: group for slot, group in groups.items() if not group.judged}
+        if unjudged:
+            logger.warning("iteration %d: %d group(s) on disk await the group reward's scores (it failed before): "
+                           "judging them, not playing them again", k, len(unjudged))
+
+        async def judge_journaled():  # played before the judge failed: judged now, not played again
+            return {slot: await judge_group(self.group_reward, group, slots[slot], journal.writer(slots))
+                    for slot, group in unjudged.items()}
+        if unjudged:
+            groups.update(run_async(judge_journaled()))
+
         async def run():
             async with self._engine() as engine:
                 return await play_batch(
                     workflow, engine, missing, max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
                     n_samples=self.cfg.rollout.gconfig.n_samples, policy=FailurePolicy.of(self.cfg.rollout),
                     baseline=baseline, recover=self.recover_hook(k - 1), refill=self._refill(k),
-                    on_group=journal.writer(missing), progress=progress)
+                    on_group=journal.writer(missing), progress=progress, group_reward=self.group_reward)
         played = run_async(run()) if missing else []
         return self._finish_rollout(k, [*groups.values(), *played], time.perf_counter() - started)
 
@@ -69,10 +81,25 @@ class RolloutSteps:
     def _episodes_digest(self) -> str:
         return episodes_digest(self.cfg)
 
+    @property
+    def group_reward(self) -> Any:
+        """The run's group reward (`rollout.group_reward`, rewards/group.py), built on first use; None without one."""
+        if not self.cfg.rollout.group_reward:
+            return None
+        if getattr(self, "_group_reward", None) is None:
+            from areal_pipeline.rewards.group import make_group_reward
+
+            self._group_reward = make_group_reward(self.cfg.rollout.group_reward, self.cfg)
+        return self._group_reward
+
     def _finish_rollout(self, k: int, groups: list, seconds: float) -> dict[str, Any]:
+        # what the group reward's calls cost since the last rollout (asynchronous mode: the calls of the iterations
+        # played ahead since, too)
+        usage = self.group_reward.take_usage() if self.group_reward is not None else {}
         manifest = finish_rollout(groups, self.paths.rollout(k), self.journal(k),
                                   policy=FailurePolicy.of(self.cfg.rollout), seconds=seconds,
-                                  rows_per_shard=self.cfg.rollout.shard_rows, extra_manifest={"policy_version": k - 1})
+                                  rows_per_shard=self.cfg.rollout.shard_rows, extra_manifest={"policy_version": k - 1},
+                                  extra_stats=usage)
         return shards_record(self.paths.rollout(k), manifest, cached=False)
 
     def recover_hook(self, version: int, or_newer: bool = False) -> Callable[[], Any]:
@@ -125,7 +152,8 @@ class RolloutSteps:
                 max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
                 n_samples=self.cfg.rollout.gconfig.n_samples, baseline=self._baseline_workflow(),
                 policy=FailurePolicy.of(self.cfg.rollout), journal_for=self.journal,
-                recover=self.recover_hook(k - 1 - eta, or_newer=True), refill_for=self._refill)
+                recover=self.recover_hook(k - 1 - eta, or_newer=True), refill_for=self._refill,
+                group_reward=self.group_reward)
             self._async_rollout.start()
         started = time.perf_counter()
         try:

@@ -36,6 +36,10 @@ def register(pipeline: Pipeline) -> LiveRun:
     if pipeline.cfg.run_id in _LIVE:
         raise RuntimeError(f"run '{pipeline.cfg.run_id}' is already live in this process")
     run = _LIVE[pipeline.cfg.run_id] = LiveRun(pipeline)
+    if pipeline.cfg.rollout.group_reward:
+        from tasks.judge_limit import install
+
+        install()  # its judge's calls share the Prefect server's limit with every other run on it
     return run
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from areal_pipeline.config.schema import (DatasetConfig, ExperimentConfig, GenerationConfig, InferenceConfig,
+                                          JudgeConfig,
                                           ModelConfig, NormConfig, OptimizerConfig, PPOConfig, RetrievalConfig,
                                           MlflowConfig, RolloutConfig, SGLangConfig, TinyModelConfig, TrackersConfig,
                                           TrainerConfig, VLLMConfig, WandbConfig)
@@ -174,6 +175,14 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                     "shard_rows": _COUNT, "episode_retries": _NON_NEGATIVE, "episode_retry_delay": _NON_NEGATIVE,
                     "episode_timeout": _NON_NEGATIVE, "on_failure": one_of("drop", "mask", "refill", "fail"),
                     "min_group_survivors": _COUNT, "max_failure_rate": _FRACTION},
+    JudgeConfig: {"base_url": Rule("empty or an http(s) URL",
+                                   lambda url: not url or bool(re.match(r"https?://[^/\s]+", url))),
+                  "api_key_env": Rule("empty or an environment variable's name (not the key itself)",
+                                      lambda name: not name or bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name))),
+                  "temperature": _NON_NEGATIVE, "max_tokens": _COUNT, "timeout": _POSITIVE,
+                  "retries": _NON_NEGATIVE, "retry_delay": _NON_NEGATIVE, "max_concurrency": _COUNT,
+                  "slot_timeout": _POSITIVE,
+                  "prompt_price_per_mtok": _NON_NEGATIVE, "completion_price_per_mtok": _NON_NEGATIVE},
     NormConfig: {"mean_level": _NORM_LEVEL, "std_level": _NORM_LEVEL, "eps": _POSITIVE},
     PPOConfig: {"ppo_n_minibatches": _COUNT, "eps_clip": within(0, 1, open_low=True),
                 "eps_clip_higher": _POSITIVE, "c_clip": above(1), "importance_sampling_level": one_of("token", "sequence"),
@@ -256,6 +265,21 @@ def _mask_keeps_enough_survivors(rollout: RolloutConfig, key: Key) -> Iterator[s
         yield (f"{key('min_group_survivors')}={rollout.min_group_survivors}: must be <= "
                f"{key('gconfig.n_samples')}={rollout.gconfig.n_samples} with {key('on_failure')}='mask', or every "
                "group with a failed episode is dropped")
+
+
+def _judge_is_complete(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    """rollout.group_reward=judge needs a judge model at an endpoint; its scores replace a trajectory's one reward,
+    which the multi_turn workflow's per-turn returns would not follow."""
+    if cfg.rollout.group_reward != "judge":
+        return
+    for name in ("base_url", "model"):
+        if not getattr(cfg.judge, name):
+            yield (f"{key('judge.' + name)}: empty, with {key('rollout.group_reward')}=judge: the judge needs an "
+                   "OpenAI-compatible endpoint (judge.base_url, e.g. http://127.0.0.1:8000/v1) and the model it "
+                   "serves (judge.model); docs/judge.md")
+    if cfg.rollout.workflow == "multi_turn":
+        yield (f"{key('rollout.group_reward')}=judge: the multi_turn workflow's per-turn returns (token_returns) "
+               "would ignore the judge's score; use a workflow with one reward per trajectory")
 
 
 def _evaluation_has_prompts(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
@@ -357,7 +381,7 @@ CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {
     RolloutConfig: (_mask_keeps_enough_survivors,),
     TrackersConfig: (_trackers_are_installed,),
     ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, _weights_reach_the_servers,
-                       _hosts_reach_each_other, _vllm_serves_the_embedded_model),
+                       _hosts_reach_each_other, _vllm_serves_the_embedded_model, _judge_is_complete),
 }
 
 FieldRules = Mapping[type, Mapping[str, "Rule | tuple[Rule, ...]"]]

@@ -394,6 +394,38 @@ class TrackersConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """The LLM judge of `rollout.group_reward: judge` (areal_pipeline/rewards/judge.py, docs/judge.md): one call per
+    prompt scores its whole group, each answer in [0, 1], relative to the others."""
+
+    # The judge's OpenAI-compatible endpoint, up to /v1 (e.g. http://127.0.0.1:8000/v1, https://api.openai.com/v1);
+    # needed with rollout.group_reward=judge
+    base_url: str = ""
+    model: str = ""  # the judge model's name at the endpoint (the requests' `model` field)
+    # The NAME of the environment variable holding the endpoint's API key (never the key itself); empty: no key
+    api_key_env: str = ""
+    temperature: float = 0.0  # sampling temperature of the judge's answers (0: its most likely scores)
+    max_tokens: int = 256  # most tokens of one judge answer (the scores JSON)
+    timeout: float = 120.0  # seconds one judge call may take
+    # A call that fails transiently (no connection, a timeout, 429, 5xx, an answer that is no valid scores JSON) is
+    # made again up to this many times, after retry_delay seconds doubling (a 429's Retry-After where longer)
+    retries: int = 4
+    retry_delay: float = 1.0  # seconds before a judge call's first retry, doubling with each retry after it
+    include_reference: bool = True  # show the judge the data set's reference answer, where there is one
+    # The Prefect global concurrency limit every run and sweep on one Prefect server shares around judge calls
+    # (created when missing); empty: "judge-<endpoint host>"
+    limit_name: str = ""
+    max_concurrency: int = 4  # judge calls in flight at once under that limit (its slots when it is created)
+    slot_timeout: float = 1800.0  # seconds a judge call may wait for a slot of that limit before it fails
+    # the endpoint's prices in US dollars per million tokens, for the judge/cost_usd metric (0: not counted)
+    prompt_price_per_mtok: float = 0.0
+    completion_price_per_mtok: float = 0.0  # US dollars per million tokens the judge writes (judge/cost_usd)
+    # Where judged groups are kept by content hash (a rerun or a retried node asks again for nothing); empty:
+    # <output_dir>/judge_cache, shared by the runs of one output directory
+    cache_dir: str = ""
+
+
+@dataclass
 class ExperimentConfig:
     run_id: str = "tiny-cpu"  # the run's name: its directory under output_dir, and its Prefect flow runs'
     output_dir: str = "runs"  # where runs (and the embedded model and retrieval indexes they build) are kept
@@ -402,6 +434,7 @@ class ExperimentConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # the prompts and reference answers
     inference: InferenceConfig = field(default_factory=InferenceConfig)  # the servers that generate the episodes
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # the episodes: workflow, batch, sampling
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the LLM judge of rollout.group_reward=judge
     ppo: PPOConfig = field(default_factory=PPOConfig)  # the algorithm: rewards, advantages, loss
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the training processes and the optimizer
     total_iterations: int = 10  # RL iterations of the run (rollout, update, weights to the servers)

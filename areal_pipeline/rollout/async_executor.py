@@ -30,7 +30,7 @@ import threading
 from typing import Any, Callable, Optional
 
 from areal_pipeline.rollout.failures import FailurePolicy, GroupResult
-from areal_pipeline.rollout.group import play_group
+from areal_pipeline.rollout.group import judge_group, play_group
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -41,10 +41,11 @@ class AsyncRolloutExecutor:
                  batch_for: Callable[[int], list[dict[str, Any]]], workflow, engine_factory,
                  max_concurrent_rollouts: int, n_samples: int, baseline=None, policy: Optional[FailurePolicy] = None,
                  journal_for: Optional[Callable[[int], Any]] = None, recover=None,
-                 refill_for: Optional[Callable[[int], Callable[[int, int], dict[str, Any]]]] = None):
+                 refill_for: Optional[Callable[[int], Callable[[int, int], dict[str, Any]]]] = None,
+                 group_reward: Any = None):
         """`n_samples` episodes a prompt, `baseline`, the failure `policy` and `recover` as `executor.play_batch`
         takes them, and `refill_for(k)` its `refill` for iteration k; `journal_for(k)`: iteration k's
-        `journal.EpisodeJournal` (None: nothing is journaled)."""
+        `journal.EpisodeJournal` (None: nothing is journaled); `group_reward` as `executor.play_batch` takes it."""
         self.first_iteration = first_iteration
         self.last_iteration = last_iteration
         self.eta = eta
@@ -58,6 +59,7 @@ class AsyncRolloutExecutor:
         self.journal_for = journal_for
         self.recover = recover
         self.refill_for = refill_for
+        self.group_reward = group_reward
         self._version = version
         self._loop = asyncio.new_event_loop()
         self._batches: dict[int, concurrent.futures.Future] = {
@@ -151,9 +153,22 @@ class AsyncRolloutExecutor:
                 async with in_flight:
                     result = await play_group(self.workflow, engine, data, self.n_samples, self.baseline, slot=slot,
                                               policy=self.policy, recover=self.recover, refill=refill)
-                if journal is not None:
-                    await asyncio.to_thread(journal.write, result, data.get("sampling_seed"))
+                write = journal.writer(slots) if journal is not None else None
+                if self.group_reward is not None:
+                    result.judged = False
+                    result = await judge_group(self.group_reward, result, data, write)
+                if write is not None and result.judged:
+                    await asyncio.to_thread(write, result)
                 return result
+
+            # groups journaled before their judge answered: judged now, not played again
+            unjudged = [slot for slot, g in done.items() if not g.judged]
+            if unjudged:
+                logger.warning("iteration %d: %d group(s) on disk await the group reward's scores (it failed "
+                               "before): judging them, not playing them again", k, len(unjudged))
+            for slot in unjudged:
+                done[slot] = await judge_group(self.group_reward, done[slot], slots[slot],
+                                               journal.writer(slots) if journal is not None else None)
             episodes = [asyncio.ensure_future(group(slot, d)) for slot, d in slots.items() if slot not in done]
             played = await asyncio.gather(*episodes)
             self._batches[k].set_result(sorted([*done.values(), *played], key=lambda g: g.slot))

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 from tqdm.auto import tqdm
 
 from areal_pipeline.data.trajectory import Trajectory
-from areal_pipeline.rollout.group import play_group
+from areal_pipeline.rollout.group import judge_group, play_group
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -62,12 +62,14 @@ async def run_episodes(workflow, engine, records: list[dict[str, Any]], *, max_c
 async def play_batch(workflow, engine, slots: dict[int, dict[str, Any]], *, max_concurrent_rollouts: int,
                      n_samples: int, policy: Any, baseline: Any = None, recover: Any = None,
                      refill: Optional[Callable[[int, int], dict[str, Any]]] = None,
-                     on_group: Optional[Callable[[Any], None]] = None, progress: bool = True) -> list[Any]:
+                     on_group: Optional[Callable[[Any], None]] = None, progress: bool = True,
+                     group_reward: Any = None) -> list[Any]:
     """The groups of the prompts `slots` (batch position -> record) under the failure policy `policy`
     (group.play_group; None: strict, as `run_episodes`), at most `max_concurrent_rollouts` episodes in flight: their
     `failures.GroupResult`s in slot order. `on_group(result)` is called as each group ends (the episode journal
     writes it then); `refill(slot, j)` gives the j-th reserve prompt of a group that `rollout.on_failure=refill`
-    replaces (a pure function, so a rerun refills with the same prompts; `refill_prompt` is one)."""
+    replaces (a pure function, so a rerun refills with the same prompts; `refill_prompt` is one); `group_reward`
+    scores each kept group (`rollout.group_reward`, group.judge_group)."""
     gate = asyncio.Semaphore(max(1, max_concurrent_rollouts // max(1, n_samples)))
     bar = tqdm(total=len(slots), desc="rollout", unit="group", disable=not progress, leave=False)
 
@@ -75,7 +77,10 @@ async def play_batch(workflow, engine, slots: dict[int, dict[str, Any]], *, max_
         async with gate:
             result = await play_group(workflow, engine, data, n_samples, baseline, slot=slot, policy=policy,
                                       recover=recover, refill=refill)
-        if on_group is not None:
+        if group_reward is not None:
+            result.judged = False
+            result = await judge_group(group_reward, result, data, on_group)
+        if on_group is not None and result.judged:
             on_group(result)
         bar.update(1)
         return result

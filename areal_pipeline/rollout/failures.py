@@ -82,6 +82,9 @@ class GroupResult:
     # episodes played (each counted once however many attempts it took; a refill's count too): the failure rate's
     # denominator. 0 where unknown (a result built elsewhere): then its kept trajectories' and failures' episodes
     episodes: int = 0
+    # False between the end of its episodes and the group reward's scores (rollout.group_reward), so that a group
+    # journaled then is judged, not played, again (group.judge_group)
+    judged: bool = True
 
     def episodes_played(self) -> int:
         if self.episodes:

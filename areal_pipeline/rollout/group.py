@@ -215,6 +215,60 @@ async def _play(workflow: Any, engine: Any, data: dict[str, Any], n_samples: int
     return GroupResult(slot, prompt_id, [], failures, retried, "dropped", episodes=len(players))
 
 
+async def judge_group(group_reward: Optional[Any], result: Any, record: Optional[dict[str, Any]] = None,
+                      on_group: Optional[Callable[[Any], None]] = None) -> Any:
+    """Score a played group (a failures.GroupResult) with `group_reward` (rewards/group.GroupReward,
+    `rollout.group_reward`; None: the workflow's rewards stay): each kept trajectory's reward becomes its score, the
+    workflow's own kept as `metadata["workflow_reward"]`. `record` is the data set's record of the group's prompt
+    (its question and reference answer), where at hand; else the trajectories' prompt and `metadata["answer"]`.
+
+    With `on_group` (the episode journal's writer), the group is written before it is judged, marked unjudged, and
+    again once judged: a judge that stays down fails the rollout node (its error is transient), and the node's retry
+    judges the journaled group without playing it again."""
+    if group_reward is None or result.judged:
+        return result
+    if not result.trajectories:  # dropped: nothing to score
+        result.judged = True
+        return result
+    if on_group is not None:
+        await asyncio.to_thread(on_group, result)
+    group = result.trajectories
+    if any(t.token_returns is not None for t in group):
+        raise TypeError("rollout.group_reward: the workflow's trajectories carry per-turn returns (token_returns), "
+                        "which a group score cannot replace; use a workflow with one reward per trajectory")
+    if any(t.baseline_reward is not None for t in group):
+        raise TypeError("rollout.group_reward: the advantage's baseline episode (ReMax's greedy completion) is scored "
+                        "by the workflow, not the group reward; use another ppo.advantage")
+    if record is None or record.get("prompt_id") != result.prompt_id:  # a refilled group: the reserve's prompt
+        record = {}
+    candidates = [candidate(t, record) for t in group]
+    scores = await group_reward.score_group(candidates)
+    if len(scores) != len(group):
+        raise ValueError(f"rollout.group_reward gave {len(scores)} scores for the {len(group)} trajectories of "
+                         f"prompt {result.prompt_id}")
+    for t, score in zip(group, scores):
+        t.metadata["workflow_reward"] = t.reward
+        t.reward = float(score)
+    result.judged = True
+    if on_group is not None:
+        await asyncio.to_thread(on_group, result)
+    return result
+
+
+def candidate(t: Trajectory, record: dict[str, Any]) -> Any:
+    """What a group reward sees of trajectory `t` of the prompt `record` ({} where unknown)."""
+    from areal_pipeline.rewards.group import Candidate
+
+    question = record.get("question") or _first_user_message(record.get("messages") or t.messages)
+    answer = record["answer"] if "answer" in record else t.metadata.get("answer")
+    return Candidate(prompt_id=str(t.prompt_id), sample_idx=t.sample_idx, question=question, completion=t.text,
+                     answer=answer, messages=list(t.messages))
+
+
+def _first_user_message(messages: list[dict[str, Any]]) -> str:
+    return next((str(m.get("content", "")) for m in messages if m.get("role") == "user"), "")
+
+
 async def _attempts(play: Callable[[], Any], sample_idx: int, prompt_id: Any, policy: Any,
                     recover: Optional[Any]) -> tuple[Any, list, Any]:
     """(the episode's result or None, the failed attempts a later one got past, the failure that ended it or

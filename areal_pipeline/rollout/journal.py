@@ -54,6 +54,10 @@ def episodes_digest(cfg: Any) -> str:
     what = {"gconfig": dataclasses.asdict(r.gconfig), "workflow": r.workflow, "agent": dataclasses.asdict(r.agent),
             "model": dataclasses.asdict(cfg.model), "dataset": dataclasses.asdict(cfg.dataset), "seed": cfg.seed,
             "batch_size": r.batch_size}
+    if r.group_reward:  # the rewards the journal holds are the group reward's
+        j = cfg.judge
+        what["group_reward"] = {"name": r.group_reward, "judge": [j.base_url, j.model, j.temperature, j.max_tokens,
+                                                                  j.include_reference]}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -121,7 +125,7 @@ class EpisodeJournal:
                            failures=[EpisodeFailure.from_record(f) for f in meta["failures"]],
                            retried=[EpisodeFailure.from_record(f) for f in meta["retried"]],
                            outcome=meta["outcome"], replaced_prompt_id=meta["replaced_prompt_id"],
-                           episodes=meta.get("episodes", 0))
+                           episodes=meta.get("episodes", 0), judged=meta.get("judged", True))
 
     def write(self, group: GroupResult, sampling_seed: Optional[int] = None) -> None:
         """Write a finished group (its file replaces any earlier one atomically). `sampling_seed`: the seed of the
@@ -130,7 +134,7 @@ class EpisodeJournal:
         meta = {"slot": group.slot, "prompt_id": group.prompt_id, "replaced_prompt_id": group.replaced_prompt_id,
                 "sampling_seed": sampling_seed, "outcome": group.outcome,
                 "failures": [f.as_record() for f in group.failures],
-                "retried": [f.as_record() for f in group.retried], "episodes": group.episodes,
+                "retried": [f.as_record() for f in group.retried], "episodes": group.episodes, "judged": group.judged,
                 "rows": table.num_rows, "rows_sha256": content_sha256(table)}
         sink = pa.BufferOutputStream()
         pq.write_table(table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()}), sink)
@@ -150,12 +154,16 @@ class EpisodeJournal:
 
 def finish_rollout(groups: list[GroupResult], out: Path, journal: EpisodeJournal, *, policy: FailurePolicy,
                    seconds: float, rows_per_shard: int,
-                   extra_manifest: Optional[dict] = None) -> dict[str, Any]:
+                   extra_manifest: Optional[dict] = None, extra_stats: Optional[dict] = None) -> dict[str, Any]:
     """An iteration's groups (every batch position's) -> its rollout shards; the manifest (returned) gets the stats,
     the failures and `content_sha256`. Past `policy.max_failure_rate`, RolloutFailureRate, after the failed groups'
     journal files are deleted: a retry plays those again and keeps the others."""
     groups = sorted(groups, key=lambda g: g.slot)
     run_id, k = journal.run_id, journal.iteration
+    unjudged = [g.slot for g in groups if not g.judged]
+    if unjudged:
+        raise RuntimeError(f"iteration {k}: the groups at batch positions {unjudged} were never scored by the group "
+                           "reward (rollout.group_reward)")
     try:
         check_failure_rate(k, groups, policy)
     except RolloutFailureRate:
@@ -163,7 +171,7 @@ def finish_rollout(groups: list[GroupResult], out: Path, journal: EpisodeJournal
         raise
     table = trajectory_table([t for g in groups for t in g.trajectories], run_id, k)
     trajectories = table_trajectories(table)
-    stats = rollout_stats(trajectories, seconds, groups)
+    stats = {**rollout_stats(trajectories, seconds, groups), **(extra_stats or {})}
     manifest = write_table(table, out, run_id=run_id, iteration=k, rows_per_shard=rows_per_shard, overwrite=True,
                            extra_manifest={"stats": stats, "failures": failure_records(groups),
                                            "content_sha256": content_sha256(table), **(extra_manifest or {})})
