@@ -70,6 +70,7 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
         self.services = Services(cfg, self.model_path, log_dir or cfg.run_dir / "logs", tools=self.spec.tools)
         self._tokenizer = None
         self._reward_pool: Optional[RewardPool] = None
+        self._group_reward: Optional[Any] = None  # rollout.group_reward, built on first use (rollout_steps)
         self._records: dict[str, list[dict]] = {}
         self.step_seconds: dict[int, dict[str, float]] = {}
         self._async_rollout = None
@@ -128,7 +129,7 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
         if self._reward_pool is not None:
             self._reward_pool.close()
             self._reward_pool = None
-        group_reward, self._group_reward = getattr(self, "_group_reward", None), None
+        group_reward, self._group_reward = self._group_reward, None
         if group_reward is not None:  # rollout.group_reward: its connections
             try:
                 run_async(group_reward.aclose())

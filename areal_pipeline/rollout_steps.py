@@ -86,7 +86,7 @@ class RolloutSteps:
         """The run's group reward (`rollout.group_reward`, rewards/group.py), built on first use; None without one."""
         if not self.cfg.rollout.group_reward:
             return None
-        if getattr(self, "_group_reward", None) is None:
+        if self._group_reward is None:
             from areal_pipeline.rewards.group import make_group_reward
 
             self._group_reward = make_group_reward(self.cfg.rollout.group_reward, self.cfg)

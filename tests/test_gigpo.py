@@ -103,6 +103,9 @@ def test_a_workflow_recording_no_states_is_refused_at_load():
 
     with pytest.raises(ConfigError, match="ppo.advantage=gigpo needs a workflow that records each step"):
         load_config("configs/tiny_cpu.yaml", ["ppo.advantage=gigpo"])
+    with pytest.raises(ConfigError, match="a group reward replaces each trajectory's reward"):
+        load_config("configs/gigpo_grid.yaml", ["rollout.group_reward=judge", "judge.base_url=http://127.0.0.1:9",
+                                                "judge.model=m"])
     with pytest.raises(ConfigError, match="ppo.gigpo_norm='max'"):
         load_config("configs/gigpo_grid.yaml", ["ppo.gigpo_norm=max"])
 

@@ -32,8 +32,9 @@ def test_gigpo_raises_the_success_rate_of_grid_walks(grid_base_model, tmp_path):
         assert len(first_states) == 1
     # the reward is the goal step's alone; and walks of a group meet again beyond their start (the step groups)
     for t in walks:
-        steps = [(s, r) for s, r, m in zip(t.step_states, t.step_rewards, t.loss_mask) if m]
-        assert [r for _, r in steps if r] == ([1.0] if t.reward == 1.0 else [])
+        starts = [i for i, m in enumerate(t.loss_mask) if m and (i == 0 or not t.loss_mask[i - 1])]
+        step_rewards = [t.step_rewards[i] for i in starts]
+        assert step_rewards == [0.0] * (len(starts) - 1) + [t.reward], step_rewards
     revisited = 0
     for group in {t.group_id for t in walks}:
         seen: dict[int, int] = {}

@@ -315,3 +315,25 @@ def test_sign_flips_by_hand():
     before = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]  # centred: +.5 -.5 | +.5 -.5 | 0 0
     after = [0.0, 1.0, 1.0, 0.5, 0.0, 1.0]   # centred: -.5 +.5 | +.25 -.25 | -.5 +.5
     assert sign_flips(groups, before, after) == pytest.approx(4 / 6)
+
+
+def test_the_judge_rescores_a_run_through_its_endpoint_and_asks_once(parent, tmp_path):
+    """`--group-reward judge` with the judge's settings as overrides: one call per group at a real OpenAI-compatible
+    endpoint (tests/_judge_server.py grades 1 where a candidate holds the reference answer), none on a rerun under
+    another name (the judge's cache)."""
+    from test_judge import calls, judge_server
+
+    with judge_server(tmp_path) as (base_url, log):
+        overrides = [f"judge.base_url={base_url}", "judge.model=grader", f"judge.cache_dir={tmp_path / 'cache'}"]
+        record = rescore(plan_rescore(parent, group_reward="judge", iterations="1", overrides=overrides))
+        old = read_trajectories(parent / "iter_1/rollout")
+        new = read_trajectories(parent / "rescored/judge/iter_1/rollout")
+        assert [t.reward for t in new] == [1.0 if t.metadata["answer"] in t.text else 0.0 for t in old]
+        groups = len({t.group_id for t in old})
+        assert len(calls(log)) == groups
+        usage = record["iterations"][0]["usage"]
+        assert usage["judge/calls"] == groups and usage["judge/prompt_tokens"] > 0
+        rescore(plan_rescore(parent, group_reward="judge", iterations="1", name="judge-again", overrides=overrides))
+        assert len(calls(log)) == groups  # served from the cache
+        again = read_trajectories(parent / "rescored/judge-again/iter_1/rollout")
+        assert [t.reward for t in again] == [t.reward for t in new]

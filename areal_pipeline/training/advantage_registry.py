@@ -109,6 +109,9 @@ def _gigpo_config_problems(cfg, key) -> Iterator[str]:
         yield (f"{key('ppo.advantage')}=gigpo needs a workflow that records each step's environment state; "
                f"{key('rollout.workflow')}={cfg.rollout.workflow!r} records none (grid_world does, or a workflow of "
                "your own that sets Trajectory.step_states and step_rewards)")
+    if cfg.rollout.group_reward:
+        yield (f"{key('ppo.advantage')}=gigpo with {key('rollout.group_reward')}={cfg.rollout.group_reward!r}: a group "
+               "reward replaces each trajectory's reward, not the environment's step rewards GiGPO credits steps with")
 
 
 gigpo.config_problems = _gigpo_config_problems
