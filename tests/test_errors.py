@@ -97,7 +97,7 @@ def one_node_flow(run_id: str, failure: str) -> None:
 
 def _run_with_live_pipeline(run_id: str, failure: str, services_stopped: bool = False) -> BaseException:
     """Run the flow while `run_id` has a live pipeline (the retry condition asks for it); its failure."""
-    runs.register(SimpleNamespace(cfg=SimpleNamespace(run_id=run_id),
+    runs.register(SimpleNamespace(cfg=SimpleNamespace(run_id=run_id, rollout=SimpleNamespace(group_reward="")),
                                       services=SimpleNamespace(stopped=services_stopped)))
     try:
         with pytest.raises(type(FAILURES[failure])) as raised:

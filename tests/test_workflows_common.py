@@ -239,7 +239,8 @@ def test_registry_builds_every_workflow_with_its_reward(tiny_model_dir, tmp_path
         cfg = load_config(None, [f"rollout.workflow={name}", f"output_dir={tmp_path}", *needs.get(name, [])])
         built[name] = build_workflow(cfg, tokenizer, InlinePool())
     assert [type(w).__name__ for w in built.values()] == [
-        "RLVRWorkflow", "ReflectionWorkflow", "MultiTurnWorkflow", "SearchAgentWorkflow", "OpenAIAgentWorkflow"]
+        "RLVRWorkflow", "ReflectionWorkflow", "MultiTurnWorkflow", "SearchAgentWorkflow", "OpenAIAgentWorkflow",
+        "GridWorldWorkflow"]
     # the pooled reward travels by reference; the pool's workers load it
     assert all(str(built[n].reward_fn) == "areal_pipeline.rewards.math:math_reward"
                and built[n].reward_fn.load() is math_reward for n in ("rlvr", "reflection", "multi_turn"))
