@@ -234,37 +234,38 @@ async def _score(plan: RescorePlan, trajectories: list[Trajectory]) -> tuple[lis
                                                [(t.text, _answer(t)) for t in trajectories])), {}
         finally:
             pool.close()
-    from areal_pipeline.rewards.group import Candidate, make_group_reward
+    from areal_pipeline.rewards.group import make_group_reward
+    from areal_pipeline.rollout.group import group_scores
 
     scorer = make_group_reward(plan.group_reward, plan.cfg)
     groups: dict[str, list[int]] = {}
     for i, t in enumerate(trajectories):
         groups.setdefault(t.group_id, []).append(i)
+    records = _prompt_records(plan)
     scores = [0.0] * len(trajectories)
     try:
         for rows in groups.values():
-            candidates = [Candidate(prompt_id=trajectories[i].prompt_id, sample_idx=trajectories[i].sample_idx,
-                                    question=_question(trajectories[i]), completion=trajectories[i].text,
-                                    answer=_answer(trajectories[i]), messages=trajectories[i].messages)
-                          for i in rows]
-            group_scores = await scorer.score_group(candidates)
-            if len(group_scores) != len(rows):
-                raise RescoreError(f"group reward {plan.group_reward} gave {len(group_scores)} scores for a group of "
-                                   f"{len(rows)}")
-            for i, score in zip(rows, group_scores):
-                scores[i] = float(score)
+            group = [trajectories[i] for i in rows]
+            for i, score in zip(rows, await group_scores(scorer, group, records.get(group[0].prompt_id, {}))):
+                scores[i] = score
         return scores, scorer.take_usage()
     finally:
         await scorer.aclose()
 
 
-def _question(trajectory: Trajectory) -> str:
-    """As the rollout gives a group reward the question (rollout/group.py): the data set's where the trajectory
-    kept it, else the prompt's last user message."""
-    kept = trajectory.metadata.get("question")
-    if kept:
-        return str(kept)
-    return next((str(m.get("content", "")) for m in reversed(trajectory.messages) if m.get("role") == "user"), "")
+def _prompt_records(plan: RescorePlan) -> dict[str, dict[str, Any]]:
+    """The run's train records by prompt id, so that a group reward sees each prompt as the rollout showed it (the
+    same judge request: the judge's cache answers it); {} where the data set cannot be read here any more (the
+    trajectories' own prompt and answer then)."""
+    from areal_pipeline.data.datasets import load_records
+
+    try:
+        records = load_records(plan.cfg.dataset, plan.cfg.dataset.train_split, plan.cfg.seed)
+    except Exception as error:  # a data set moved or gone: the stored trajectories still carry prompt and answer
+        logger.warning("rescore: the run's data set cannot be read (%s): the group reward sees the stored prompts",
+                       error)
+        return {}
+    return {r["prompt_id"]: r for r in records}
 
 
 def sign_flips(groups: list[str], before: list[float], after: list[float]) -> float:

@@ -154,10 +154,9 @@ class AsyncRolloutExecutor:
                     result = await play_group(self.workflow, engine, data, self.n_samples, self.baseline, slot=slot,
                                               policy=self.policy, recover=self.recover, refill=refill)
                 write = journal.writer(slots) if journal is not None else None
-                if self.group_reward is not None:
-                    result.judged = False
+                if self.group_reward is not None:  # it journals the group, before and after its scores
                     result = await judge_group(self.group_reward, result, data, write)
-                if write is not None and result.judged:
+                elif write is not None:
                     await asyncio.to_thread(write, result)
                 return result
 

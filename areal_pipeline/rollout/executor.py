@@ -77,10 +77,9 @@ async def play_batch(workflow, engine, slots: dict[int, dict[str, Any]], *, max_
         async with gate:
             result = await play_group(workflow, engine, data, n_samples, baseline, slot=slot, policy=policy,
                                       recover=recover, refill=refill)
-        if group_reward is not None:
-            result.judged = False
+        if group_reward is not None:  # it journals the group, before and after its scores
             result = await judge_group(group_reward, result, data, on_group)
-        if on_group is not None and result.judged:
+        elif on_group is not None:
             on_group(result)
         bar.update(1)
         return result

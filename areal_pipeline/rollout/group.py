@@ -215,44 +215,46 @@ async def _play(workflow: Any, engine: Any, data: dict[str, Any], n_samples: int
     return GroupResult(slot, prompt_id, [], failures, retried, "dropped", episodes=len(players))
 
 
-async def judge_group(group_reward: Optional[Any], result: Any, record: Optional[dict[str, Any]] = None,
+async def judge_group(group_reward: Any, result: Any, record: Optional[dict[str, Any]] = None,
                       on_group: Optional[Callable[[Any], None]] = None) -> Any:
     """Score a played group (a failures.GroupResult) with `group_reward` (rewards/group.GroupReward,
-    `rollout.group_reward`; None: the workflow's rewards stay): each kept trajectory's reward becomes its score, the
-    workflow's own kept as `metadata["workflow_reward"]`. `record` is the data set's record of the group's prompt
-    (its question and reference answer), where at hand; else the trajectories' prompt and `metadata["answer"]`.
+    `rollout.group_reward`): each kept trajectory's reward becomes its score, the workflow's own kept as
+    `metadata["workflow_reward"]`. `record` is the data set's record of the group's prompt (its question and
+    reference answer), where at hand; else the trajectories' prompt and `metadata["answer"]`.
 
-    With `on_group` (the episode journal's writer), the group is written before it is judged, marked unjudged, and
-    again once judged: a judge that stays down fails the rollout node (its error is transient), and the node's retry
-    judges the journaled group without playing it again."""
-    if group_reward is None or result.judged:
-        return result
-    if not result.trajectories:  # dropped: nothing to score
-        result.judged = True
-        return result
-    if on_group is not None:
-        await asyncio.to_thread(on_group, result)
-    group = result.trajectories
-    if any(t.token_returns is not None for t in group):
-        raise TypeError("rollout.group_reward: the workflow's trajectories carry per-turn returns (token_returns), "
-                        "which a group score cannot replace; use a workflow with one reward per trajectory")
-    if any(t.baseline_reward is not None for t in group):
-        raise TypeError("rollout.group_reward: the advantage's baseline episode (ReMax's greedy completion) is scored "
-                        "by the workflow, not the group reward; use another ppo.advantage")
-    if record is None or record.get("prompt_id") != result.prompt_id:  # a refilled group: the reserve's prompt
-        record = {}
-    candidates = [candidate(t, record) for t in group]
-    scores = await group_reward.score_group(candidates)
-    if len(scores) != len(group):
-        raise ValueError(f"rollout.group_reward gave {len(scores)} scores for the {len(group)} trajectories of "
-                         f"prompt {result.prompt_id}")
-    for t, score in zip(group, scores):
-        t.metadata["workflow_reward"] = t.reward
-        t.reward = float(score)
+    With `on_group` (the episode journal's writer), a group with trajectories is written before it is judged, marked
+    unjudged, and every group once judged: a judge that stays down fails the rollout node (its error is transient),
+    and the node's retry judges the journaled group without playing it again."""
+    if result.trajectories:  # a dropped group has nothing to score
+        result.judged = False
+        if on_group is not None:
+            await asyncio.to_thread(on_group, result)
+        group = result.trajectories
+        if any(t.token_returns is not None for t in group):
+            raise TypeError("rollout.group_reward: the workflow's trajectories carry per-turn returns (token_returns), "
+                            "which a group score cannot replace; use a workflow with one reward per trajectory")
+        if any(t.baseline_reward is not None for t in group):
+            raise TypeError("rollout.group_reward: the advantage's baseline episode (ReMax's greedy completion) is "
+                            "scored by the workflow, not the group reward; use another ppo.advantage")
+        if record is None or record.get("prompt_id") != result.prompt_id:  # a refilled group: the reserve's prompt
+            record = {}
+        for t, score in zip(group, await group_scores(group_reward, group, record)):
+            t.metadata["workflow_reward"] = t.reward
+            t.reward = score
     result.judged = True
     if on_group is not None:
         await asyncio.to_thread(on_group, result)
     return result
+
+
+async def group_scores(group_reward: Any, group: list[Trajectory], record: dict[str, Any]) -> list[float]:
+    """`group_reward`'s scores of one prompt's trajectories (`record`: the prompt's data set record, {} where
+    unknown), as the rollout and `areal-pipeline rescore` both ask for them."""
+    scores = await group_reward.score_group([candidate(t, record) for t in group])
+    if len(scores) != len(group):
+        raise ValueError(f"the group reward gave {len(scores)} scores for the {len(group)} trajectories of prompt "
+                         f"{group[0].prompt_id}")
+    return [float(score) for score in scores]
 
 
 def candidate(t: Trajectory, record: dict[str, Any]) -> Any:
