@@ -64,13 +64,17 @@ def iteration(run_id: str, k: int, until: Optional[int] = None) -> Any:
         if until is None or until == k:
             return _one_iteration(run, k)
         done = set(run.pipeline.paths.completed_iterations())  # a retried flow run: its finished iterations stay done
-        overlap.run_group(lambda i: None if i in done else _one_iteration(run, i), run, k, until)
+        # every node output of this flow run lives until it ends: Prefect finds a task input's upstream task run by
+        # the `id()` of an earlier result (and of the objects in it), so a freed output of iteration k whose id a
+        # later iteration's object reused would draw a false edge from k
+        outputs_of_this_run: list[dict[str, Any]] = []
+        overlap.run_group(lambda i: None if i in done else _one_iteration(run, i, outputs_of_this_run), run, k, until)
     except overlap.PreviousIterationFailed as failed:
         return Cancelled(message=str(failed))
     return {"iterations": [k, until]}
 
 
-def _one_iteration(run: LiveRun, k: int) -> Any:
+def _one_iteration(run: LiveRun, k: int, kept: Optional[list] = None) -> Any:
     """One RL iteration, step by step (areal_pipeline/steps.py): each node is handed the outputs of the nodes it
     needs, which are the edges the Prefect UI draws. `turn` makes the node that needs policy k - 1 wait for
     iteration k - 1 (and raises PreviousIterationFailed if it failed), and lets iteration k + 1 start meanwhile
@@ -78,6 +82,8 @@ def _one_iteration(run: LiveRun, k: int) -> Any:
     with overlap.turn(run, k) as turn:
         outputs = run_steps(lambda step, inputs: turn.node(
             step.name, lambda: tasks.call_node(step, run.run_id, k, inputs)), due_steps(run.pipeline, k))
+        if kept is not None:
+            kept.append(outputs)
     return turn.report(lambda: _report(run, k, outputs))
 
 
