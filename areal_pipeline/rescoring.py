@@ -25,13 +25,14 @@ A score is never made up: a reward function that raises, or times out, fails the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import re
 import statistics
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import pyarrow as pa
 
@@ -76,6 +77,14 @@ class RescorePlan:
 
     def rescored(self, k: int) -> Path:
         return rescored_rollout(self.run_dir, self.name, k)
+
+    @contextlib.contextmanager
+    def judge_served(self) -> Iterator["RescorePlan"]:
+        """This plan, its judge served for the block where the judge is the run's own (judge.serve)."""
+        from areal_pipeline.rewards.local_judge import judge_served
+
+        with judge_served(self.cfg, self.out_dir / "logs", needed=self.group_reward == "judge") as cfg:
+            yield self if cfg is self.cfg else dataclasses.replace(self, cfg=cfg)
 
 
 def rescored_dir(run_dir: Path, name: str) -> Path:
@@ -368,4 +377,6 @@ def write_lineage(plan: RescorePlan, summaries: list[dict[str, Any]]) -> dict[st
 
 def rescore(plan: RescorePlan) -> dict[str, Any]:
     """Every planned iteration, then the lineage record (returned)."""
-    return write_lineage(plan, [rescore_iteration(plan, k) for k in plan.iterations])
+    with plan.judge_served() as served:
+        summaries = [rescore_iteration(served, k) for k in plan.iterations]
+    return write_lineage(plan, summaries)

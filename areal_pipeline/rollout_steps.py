@@ -86,10 +86,13 @@ class RolloutSteps:
         """The run's group reward (`rollout.group_reward`, rewards/group.py), built on first use; None without one."""
         if not self.cfg.rollout.group_reward:
             return None
+        judge_address = self.services.start_judge()  # a judge the run serves: running, or started again
         if self._group_reward is None:
             from areal_pipeline.rewards.group import make_group_reward
+            from areal_pipeline.rewards.local_judge import served_judge_config
 
-            self._group_reward = make_group_reward(self.cfg.rollout.group_reward, self.cfg)
+            cfg = self.cfg if judge_address is None else served_judge_config(self.cfg, judge_address)
+            self._group_reward = make_group_reward(self.cfg.rollout.group_reward, cfg)
         return self._group_reward
 
     def _finish_rollout(self, k: int, groups: list, seconds: float) -> dict[str, Any]:

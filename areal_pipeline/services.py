@@ -58,6 +58,8 @@ class Services:
         self.trainer: Optional[ServerProcess] = None
         self.trainer_client: Optional[TrainerClient] = None
         self.tools: dict[str, ServerProcess] = {}
+        self.judge: Optional[ServerProcess] = None  # the judge the run serves itself (judge.serve)
+        self._judge_lock = threading.Lock()
         # inference.addresses: servers someone else runs; used, never started, restarted or stopped
         self.external: list[str] = []
         self._placement = None
@@ -169,7 +171,28 @@ class Services:
                 process = tool_server_starter(name, self.cfg.rollout.workflow)(self.cfg, self.log_dir)
                 if process is not None:
                     self.tools[name] = process
-        return {name: p.address for name, p in self.tools.items()}
+        started = {name: p.address for name, p in self.tools.items()}
+        judge = self.start_judge()
+        return {**started, "judge": judge} if judge else started
+
+    def start_judge(self) -> Optional[str]:
+        """The address of the judge server the run serves itself (`judge.serve`, rewards/local_judge.py), started
+        where it is not running (again at the same address where it died); None where the run serves none."""
+        if self.cfg.rollout.group_reward != "judge" or not self.cfg.judge.serve:
+            return None
+        from areal_pipeline.rewards.local_judge import start_judge_server
+
+        with self._judge_lock:
+            self._refuse_if_stopped()
+            if self.judge is not None and self.judge.popen is not None and self.judge.popen.poll() is not None:
+                logger.warning("the judge server %s exited with code %s: starting it again", self.judge.address,
+                               self.judge.popen.returncode)
+                dead, self.judge = self.judge, None
+                dead.stop()
+                self.judge = start_judge_server(self.cfg, self.log_dir, address=dead.address)
+            elif self.judge is None:
+                self.judge = start_judge_server(self.cfg, self.log_dir)
+            return self.judge.address
 
     @property
     def addresses(self) -> list[str]:
@@ -231,9 +254,10 @@ class Services:
     def stop(self) -> None:
         self.stopped = True
         shutdown.unregister(self._on_stop_signal)
-        for process in [*self.inference, *([self.trainer] if self.trainer else []), *self.tools.values()]:
+        for process in [*self.inference, *([self.trainer] if self.trainer else []), *self.tools.values(),
+                        *([self.judge] if self.judge else [])]:
             try:
                 process.stop()
             except Exception:  # teardown goes on for the others
                 logger.exception("could not stop %s", process.address)
-        self.inference, self.trainer, self.trainer_client, self.tools = [], None, None, {}
+        self.inference, self.trainer, self.trainer_client, self.tools, self.judge = [], None, None, {}, None

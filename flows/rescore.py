@@ -67,7 +67,8 @@ def rescore(run_id: str, scorer: str, output_dir: str = "runs", reward: Optional
     plan = plan_rescore(Path(output_dir) / run_id, reward=reward, group_reward=group_reward, iterations=iterations,
                         name=name, overrides=overrides)
     check_sources(plan)  # every iteration refused or none: no re-scoring stops half-way on a bad shard
-    summaries = [rescore_iteration_task(plan, k) for k in plan.iterations]
+    with plan.judge_served() as served:  # the run's own judge (judge.serve), served for the re-scoring
+        summaries = [rescore_iteration_task(served, k) for k in plan.iterations]
     record = write_lineage(plan, summaries)
     _tag_and_record(plan, record)
     get_run_logger().info("rescored %d iteration(s) of %s by %s into %s", len(summaries), run_id, plan.scorer,

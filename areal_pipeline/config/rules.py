@@ -272,11 +272,20 @@ def _judge_is_complete(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
     which the multi_turn workflow's per-turn returns would not follow."""
     if cfg.rollout.group_reward != "judge":
         return
-    for name in ("base_url", "model"):
-        if not getattr(cfg.judge, name):
-            yield (f"{key('judge.' + name)}: empty, with {key('rollout.group_reward')}=judge: the judge needs an "
-                   "OpenAI-compatible endpoint (judge.base_url, e.g. http://127.0.0.1:8000/v1) and the model it "
-                   "serves (judge.model); docs/judge.md")
+    if cfg.judge.serve:
+        if cfg.judge.base_url:
+            yield (f"{key('judge.base_url')}={cfg.judge.base_url!r} with {key('judge.serve')}=true: the run serves "
+                   "its judge itself and asks that one; give one of the two (docs/judge.md)")
+        if not cfg.judge.model_path and cfg.dataset.name != "arithmetic":
+            yield (f"{key('judge.serve')}=true with an empty {key('judge.model_path')}: the embedded judge was "
+                   f"taught to grade the arithmetic data set only, not {key('dataset.name')}={cfg.dataset.name!r}; "
+                   "name a judge model (judge.model_path) or an endpoint (judge.base_url)")
+    else:
+        for name in ("base_url", "model"):
+            if not getattr(cfg.judge, name):
+                yield (f"{key('judge.' + name)}: empty, with {key('rollout.group_reward')}=judge: the judge needs "
+                       "an OpenAI-compatible endpoint (judge.base_url, e.g. http://127.0.0.1:8000/v1) and the model "
+                       "it serves (judge.model), or judge.serve=true to serve one itself; docs/judge.md")
     if cfg.rollout.workflow == "multi_turn":
         yield (f"{key('rollout.group_reward')}=judge: the multi_turn workflow's per-turn returns (token_returns) "
                "would ignore the judge's score; use a workflow with one reward per trajectory")
