@@ -27,21 +27,24 @@ def ask(base_url: str) -> dict:
         return json.loads(reply.read())
 
 
+SERVED = ["rollout.group_reward=judge", "rollout.gconfig.n_samples=4", "judge.serve=true", "judge.max_tokens=16"]
+
+
 def served_cfg(tmp_path: Path, model_dir: Path, *more: str):
-    return load_config(str(REPO / "configs/judge_cpu.yaml"),
-                       [f"output_dir={tmp_path}", f"judge.model_path={model_dir}", *more])
+    return load_config(str(REPO / "configs/tiny_cpu.yaml"),
+                       [f"output_dir={tmp_path}", *SERVED, f"judge.model_path={model_dir}", *more])
 
 
-def test_judge_cpu_serves_its_judge_and_a_served_judge_takes_no_endpoint():
-    cfg = load_config(str(REPO / "configs/judge_cpu.yaml"), [])
-    assert cfg.rollout.group_reward == "judge" and cfg.judge.serve and not cfg.judge.base_url
+def test_a_served_judge_needs_its_model_and_takes_no_endpoint():
+    tiny_cpu = str(REPO / "configs/tiny_cpu.yaml")
+    cfg = load_config(tiny_cpu, [*SERVED, "judge.model_path=/models/judge"])
+    assert cfg.judge.serve and cfg.judge.model_path == "/models/judge" and not cfg.judge.base_url
     with pytest.raises(ConfigError, match=r"judge.base_url='http://h/v1' with judge.serve=true"):
-        load_config(str(REPO / "configs/judge_cpu.yaml"), ["judge.base_url=http://h/v1"])
-    with pytest.raises(ConfigError, match=r"embedded judge was taught to grade the arithmetic data set only"):
-        load_config(str(REPO / "configs/judge_cpu.yaml"), ["dataset.name=gsm8k"])
-    load_config(str(REPO / "configs/judge_cpu.yaml"), ["dataset.name=gsm8k", "judge.model_path=/models/judge"])
+        load_config(tiny_cpu, [*SERVED, "judge.model_path=/models/judge", "judge.base_url=http://h/v1"])
+    with pytest.raises(ConfigError, match=r"judge.model_path: empty, with judge.serve=true: name the judge model"):
+        load_config(tiny_cpu, SERVED)
     with pytest.raises(ConfigError, match=r"or judge.serve=true to serve one itself"):
-        load_config(str(REPO / "configs/judge_cpu.yaml"), ["judge.serve=false"])
+        load_config(tiny_cpu, [*SERVED, "judge.serve=false"])
 
 
 def test_the_run_serves_its_judge_starts_it_again_where_it_died_and_stops_it(tmp_path, tiny_model_dir):

@@ -55,11 +55,11 @@ class JudgeConfig:
     # needed with rollout.group_reward=judge unless the run serves its judge (serve)
     base_url: str = ""
     model: str = ""  # the judge model's name at the endpoint (the requests' `model` field)
-    # The run serves its judge itself (rewards/local_judge.py): the project's server on the CPU, on model_path
-    # (empty: the embedded tiny judge, taught the arithmetic task's judging in code); base_url stays empty
+    # The run serves its judge itself (rewards/local_judge.py): the project's server on the CPU, on model_path,
+    # started and stopped with the run; base_url stays empty
     serve: bool = False
-    model_path: str = ""  # the judge model the run serves (a Hugging Face directory or hub id); empty: embedded
-    context_length: int = 1024  # the served judge's longest prompt + answer, in tokens
+    model_path: str = ""  # the judge model the run serves (a Hugging Face directory or hub id); needed with serve
+    context_length: int = 4096  # the served judge's longest prompt + answer, in tokens (at most the model's own)
     # The NAME of the environment variable holding the endpoint's API key (never the key itself); empty: no key
     api_key_env: str = ""
     temperature: float = 0.0  # sampling temperature of the judge's answers (0: its most likely scores)

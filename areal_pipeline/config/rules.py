@@ -181,7 +181,7 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                                       lambda name: not name or bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name))),
                   "temperature": _NON_NEGATIVE, "max_tokens": _COUNT, "timeout": _POSITIVE,
                   "retries": _NON_NEGATIVE, "retry_delay": _NON_NEGATIVE, "max_concurrency": _COUNT,
-                  "slot_timeout": _POSITIVE,
+                  "slot_timeout": _POSITIVE, "context_length": _COUNT,
                   "prompt_price_per_mtok": _NON_NEGATIVE, "completion_price_per_mtok": _NON_NEGATIVE},
     NormConfig: {"mean_level": _NORM_LEVEL, "std_level": _NORM_LEVEL, "eps": _POSITIVE},
     PPOConfig: {"ppo_n_minibatches": _COUNT, "eps_clip": within(0, 1, open_low=True),
@@ -276,10 +276,10 @@ def _judge_is_complete(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
         if cfg.judge.base_url:
             yield (f"{key('judge.base_url')}={cfg.judge.base_url!r} with {key('judge.serve')}=true: the run serves "
                    "its judge itself and asks that one; give one of the two (docs/judge.md)")
-        if not cfg.judge.model_path and cfg.dataset.name != "arithmetic":
-            yield (f"{key('judge.serve')}=true with an empty {key('judge.model_path')}: the embedded judge was "
-                   f"taught to grade the arithmetic data set only, not {key('dataset.name')}={cfg.dataset.name!r}; "
-                   "name a judge model (judge.model_path) or an endpoint (judge.base_url)")
+        if not cfg.judge.model_path:
+            yield (f"{key('judge.model_path')}: empty, with {key('judge.serve')}=true: name the judge model the run "
+                   "serves (a Hugging Face directory or hub id of an instruction-tuned model); no judge is built in "
+                   "code (docs/judge.md)")
     else:
         for name in ("base_url", "model"):
             if not getattr(cfg.judge, name):

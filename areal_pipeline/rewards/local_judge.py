@@ -2,12 +2,11 @@
 with the run's other services and stopped with them, asked through the same OpenAI-compatible endpoint as any judge.
 
     rollout.group_reward: judge
-    judge: {serve: true}                          # the embedded tiny judge, built and taught in code
-    judge: {serve: true, model_path: /models/q}   # a judge model of your own (a Hugging Face directory or hub id)
+    judge: {serve: true, model_path: /models/qwen2.5-1.5b-instruct}   # a Hugging Face directory or hub id
 
-The embedded judge is the embedded policy's architecture (model.py) taught the arithmetic task's judge calls
-(warm_start/judge.py): a strict grader of the default data set, built once per output directory and seed like the
-embedded policy. It runs on the CPU; a judge on GPUs is served by vLLM or SGLang and named by `judge.base_url`.
+It runs on the CPU beside a CPU run; a judge on GPUs is served by vLLM or SGLang and named by `judge.base_url`.
+No judge is built in code: grading needs a model that reads instructions, which a few minutes of CPU training
+do not make.
 """
 
 from __future__ import annotations
@@ -19,26 +18,9 @@ from typing import Any, Iterator, Optional
 
 SERVED_MODEL_NAME = "local-judge"  # the requests' `model` where judge.model is empty (the server serves one model)
 
-# The embedded judge: the embedded policy's shape, taught the judge curriculum. Its prompts (a system prompt, the
-# question, the reference and up to eight answers) are longer than the policy's, hence the longer context.
-EMBEDDED_JUDGE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, max_position_embeddings=1024,
-                      pretrain_task="judge", pretrain_steps=600, pretrain_batch_size=32, pretrain_lr=3e-3)
-WRITTEN_FOR = {"dataset.name": "arithmetic"}  # the data set whose judge calls the embedded judge was taught
-
-
-def judge_model_path(cfg: Any) -> str:
-    """The judge model the run serves: `judge.model_path`, else the embedded judge (built on first use)."""
-    if cfg.judge.model_path:
-        return cfg.judge.model_path
-    from areal_pipeline.config import ModelConfig, TinyModelConfig
-    from areal_pipeline.model import resolve_model_path
-
-    tiny = dataclasses.replace(TinyModelConfig(), **EMBEDDED_JUDGE)
-    return resolve_model_path(ModelConfig(path="", tiny=tiny), cfg.output_dir, cfg.seed)
-
 
 def start_judge_server(cfg: Any, log_dir: Path, address: Optional[str] = None):
-    """The judge's server, started and healthy (within inference.setup_timeout), serving `judge_model_path(cfg)`
+    """The judge's server, started and healthy (within inference.setup_timeout), serving `judge.model_path`
     on the CPU at `address` (host:port; None: a free port of inference.host)."""
     from areal_pipeline.config import InferenceConfig
     from areal_pipeline.inference.launcher import LIVENESS_PATH, build_cpu_server_command
@@ -49,7 +31,7 @@ def start_judge_server(cfg: Any, log_dir: Path, address: Optional[str] = None):
                                  num_threads=1, max_batch_size=cfg.judge.max_concurrency,
                                  setup_timeout=cfg.inference.setup_timeout, context_length=cfg.judge.context_length)
     port = int(address.rsplit(":", 1)[1]) if address else find_free_port(server_cfg.host)
-    command = build_cpu_server_command(judge_model_path(cfg), server_cfg.host, port, server_cfg, cfg.seed)
+    command = build_cpu_server_command(cfg.judge.model_path, server_cfg.host, port, server_cfg, cfg.seed)
     server = ServerProcess(command, f"{server_cfg.host}:{port}", Path(log_dir) / "judge-server.log",
                            kind="judge server (judge.serve)", liveness_path=LIVENESS_PATH)
     server.start()

@@ -30,7 +30,6 @@ CURRICULA: dict[str, str] = {
     "search": "areal_pipeline.warm_start.search:curriculum",
     "calculator": "areal_pipeline.warm_start.calculator:curriculum",
     "grid": "areal_pipeline.warm_start.grid:curriculum",
-    "judge": "areal_pipeline.warm_start.judge:curriculum",
 }
 
 IGNORE = -100  # the label of a token the loss skips (prompts, environment turns)
