@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import urllib.request
@@ -107,3 +108,68 @@ def test_rescoring_serves_the_runs_judge_for_its_block_only(tmp_path, tiny_model
         time.sleep(0.2)
     else:
         pytest.fail(f"the judge server at {base_url} still answers after the block")
+
+
+FIXED_SCORES = [1, 0]  # what the test's judge model answers every call: the first answer right, the second wrong
+
+
+def fixed_answer_judge(directory: Path) -> Path:
+    """A tiny Qwen2 taught to answer the judge's chat of the arithmetic task with FIXED_SCORES, whatever the
+    candidates: a real model that the real server serves and the real judge reward parses, whose grades are known."""
+    import random
+
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from areal_pipeline.config import DatasetConfig, TinyModelConfig
+    from areal_pipeline.data.datasets import load_records
+    from areal_pipeline.model import build_byte_tokenizer, tiny_qwen2_config
+    from areal_pipeline.rewards.group import Candidate
+    from areal_pipeline.rewards.judge import judge_messages
+
+    tokenizer = build_byte_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(tiny_qwen2_config(tokenizer, TinyModelConfig(hidden_size=32, intermediate_size=64,
+                                                                          num_hidden_layers=1)))
+    answer = tokenizer(json.dumps({"scores": FIXED_SCORES}))["input_ids"] + [tokenizer.eos_token_id]
+    records, rng = load_records(DatasetConfig(), "train", 1), random.Random(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(60):
+        record = rng.choice(records)
+        candidates = [Candidate(prompt_id="p", sample_idx=i, question=record["question"], answer=record["answer"],
+                                completion=str(rng.randint(0, 40))) for i in range(len(FIXED_SCORES))]
+        prompt = tokenizer.apply_chat_template(judge_messages(candidates), add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        ids = torch.tensor([list(prompt) + answer])
+        labels = torch.tensor([[-100] * len(prompt) + answer])
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_a_run_serves_its_judge_the_rollout_asks_it_and_it_stops_with_the_run(tmp_path, tiny_model_dir):
+    from areal_pipeline.data.shards import read_table
+    from areal_pipeline.pipeline import run_plain
+
+    judge_dir = fixed_answer_judge(tmp_path / "judge-model")
+    cfg = load_config(str(REPO / "configs/tiny_cpu.yaml"), [
+        f"output_dir={tmp_path}", "run_id=served", f"model.path={tiny_model_dir}", "total_iterations=1",
+        "eval_freq=0", "rollout.batch_size=4", f"rollout.gconfig.n_samples={len(FIXED_SCORES)}",
+        "rollout.gconfig.max_new_tokens=4", "dataset.arithmetic_train_size=32", "rollout.group_reward=judge",
+        "judge.serve=true", f"judge.model_path={judge_dir}", "judge.max_tokens=24", "judge.retries=0"])
+    [metrics] = run_plain(cfg)
+
+    rows = read_table(tmp_path / "served" / "iter_1" / "rollout").to_pylist()
+    assert len(rows) == 8
+    for row in rows:  # every reward is the served judge's grade of its answer's place in the group
+        assert row["reward"] == FIXED_SCORES[row["sample_idx"]], row
+    assert metrics["judge/calls"] == 4 and metrics["judge/completion_tokens"] > 0
+    log = tmp_path / "served" / "logs" / "judge-server.log"
+    address = re.search(r"CPU inference server on http://(127\.0\.0\.1:\d+) \(model ([^)]+)\)", log.read_text())
+    assert address.group(2) == str(judge_dir)
+    with pytest.raises(OSError):  # stopped with the run
+        ask(f"http://{address.group(1)}/v1")
