@@ -1,6 +1,7 @@
 """GiGPO against GRPO on a multi-step environment: the same config, seeds and puzzles (configs/gigpo_grid.yaml, the
-grid_world workflow), only `ppo.advantage` differs. Success rate (the batch's share of walks that reach the goal)
-against iterations for each, and how many iterations each needs before its success rate, averaged over a window of
+grid_world workflow; configs/gigpo_grid_pits.yaml, the same with pits), only `ppo.advantage` differs. Success rate
+(the batch's share of walks that reach the goal) against iterations for each, on a grid with pits also the share of
+walks that fell in one, and how many iterations each needs before its success rate, averaged over a window of
 iterations, first reaches a threshold.
 
     python bench/gigpo_vs_grpo.py [--iterations 30] [--seeds 1 2] [--threshold 0.7] [--window 3] [overrides ...]
@@ -23,7 +24,7 @@ from typing import Optional
 ADVANTAGES = ("grpo", "gigpo")
 
 
-def success_curve(config: str, overrides: list[str]) -> list[float]:
+def run_records(config: str, overrides: list[str]) -> list[dict]:
     from areal_pipeline.pipeline import Pipeline
     from areal_pipeline.run_dir import run_lock
     from areal_pipeline.run_spec import load_config
@@ -37,7 +38,7 @@ def success_curve(config: str, overrides: list[str]) -> list[float]:
         finally:
             pipeline.close()
             pipeline.services.stop()
-    return [float(r["reward_mean"]) for r in records]
+    return records
 
 
 def iterations_to(curve: list[float], threshold: float, window: int) -> Optional[int]:
@@ -60,14 +61,19 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-gigpo-"))
     curves: dict[str, dict[int, list[float]]] = {a: {} for a in ADVANTAGES}
+    falls: dict[str, dict[int, list[float]]] = {a: {} for a in ADVANTAGES}
     started = time.time()
     for seed in args.seeds:
         for advantage in ADVANTAGES:
             run_id = f"{advantage}-seed{seed}"
-            curves[advantage][seed] = curve = success_curve(args.config, [
+            records = run_records(args.config, [
                 f"output_dir={work}", f"run_id={run_id}", f"seed={seed}", f"ppo.advantage={advantage}",
                 f"total_iterations={args.iterations}", "eval_freq=0", *args.overrides])
+            curves[advantage][seed] = curve = [float(r["reward_mean"]) for r in records]
             print(f"{run_id}: success by iteration " + " ".join(f"{v:.2f}" for v in curve), flush=True)
+            if "agent/fell_in_pit" in records[0]:  # a grid with pits: the share of walks ending in one
+                falls[advantage][seed] = fell = [float(r["agent/fell_in_pit"]) for r in records]
+                print(f"{run_id}: fell in a pit by iteration " + " ".join(f"{v:.2f}" for v in fell), flush=True)
     reached = {a: {s: iterations_to(c, args.threshold, args.window) for s, c in curves[a].items()} for a in ADVANTAGES}
     counted = {a: sum(k if k is not None else args.iterations + 1 for k in reached[a].values()) for a in ADVANTAGES}
     last = {a: statistics.fmean(v for c in curves[a].values() for v in c[-args.window:]) for a in ADVANTAGES}
@@ -82,6 +88,7 @@ def main() -> None:
                       "iterations_to_threshold": {a: {str(s): k for s, k in reached[a].items()} for a in ADVANTAGES},
                       "final_success": last, "iterations_ratio": round(ratio, 3),
                       "curves": {a: {str(s): c for s, c in curves[a].items()} for a in ADVANTAGES},
+                      "fell_in_pit": {a: {str(s): c for s, c in falls[a].items()} for a in ADVANTAGES},
                       "wall_s": round(time.time() - started, 1)}))
 
 

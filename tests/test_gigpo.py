@@ -142,6 +142,57 @@ def test_the_grid_splits_never_share_a_puzzle_and_states_have_stable_keys():
     assert anchor_key(state_key(puzzle, (1, 1))) != anchor_key(state_key(puzzle, (1, 2)))
 
 
+def test_pits_parse_show_next_to_the_walker_and_leave_a_way_to_the_goal():
+    from areal_pipeline.config import DatasetConfig
+    from areal_pipeline.data.datasets import DatasetError, _grid_connected
+
+    puzzle = Puzzle.parse("0,0>3,3|1,0;0,2", 5)
+    assert puzzle.pits == {(1, 0), (0, 2)} and Puzzle.parse("0,0>3,3", 5).pits == frozenset()
+    assert observation((0, 1), (3, 3), puzzle.pits) == "goal +3,+2 pit U"
+    assert observation((0, 0), (3, 3), puzzle.pits) == "goal +3,+3 pit R"
+    assert observation((1, 1), (3, 3), puzzle.pits) == "goal +2,+2 pit D"
+    assert observation((0, 0), (3, 3), {(0, 1), (1, 0)}) == "goal +3,+3 pit U,R"
+    with pytest.raises(ValueError, match="has a pit on its start or goal"):
+        Puzzle.parse("0,0>3,3|3,3", 5)
+    with pytest.raises(ValueError, match="does not fit a 5x5 grid"):
+        Puzzle.parse("0,0>3,3|5,1", 5)
+    with pytest.raises(ValueError, match="is not a puzzle"):
+        Puzzle.parse("0,0>3,3|1", 5)
+
+    plain = load_records(DatasetConfig(name="grid"), "train", 1)
+    with_pits = load_records(DatasetConfig(name="grid", grid_pits=4), "train", 1)
+    # the same puzzles, in the same order, with pits added: a grid without pits is the grid it always was
+    assert [r["answer"] for r in plain] == [r["answer"].split("|")[0] for r in with_pits]
+    for record in with_pits:
+        puzzle = Puzzle.parse(record["answer"], 5)
+        assert len(puzzle.pits) == 4 and _grid_connected(5, puzzle.start, puzzle.goal, puzzle.pits)
+        assert record["messages"][-1]["content"].endswith(observation(puzzle.start, puzzle.goal, puzzle.pits))
+    assert with_pits == load_records(DatasetConfig(name="grid", grid_pits=4), "train", 1)
+    with pytest.raises(DatasetError, match="grid_pits must be 0..23 on a 5x5 grid, got 24"):
+        load_records(DatasetConfig(name="grid", grid_pits=24), "train", 1)
+    with pytest.raises(DatasetError, match="leaves no way from"):
+        load_records(DatasetConfig(name="grid", grid_size=3, grid_pits=6), "train", 1)
+
+
+def test_a_walk_that_steps_into_a_pit_ends_there_with_zero():
+    from test_workflows_common import ScriptedEngine, play
+
+    from areal_pipeline.config import GenerationConfig
+    from areal_pipeline.model import build_byte_tokenizer
+    from areal_pipeline.workflows.grid_world import GridWorldWorkflow
+
+    tokenizer = build_byte_tokenizer()
+    moves = {0: "U", 1: "R", 2: "U"}  # (0,0) -> (0,1) -> (1,1), the pit
+    engine = ScriptedEngine(lambda request, turn: tokenizer(moves[turn])["input_ids"] + [tokenizer.eos_token_id])
+    workflow = GridWorldWorkflow(GenerationConfig(max_new_tokens=4), tokenizer, grid_size=5, max_steps=8)
+    data = {"prompt_id": "p", "answer": "0,0>3,3|1,1", "messages": [{"role": "user", "content": "go"}]}
+    [walk] = play(workflow, engine, data)
+    assert walk.reward == 0.0 and walk.metadata["fell_in_pit"] and walk.metadata["num_steps"] == 2
+    assert [s["pit"] for s in walk.metadata["steps"]] == [False, True]
+    assert walk.messages[-2]["content"] == "goal +3,+2 pit R"  # it was told, and stepped in anyway
+    assert len(engine.calls) == 2
+
+
 # ------------------------------------------------------------------------------------------- through the shards
 
 def _trajectory(i, mask, states, rewards, reward):
@@ -179,3 +230,46 @@ def test_shards_written_before_step_records_read_back_without_them(tmp_path):
     write_table(old, tmp_path, run_id="r", iteration=1)
     (back,) = read_trajectories(tmp_path)
     assert back.step_states is None and back.step_rewards is None and back.reward == 1.0
+
+
+def test_the_pits_warm_start_teaches_the_workflows_own_walks():
+    """Each taught walk, replayed through grid_world with the same moves, is the same tokens: the base model learns
+    the environment's format exactly, pits and their observations included."""
+    import random
+
+    from test_workflows_common import ScriptedEngine, play
+
+    from areal_pipeline.config import DatasetConfig, GenerationConfig, TinyModelConfig
+    from areal_pipeline.model import build_byte_tokenizer
+    from areal_pipeline.warm_start import IGNORE, curriculum
+    from areal_pipeline.warm_start.grid import PITS
+    from areal_pipeline.workflows.grid_world import GridWorldWorkflow
+    from areal_pipeline.workflows.rlvr import chat_prompt_ids
+
+    tokenizer = build_byte_tokenizer()
+    records = load_records(DatasetConfig(name="grid", grid_pits=PITS), "train", 1)
+    prompts: dict[tuple, list] = {}  # puzzles of one relative goal and start's pits share a prompt
+    for r in records:
+        prompts.setdefault(tuple(chat_prompt_ids(tokenizer, r["messages"])), []).append(r)
+    sample = curriculum("grid_pits")(tokenizer, TinyModelConfig(pretrain_task="grid_pits"), 1)
+    fell = 0
+    for ids, labels in sample(random.Random(0), 40):
+        prompt_len = labels.index(next(label for label in labels if label != IGNORE))
+        taught = [i for i, label in enumerate(labels) if label != IGNORE]
+        moves, current = [], []
+        for i in taught:  # the labelled runs: a move, then the end of turn
+            current.append(ids[i])
+            if ids[i] == tokenizer.eos_token_id:
+                moves.append(current)
+                current = []
+        replays = []
+        for record in prompts[tuple(ids[:prompt_len])]:
+            engine = ScriptedEngine(lambda request, turn, moves=moves: moves[min(turn, len(moves) - 1)])
+            workflow = GridWorldWorkflow(GenerationConfig(max_new_tokens=4), tokenizer, grid_size=5, max_steps=8)
+            [walk] = play(workflow, engine, {**record, "prompt_id": "p"})
+            if walk.input_ids == ids:
+                replays.append(walk)
+        assert replays, "no puzzle of this prompt plays the taught walk"
+        assert all(w.num_turns == len(moves) for w in replays)
+        fell += replays[0].metadata["fell_in_pit"]
+    assert 0 < fell < 40  # the base model is blind to the pits: some of its walks end in one

@@ -145,7 +145,7 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
     DatasetConfig: {"path": (_local_path_or_hub_id("openai/gsm8k"), _NOT_EMPTY), "max_train_size": _COUNT,
                     "max_test_size": _NON_NEGATIVE, "arithmetic_train_size": _COUNT,
                     "arithmetic_test_size": _NON_NEGATIVE, "arithmetic_max_operand": _NON_NEGATIVE,
-                    "grid_size": at_least(2)},
+                    "grid_size": at_least(2), "grid_pits": at_least(0)},
     SGLangConfig: {"tp_size": _COUNT, "dp_size": _COUNT, "mem_fraction_static": within(0, 1, open_low=True),
                    "context_length": _COUNT, "python": _EXECUTABLE_OR_EMPTY,
                    "dtype": one_of("auto", "half", "float16", "bfloat16", "float", "float32")},

@@ -62,6 +62,7 @@ class DatasetConfig:
     arithmetic_max_operand: int = 9  # arithmetic generator: operands are drawn from 0..this
     arithmetic_operators: list[str] = field(default_factory=lambda: ["+"])  # arithmetic generator: + - *
     grid_size: int = 5  # grid generator: puzzles on a grid_size x grid_size square
+    grid_pits: int = 0  # grid generator: pits a puzzle has (stepping into one ends the walk with 0)
 
 
 @dataclass

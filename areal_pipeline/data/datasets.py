@@ -10,8 +10,8 @@ Each record is a plain dict:
 
 Sources, by `cfg.name`:
     arithmetic  generated from `seed`; the train and test splits never share a question
-    grid        generated grid-navigation puzzles (a start and a goal on a `grid_size` square) for the grid_world
-                workflow; the splits never share a puzzle
+    grid        generated grid-navigation puzzles (a start and a goal on a `grid_size` square, `grid_pits` pits
+                that leave a way between them) for the grid_world workflow; the splits never share a puzzle
     gsm8k       a jsonl file, a directory of `<split>.jsonl`, or a hub id (default "openai/gsm8k")
     search_qa   a jsonl file or a directory of `<split>.jsonl`; rows {"question", "answer", "id"?};
                 empty path: questions over the generated knowledge base (`data/knowledge_base.py`)
@@ -143,9 +143,41 @@ GRID_INSTRUCTION = "Reach the goal. Reply U, D, L or R."
 GRID_MIN_DISTANCE = 2  # nearer goals are reached by chance too often to teach anything
 
 
-def grid_observation(dx: int, dy: int) -> str:
-    """What the agent sees: where the goal lies from it (x grows to the right, y upwards)."""
-    return f"goal {dx:+d},{dy:+d}"
+GRID_MOVES: dict[str, tuple[int, int]] = {"U": (0, 1), "D": (0, -1), "L": (-1, 0), "R": (1, 0)}
+
+
+def grid_observation(dx: int, dy: int, pits_next: tuple[str, ...] = ()) -> str:
+    """What the agent sees: where the goal lies from it (x grows to the right, y upwards), and the moves that would
+    step into a pit next to it."""
+    return f"goal {dx:+d},{dy:+d}" + (f" pit {','.join(pits_next)}" if pits_next else "")
+
+
+def grid_pits_next(cell: tuple[int, int], pits) -> tuple[str, ...]:
+    """The moves from `cell` into one of `pits`, in U, D, L, R order."""
+    return tuple(m for m, (dx, dy) in GRID_MOVES.items() if (cell[0] + dx, cell[1] + dy) in pits)
+
+
+def _grid_connected(n: int, start, goal, pits) -> bool:
+    """Whether `goal` can be walked to from `start` around `pits` on the n x n square."""
+    seen, frontier = {start}, [start]
+    while frontier:
+        x, y = frontier.pop()
+        for dx, dy in GRID_MOVES.values():
+            cell = (x + dx, y + dy)
+            if 0 <= cell[0] < n and 0 <= cell[1] < n and cell not in pits and cell not in seen:
+                seen.add(cell)
+                frontier.append(cell)
+    return goal in seen
+
+
+def _grid_pits(rng: random.Random, n: int, start, goal, count: int) -> list[tuple[int, int]]:
+    """`count` pits off the start and the goal that leave a way between them."""
+    free = [(x, y) for x in range(n) for y in range(n) if (x, y) not in (start, goal)]
+    for _ in range(1000):
+        pits = sorted(rng.sample(free, count))
+        if _grid_connected(n, start, goal, set(pits)):
+            return pits
+    raise DatasetError(f"grid_pits={count} leaves no way from {start} to {goal} on a {n}x{n} grid; use fewer pits")
 
 
 def _grid(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
@@ -154,15 +186,19 @@ def _grid(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
     n = cfg.grid_size
     if n < 2:
         raise DatasetError(f"grid_size must be >= 2, got {n}")
+    if not 0 <= cfg.grid_pits <= n * n - 2:
+        raise DatasetError(f"grid_pits must be 0..{n * n - 2} on a {n}x{n} grid, got {cfg.grid_pits}")
     cells = [(x, y) for x in range(n) for y in range(n)]
     puzzles = [(s, g) for s in cells for g in cells if abs(s[0] - g[0]) + abs(s[1] - g[1]) >= GRID_MIN_DISTANCE]
     random.Random(seed).shuffle(puzzles)
     n_test = max(1, len(puzzles) // 5)
     chosen = puzzles[:n_test] if split == cfg.test_split else puzzles[n_test:]
     records = []
+    pit_rng = random.Random(f"{seed}/{split}/pits")
     for i, ((sx, sy), (gx, gy)) in enumerate(chosen):
-        puzzle = f"{sx},{sy}>{gx},{gy}"
-        prompt = f"{GRID_INSTRUCTION} {grid_observation(gx - sx, gy - sy)}"
+        pits = _grid_pits(pit_rng, n, (sx, sy), (gx, gy), cfg.grid_pits) if cfg.grid_pits else []
+        puzzle = f"{sx},{sy}>{gx},{gy}" + ("|" + ";".join(f"{x},{y}" for x, y in pits) if pits else "")
+        prompt = f"{GRID_INSTRUCTION} {grid_observation(gx - sx, gy - sy, grid_pits_next((sx, sy), set(pits)))}"
         records.append(_record(cfg, f"grid-{split}-{i:05d}", puzzle, prompt, puzzle))
     return records
 

@@ -30,6 +30,7 @@ CURRICULA: dict[str, str] = {
     "search": "areal_pipeline.warm_start.search:curriculum",
     "calculator": "areal_pipeline.warm_start.calculator:curriculum",
     "grid": "areal_pipeline.warm_start.grid:curriculum",
+    "grid_pits": "areal_pipeline.warm_start.grid:curriculum_with_pits",
 }
 
 IGNORE = -100  # the label of a token the loss skips (prompts, environment turns)

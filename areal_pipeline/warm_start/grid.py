@@ -5,6 +5,9 @@ ids the workflow appends (`user_turn_ids` of the next observation; labels -100 t
 goal or `GridWorldConfig.max_steps` moves. A share `RANDOM_MOVE_SHARE` of the moves is drawn uniformly from the four
 (a wall, a step away), the rest is a step towards the goal: the base model walks in the format and towards the goal
 more often than not, but wanders enough that most walks run out of steps; RL has to learn to read the observation.
+
+`grid_pits` teaches the same walks on puzzles with `PITS` pits: the observations name the pits next to the walker,
+and the moves ignore them (a walk that steps into one ends there): RL has to learn to step around them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from areal_pipeline.warm_start import IGNORE, Example, Sampler
 
 WRITTEN_FOR = {"rollout.workflow": "grid_world", "dataset.name": "grid", "dataset.grid_size": 5}
 RANDOM_MOVE_SHARE = 0.6
+PITS = 3  # the pits of the `grid_pits` curriculum's puzzles (configs/gigpo_grid_pits.yaml's dataset.grid_pits)
 
 
 def good_moves(cell: tuple[int, int], goal: tuple[int, int]) -> list[str]:
@@ -24,14 +28,18 @@ def good_moves(cell: tuple[int, int], goal: tuple[int, int]) -> list[str]:
     return [m for m, wanted in (("R", dx > 0), ("L", dx < 0), ("U", dy > 0), ("D", dy < 0)) if wanted]
 
 
-def curriculum(tokenizer, tiny: Any, seed: int) -> Sampler:
+def curriculum_with_pits(tokenizer, tiny: Any, seed: int) -> Sampler:
+    return curriculum(tokenizer, tiny, seed, pits=PITS)
+
+
+def curriculum(tokenizer, tiny: Any, seed: int, pits: int = 0) -> Sampler:
     from areal_pipeline.config import DatasetConfig
     from areal_pipeline.data.datasets import load_records
     from areal_pipeline.workflows.grid_world import MOVES, GridWorldConfig, Puzzle, observation, step
     from areal_pipeline.workflows.rlvr import chat_prompt_ids
     from areal_pipeline.workflows.turns import user_turn_ids
 
-    dataset = DatasetConfig(name="grid")
+    dataset = DatasetConfig(name="grid", grid_pits=pits)
     records = load_records(dataset, dataset.train_split, seed)
     puzzles = [(chat_prompt_ids(tokenizer, r["messages"]), Puzzle.parse(r["answer"], dataset.grid_size))
                for r in records]
@@ -54,9 +62,9 @@ def curriculum(tokenizer, tiny: Any, seed: int) -> Sampler:
             ids += move_ids[move]
             labels += move_ids[move]
             cell = step(cell, move, puzzle.size)
-            if cell == puzzle.goal or turn + 1 == max_steps:
+            if cell == puzzle.goal or cell in puzzle.pits or turn + 1 == max_steps:
                 break
-            environment_ids = after(observation(cell, puzzle.goal))
+            environment_ids = after(observation(cell, puzzle.goal, puzzle.pits))
             ids += environment_ids
             labels += [IGNORE] * len(environment_ids)
         return ids, labels

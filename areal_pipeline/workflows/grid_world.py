@@ -1,10 +1,12 @@
 """A multi-step text environment whose states repeat across a group: walking to a goal on a small grid.
 
-A puzzle (the `grid` data set: a start and a goal on a `dataset.grid_size` square) is one prompt, so its group's
-episodes all start from one cell and keep meeting the same cells: the anchor states of GiGPO's step groups
-(training/gigpo.py). Each step the agent sees where the goal lies from it (`goal +2,-1`: two to the right, one down)
-and answers one move, U, D, L or R; a move off the grid or an answer that is no move leaves it where it was. Reaching
-the goal ends the episode with reward 1 on that step; running out of `agent.max_steps` steps ends it with 0.
+A puzzle (the `grid` data set: a start and a goal on a `dataset.grid_size` square, and `dataset.grid_pits` pits) is
+one prompt, so its group's episodes all start from one cell and keep meeting the same cells: the anchor states of
+GiGPO's step groups (training/gigpo.py). Each step the agent sees where the goal lies from it (`goal +2,-1`: two to
+the right, one down) and which moves would step into a pit next to it (`pit L,U`), and answers one move, U, D, L or
+R; a move off the grid or an answer that is no move leaves it where it was. Reaching the goal ends the episode with
+reward 1 on that step; stepping into a pit, or running out of `agent.max_steps` steps, ends it with 0. Pits make
+walks that fail after good moves: where step credit (GiGPO) and episode credit (GRPO) part.
 
 The trajectory's reward is the episode's success (GRPO's signal); each model turn records the cell it acted from
 (`step_states`, as `gigpo.anchor_key` of the cell) and its step reward (`step_rewards`), and `metadata["steps"]` keeps
@@ -19,13 +21,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 from areal_pipeline.config import at_least
-from areal_pipeline.data.datasets import grid_observation
+from areal_pipeline.data.datasets import GRID_MOVES, grid_observation, grid_pits_next
 from areal_pipeline.data.trajectory import SequenceBuilder, Trajectory
 from areal_pipeline.inference.types import ModelRequest, SamplingParams
 from areal_pipeline.workflows.rlvr import chat_prompt_ids, sample_seed
 from areal_pipeline.workflows.turns import next_turn_ids, user_turn_ids
 
-MOVES: dict[str, tuple[int, int]] = {"U": (0, 1), "D": (0, -1), "L": (-1, 0), "R": (1, 0)}
+MOVES = GRID_MOVES
 
 
 @dataclass
@@ -43,17 +45,25 @@ class Puzzle:
     start: tuple[int, int]
     goal: tuple[int, int]
     size: int
+    pits: frozenset = frozenset()
 
     @classmethod
     def parse(cls, text: str, size: int) -> "Puzzle":
-        """`"sx,sy>gx,gy"`, the grid data set's answer."""
+        """`"sx,sy>gx,gy"` or `"sx,sy>gx,gy|px,py;..."` (with pits), the grid data set's answer."""
+        walk, _, pit_text = text.partition("|")
         try:
-            start, goal = (tuple(int(v) for v in part.split(",")) for part in text.split(">"))
+            start, goal = (tuple(int(v) for v in part.split(",")) for part in walk.split(">"))
+            pits = [tuple(int(v) for v in pit.split(",")) for pit in pit_text.split(";")] if pit_text else []
+            if any(len(cell) != 2 for cell in (start, goal, *pits)):
+                raise ValueError
         except ValueError:
-            raise ValueError(f"grid_world: {text!r} is not a puzzle 'sx,sy>gx,gy' (dataset.name=grid)") from None
-        if len(start) != 2 or len(goal) != 2 or not all(0 <= v < size for v in (*start, *goal)):
+            raise ValueError(f"grid_world: {text!r} is not a puzzle 'sx,sy>gx,gy' or 'sx,sy>gx,gy|px,py;...' "
+                             "(dataset.name=grid)") from None
+        if not all(0 <= v < size for cell in (start, goal, *pits) for v in cell):
             raise ValueError(f"grid_world: puzzle {text!r} does not fit a {size}x{size} grid (dataset.grid_size)")
-        return cls(start, goal, size)
+        if start in pits or goal in pits:
+            raise ValueError(f"grid_world: puzzle {text!r} has a pit on its start or goal")
+        return cls(start, goal, size, frozenset(pits))
 
 
 def step(cell: tuple[int, int], answer: str, size: int) -> tuple[int, int]:
@@ -65,8 +75,8 @@ def step(cell: tuple[int, int], answer: str, size: int) -> tuple[int, int]:
     return (x, y) if 0 <= x < size and 0 <= y < size else cell
 
 
-def observation(cell: tuple[int, int], goal: tuple[int, int]) -> str:
-    return grid_observation(goal[0] - cell[0], goal[1] - cell[1])
+def observation(cell: tuple[int, int], goal: tuple[int, int], pits=frozenset()) -> str:
+    return grid_observation(goal[0] - cell[0], goal[1] - cell[1], grid_pits_next(cell, pits))
 
 
 def state_key(puzzle: Puzzle, cell: tuple[int, int]) -> str:
@@ -113,14 +123,14 @@ class GridWorldWorkflow:
             answer = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
             states.append(anchor_key(state_key(puzzle, cell)))
             after = step(cell, answer, puzzle.size)
-            reached = after == puzzle.goal
+            reached, fell = after == puzzle.goal, after in puzzle.pits
             rewards.append(1.0 if reached else 0.0)
-            steps.append({"cell": list(cell), "answer": answer, "moved": after != cell})
+            steps.append({"cell": list(cell), "answer": answer, "moved": after != cell, "pit": fell})
             messages.append({"role": "assistant", "content": answer})
             cell = after
-            if reached or turn + 1 == self.max_steps:
+            if reached or fell or turn + 1 == self.max_steps:
                 break
-            text = observation(cell, puzzle.goal)
+            text = observation(cell, puzzle.goal, puzzle.pits)
             closing, message = self._environment_ids(text)
             seq.add_environment(next_turn_ids(resp, self.tokenizer.eos_token_id, closing, message))
             messages.append({"role": "user", "content": text})
@@ -135,7 +145,8 @@ class GridWorldWorkflow:
             messages=messages,
             text=self.tokenizer.decode(seq.input_ids[seq.prompt_len:]),
             metadata={"answer": data.get("answer"), "steps": steps, "server": resp.server, "success": success,
-                      "num_steps": len(steps), "wasted_moves": sum(not s["moved"] for s in steps)},
+                      "num_steps": len(steps), "wasted_moves": sum(not s["moved"] for s in steps),
+                      "fell_in_pit": cell in puzzle.pits},
             step_states=per_token(states, seq.turn_spans, n, fill=-1),
             step_rewards=per_token(rewards, seq.turn_spans, n, fill=0.0),
         )
