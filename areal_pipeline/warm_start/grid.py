@@ -6,8 +6,9 @@ goal or `GridWorldConfig.max_steps` moves. A share `RANDOM_MOVE_SHARE` of the mo
 (a wall, a step away), the rest is a step towards the goal: the base model walks in the format and towards the goal
 more often than not, but wanders enough that most walks run out of steps; RL has to learn to read the observation.
 
-`grid_pits` teaches the same walks on puzzles with `PITS` pits: the observations name the pits next to the walker,
-and the moves ignore them (a walk that steps into one ends there): RL has to learn to step around them.
+`grid_pits` teaches walks on puzzles with `PITS` pits: the observations name the pits next to the walker and the
+moves ignore them (a walk that steps into one ends there); fewer moves are random (`PITS_RANDOM_MOVE_SHARE`), as
+the pits end many walks early. RL has to learn to step around them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from areal_pipeline.warm_start import IGNORE, Example, Sampler
 WRITTEN_FOR = {"rollout.workflow": "grid_world", "dataset.name": "grid", "dataset.grid_size": 5}
 RANDOM_MOVE_SHARE = 0.6
 PITS = 3  # the pits of the `grid_pits` curriculum's puzzles (configs/gigpo_grid_pits.yaml's dataset.grid_pits)
+PITS_RANDOM_MOVE_SHARE = 0.3
 
 
 def good_moves(cell: tuple[int, int], goal: tuple[int, int]) -> list[str]:
@@ -29,10 +31,10 @@ def good_moves(cell: tuple[int, int], goal: tuple[int, int]) -> list[str]:
 
 
 def curriculum_with_pits(tokenizer, tiny: Any, seed: int) -> Sampler:
-    return curriculum(tokenizer, tiny, seed, pits=PITS)
+    return curriculum(tokenizer, tiny, seed, pits=PITS, random_move_share=PITS_RANDOM_MOVE_SHARE)
 
 
-def curriculum(tokenizer, tiny: Any, seed: int, pits: int = 0) -> Sampler:
+def curriculum(tokenizer, tiny: Any, seed: int, pits: int = 0, random_move_share: float = RANDOM_MOVE_SHARE) -> Sampler:
     from areal_pipeline.config import DatasetConfig
     from areal_pipeline.data.datasets import load_records
     from areal_pipeline.workflows.grid_world import MOVES, GridWorldConfig, Puzzle, observation, step
@@ -57,7 +59,7 @@ def curriculum(tokenizer, tiny: Any, seed: int, pits: int = 0) -> Sampler:
         ids, labels = list(prompt), [IGNORE] * len(prompt)
         cell = puzzle.start
         for turn in range(max_steps):
-            move = rng.choice(list(MOVES)) if rng.random() < RANDOM_MOVE_SHARE else rng.choice(
+            move = rng.choice(list(MOVES)) if rng.random() < random_move_share else rng.choice(
                 good_moves(cell, puzzle.goal))
             ids += move_ids[move]
             labels += move_ids[move]
