@@ -293,7 +293,9 @@ def test_a_judge_outage_fails_the_rollout_node_clearly_and_its_prefect_retry_sco
     while not (node := asyncio.run(rollout_task_run(run_id))).state.is_completed():
         assert time.monotonic() < deadline, node.state
         time.sleep(0.2)
-    assert node.run_count == 2
+    # failed while the judge was down, then completed by a retry: the first (5 s later) or, where the judge server
+    # took longer than that to start on a loaded machine, the second
+    assert node.run_count in (2, 3)
     assert len(calls(calls_log)) == 4
     metrics = assert_judged(tmp_path / run_id)  # every reward is the judge's: none is a 0 for the outage
     assert metrics["judge/calls"] == 4
