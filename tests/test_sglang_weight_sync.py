@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import _sglang_reference as ref
-from areal_pipeline.processes import ServerProcess
+from areal_pipeline.processes import ServerLaunchError, ServerProcess
 from areal_pipeline.training.weight_sync import broadcast_weights, buckets, forget_group, rank_offsets, wire_dtype
 from areal_pipeline.utils import find_free_port
 from conftest import http, start_cpu_server
@@ -23,12 +23,21 @@ GROUP = "weight_update_group"
 
 
 def start_standin(version: str, tp_size: int, out: Path, port: int = 0) -> ServerProcess:
+    """The stand-in serving on `port` (0: a free one; where another process of the parallel tests binds that one
+    between its choice and the stand-in's bind, a new one is chosen)."""
     out.mkdir(parents=True, exist_ok=True)
-    port = port or find_free_port()
-    server = ServerProcess([sys.executable, str(STANDIN), version, str(port), str(tp_size), str(out)],
-                           f"127.0.0.1:{port}", out.parent / f"{out.name}-{port}.log", kind="SGLang stand-in").start()
-    server.wait_healthy(120)
-    return server
+    for attempt in range(3):
+        chosen = port or find_free_port()
+        server = ServerProcess([sys.executable, str(STANDIN), version, str(chosen), str(tp_size), str(out)],
+                               f"127.0.0.1:{chosen}", out.parent / f"{out.name}-{chosen}.log",
+                               kind="SGLang stand-in").start()
+        try:
+            server.wait_healthy(120)
+            return server
+        except ServerLaunchError as error:
+            server.stop()
+            if port or attempt == 2 or "Address already in use" not in str(error):
+                raise
 
 
 def received(out: Path, tp_rank: int) -> tuple[int, dict[str, torch.Tensor]]:
