@@ -218,8 +218,8 @@ def test_health_timeout_stops_the_process(tmp_path):
         assert server.popen.returncode == -signal.SIGTERM and not _alive([server.popen.pid])
 
 
-def test_stop_kills_the_whole_tree():
-    with ServerProcess(["bash", "-c", "sleep 300 & sleep 300 & wait"], "127.0.0.1:1") as server:
+def test_stop_kills_the_whole_tree(tmp_path):
+    with ServerProcess(["bash", "-c", "sleep 300 & sleep 300 & wait"], "127.0.0.1:1", tmp_path / "s.log") as server:
         deadline = time.monotonic() + 10
         while len(_process_tree(server.popen.pid)) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -229,10 +229,10 @@ def test_stop_kills_the_whole_tree():
     server.stop()  # idempotent
 
 
-def test_stop_kills_children_that_left_the_group_and_ignore_sigterm():
+def test_stop_kills_children_that_left_the_group_and_ignore_sigterm(tmp_path):
     # A child in its own session ignoring SIGTERM: only the psutil sweep + SIGKILL can get it.
     script = "trap '' TERM; setsid bash -c \"trap '' TERM; sleep 300\" & sleep 300"
-    with ServerProcess(["bash", "-c", script], "127.0.0.1:1") as server:
+    with ServerProcess(["bash", "-c", script], "127.0.0.1:1", tmp_path / "s.log") as server:
         deadline = time.monotonic() + 10
         while len({os.getsid(pid) for pid in _process_tree(server.popen.pid)}) < 2:
             assert time.monotonic() < deadline, "the setsid child never started"
