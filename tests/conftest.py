@@ -93,6 +93,27 @@ def http(address: str, path: str, body=None, method: str | None = None, timeout:
         return status, raw.decode()
 
 
+# --- Temp files of the processes the tests start ---------------------------------------------------------------
+# A server, trainer or torchrun agent a test kills on purpose leaves its own temp dirs behind (multiprocessing's
+# pymp-*, torchrun's torchelastic_*). With TMPDIR under this session's pytest temp dir, which pytest rotates, they
+# do not pile up in /tmp.
+
+
+@pytest.fixture(scope="session", autouse=True)
+def processes_temp_dir(tmp_path_factory):
+    import tempfile
+
+    directory = str(tmp_path_factory.mktemp("tmp"))
+    before = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = directory
+    yield directory
+    tempfile.tempdir = before[1]
+    if before[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before[0]
+
+
 # --- Longest files first -------------------------------------------------------------------------------------
 # `make test` hands whole files to the xdist workers (--dist loadfile) in collection order (--no-loadscope-reorder):
 # ordered by their recorded seconds (tests/durations.json, refreshed by tests/_durations.py), the long files start
