@@ -13,6 +13,9 @@ from test_flows import REPO, _flow_runs, _task_runs, fast_overrides, final_weigh
 
 # KL to the reference (a ref_logprobs node) and an update of two minibatches (a proximal_logprobs node)
 BOTH_PASSES = ["ppo.kl_ctl=0.05", "ppo.ppo_n_minibatches=2"]
+# The server's logprobs depend on which requests share a decode batch, which timing decides on a loaded machine:
+# one request a batch, so that both runs roll out the very same rows.
+ONE_REQUEST_A_BATCH = ["inference.max_batch_size=1"]
 
 
 def test_each_node_records_only_its_own_iterations_upstream_nodes(prefect_api, tiny_model_dir, tmp_path):
@@ -66,13 +69,13 @@ def test_the_logprob_nodes_give_the_weights_of_the_trainers_own_passes(prefect_a
 
     config = str(REPO / "configs/tiny_cpu.yaml")
     train(config_path=config, overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="nodes", iterations=2)
-          + BOTH_PASSES)
+          + BOTH_PASSES + ONE_REQUEST_A_BATCH)
     run_dir = tmp_path / "nodes"
     assert all((run_dir / f"iter_{k}" / name).is_file() for k in (1, 2)
                for name in ("ref_logprobs.parquet", "prox_logprobs.parquet"))
 
     cfg = resolve_run_config(config, fast_overrides(tmp_path, tiny_model_dir, run_id="inside", iterations=2)
-                             + BOTH_PASSES, None, None)
+                             + BOTH_PASSES + ONE_REQUEST_A_BATCH, None, None)
     pipeline = Pipeline(cfg)
     assert pipeline.proximal_columns == ("prox_logprobs",)
     pipeline.proximal_columns = ()  # no proximal_logprobs step: the trainer's update computes them
