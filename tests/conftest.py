@@ -104,14 +104,10 @@ def processes_temp_dir(tmp_path_factory):
     import tempfile
 
     directory = str(tmp_path_factory.mktemp("tmp"))
-    before = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"] = tempfile.tempdir = directory
-    yield directory
-    tempfile.tempdir = before[1]
-    if before[0] is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = before[0]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", directory)
+        patch.setattr(tempfile, "tempdir", directory)
+        yield directory
 
 
 # --- Longest files first -------------------------------------------------------------------------------------
