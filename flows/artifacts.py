@@ -17,6 +17,7 @@ from prefect.artifacts import (create_markdown_artifact, create_progress_artifac
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
+from areal_pipeline import shutdown
 from areal_pipeline.data.shards import read_table
 from areal_pipeline.metrics import metrics_table, plot_curves, run_history, significant, summarize
 from areal_pipeline.pipeline import Pipeline
@@ -142,7 +143,10 @@ def publish_iteration(run: LiveRun, k: int, record: dict[str, Any]) -> bool:
     where due. Where iterations take less than ITERATION_ARTIFACTS_INTERVAL_S, a card each would cost the API
     more than a person can read: then cards are published at most that often, and always for a run's last
     iteration and for an iteration with a checkpoint (the table has every iteration). Returns whether the card
-    was published."""
+    was published. Nothing is published once a stop signal arrived: the process must end within seconds, and the
+    run's next command shows iteration k in the table and curves (its record is written)."""
+    if shutdown.requested_by() is not None:
+        return False
     if run.artifacts is not None:
         run.artifacts.iteration_done(k)
     pipeline, run_id, now = run.pipeline, run.run_id, time.monotonic()
