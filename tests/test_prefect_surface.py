@@ -2,7 +2,7 @@
 release: a Prefect release that removes or renames a name the code imports, or changes a call the code makes,
 fails here before it fails a run. pyproject.toml pins Prefect to a range; this is what makes the range honest.
 No private name of another package is used but the wrapped ones, each with its test (Prefect's engine entry
-points behind flows/created_runs.py)."""
+point `run_flow` behind flows/created_runs.py)."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def test_the_calls_the_project_makes_keep_their_parameters():
     from prefect import flow
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.deployments.runner import RunnerDeployment
-    from prefect.flow_engine import load_flow_run, run_flow
+    from prefect.flow_engine import run_flow
     from prefect.flows import Flow
     from prefect.runner import Runner
     from prefect.server.api.server import create_app
@@ -142,7 +142,8 @@ def test_the_calls_the_project_makes_keep_their_parameters():
         SyncPrefectClient.create_task_run)
     assert {"flow", "name", "parameters", "tags", "parent_task_run_id"} <= _parameters(
         SyncPrefectClient.create_flow_run)
-    assert {"flow", "flow_run"} <= _parameters(run_flow) and "flow_run_id" in _parameters(load_flow_run)
+    assert {"flow", "flow_run"} <= _parameters(run_flow) and "flow_run_id" in _parameters(
+        SyncPrefectClient.read_flow_run)
     assert {"ephemeral", "final"} <= _parameters(create_app)
     assert "updates" in _parameters(temporary_settings) and "max_workers" in _parameters(ThreadPoolTaskRunner)
     # a run's table and curves artifacts are updated in place (flows/artifacts.py), as Prefect's own
@@ -267,7 +268,7 @@ print(json.dumps({"result": result, "seen": seen, "state": ended.state.type.valu
 
 
 def test_a_flow_run_created_through_the_api_runs_in_a_process_of_its_own(prefect_api):
-    """The sweep's runs (flows/created_runs.py, the one place that calls Prefect's engine entry points): the run the
+    """The sweep's runs (flows/created_runs.py, the one place that calls Prefect's engine entry point): the run the
     client created is the one that runs, with its parameters, and ends Completed in the API."""
     done = subprocess.run([sys.executable, "-c", A_CREATED_FLOW_RUN], cwd=REPO, timeout=300, capture_output=True,
                           text=True, env={**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONPATH": str(REPO)})
