@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
@@ -36,7 +34,7 @@ from areal_pipeline.checksums import IntegrityError, has_checksums, verify_check
 from areal_pipeline.config import ExperimentConfig, save_config, to_dict
 from areal_pipeline.data.shards import ShardError, verify_shards
 from areal_pipeline.run_spec import load_config
-from areal_pipeline.utils import atomic_directory, atomic_write_text, get_logger
+from areal_pipeline.utils import atomic_directory, atomic_write_text, get_logger, link_tree
 
 logger = get_logger(__name__)
 
@@ -127,17 +125,37 @@ def plan_branch(parent_dir: str | Path, at: int, run_id: str, overrides: Optiona
     if rescored is not None and not replay:
         raise BranchError("--rescored trains on re-scored rollouts: it goes with --replay")
     parent_cfg = parent_config(parent_dir)
-    parent_run_id = parent_dir.name
-    if run_id == parent_run_id:
+    if run_id == parent_dir.name:
         raise BranchError(f"the branch needs a run id of its own (not {run_id!r}, the parent's)")
     if any(o.split("=", 1)[0].strip() in ("run_id", "total_iterations") for o in overrides):
         raise BranchError("give the branch's run id with --run-id and its length with --iterations, not as overrides")
+    finished = _contiguous(RunPaths(parent_dir).completed_iterations())
+    if at > finished:
+        raise BranchError(f"run {parent_dir.name} has finished iterations 1..{finished}, so it cannot be branched at "
+                          f"{at}")
+    cfg = load_config(parent_dir / "config.yaml", [*overrides, f"run_id={run_id}"])
+    return plan_branch_of(parent_dir, at, cfg, overrides, replay, iterations, rescored, parent_cfg)
+
+
+def plan_branch_of(parent_dir: str | Path, at: int, cfg: ExperimentConfig, overrides: Optional[list[str]] = None,
+                   replay: bool = False, iterations: Optional[int] = None, rescored: Optional[str] = None,
+                   parent_cfg: Optional[ExperimentConfig] = None) -> BranchPlan:
+    """`plan_branch` for a branch whose config is given whole (`cfg`, its run id the branch's) rather than as
+    overrides of the parent's: a recurring line's candidate, configured by the line (`overrides` are recorded as
+    what made it). The same checks; nothing is written."""
+    from areal_pipeline.run_dir import RunPaths
+
+    parent_dir = Path(parent_dir)
+    overrides = list(overrides or [])
+    parent_cfg = parent_cfg or parent_config(parent_dir)
+    parent_run_id = parent_dir.name
+    if cfg.run_id == parent_run_id:
+        raise BranchError(f"the branch needs a run id of its own (not {cfg.run_id!r}, the parent's)")
     paths = RunPaths(parent_dir)
     finished = _contiguous(paths.completed_iterations())
     if at > finished:
         raise BranchError(f"run {parent_run_id} has finished iterations 1..{finished}, so it cannot be branched at "
                           f"{at}")
-    cfg = load_config(parent_dir / "config.yaml", [*overrides, f"run_id={run_id}"])
     if cfg.model != parent_cfg.model:
         raise BranchError("model.* cannot change in a branch: it starts from the parent's policy")
     if replay:
@@ -226,23 +244,6 @@ def parent_flow_runs(parent_dir: Path, at: int) -> list[str]:
     return runs
 
 
-def _link_tree(source: Path, target: Path) -> bool:
-    """`target` as a tree of hard links to `source`'s files; False where it had to copy (another file system).
-    Hidden temporary files (an unfinished write) are left out."""
-    copied = False
-
-    def link(src: str, dst: str) -> None:
-        nonlocal copied
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-            copied = True
-
-    shutil.copytree(source, target, copy_function=link, ignore=shutil.ignore_patterns(".*"), symlinks=False)
-    return not copied
-
-
 def prepare_branch(plan: BranchPlan) -> dict[str, Any]:
     """Build the branch's run directory: references to the parent's iterations 1..K (and in a replay to its rollout
     shards K+1..N), its checkpoint K when the parent saved one, config.yaml, metrics.jsonl of 1..K and
@@ -273,14 +274,14 @@ def prepare_branch(plan: BranchPlan) -> dict[str, Any]:
     with atomic_directory(plan.run_dir) as tmp:
         paths = RunPaths(tmp)
         for k in range(1, plan.at + 1):
-            linked &= _link_tree(parent.iteration(k), paths.iteration(k))
+            linked &= link_tree(parent.iteration(k), paths.iteration(k))
         if parent.evaluation(0).is_file():  # the initial policy is the parent's: its evaluation starts both curves
-            linked &= _link_tree(parent.iteration(0), paths.iteration(0))
+            linked &= link_tree(parent.iteration(0), paths.iteration(0))
         if plan.mode == "replay":
             for k in range(plan.at + 1, plan.last + 1):
-                linked &= _link_tree(plan.source_rollout(k), paths.rollout(k))
+                linked &= link_tree(plan.source_rollout(k), paths.rollout(k))
         if plan.parent_checkpoint is not None:
-            linked &= _link_tree(parent.checkpoint(plan.at), paths.checkpoint(plan.at))
+            linked &= link_tree(parent.checkpoint(plan.at), paths.checkpoint(plan.at))
         lines = [json.dumps(json.loads(paths.metrics(k).read_text()), sort_keys=True) for k in range(1, plan.at + 1)]
         atomic_write_text(paths.metrics_jsonl, "".join(line + "\n" for line in lines))
         save_config(plan.cfg, tmp / "config.yaml")

@@ -191,11 +191,11 @@ def _terminal_handlers(root: logging.Logger) -> list[logging.Handler]:
 
 @contextlib.contextmanager
 def quiet_console(run_id: str, run_dir: Path, verbose: bool = False, stream: Optional[IO[str]] = None,
-                  live: Optional[bool] = None) -> Iterator[Optional[ProgressLine]]:
-    """For the block: every log record also to `<run_dir>/logs/train.log`; unless `verbose`, the terminal shows
+                  live: Optional[bool] = None, log_name: str = "train.log") -> Iterator[Optional[ProgressLine]]:
+    """For the block: every log record also to `<run_dir>/logs/<log_name>`; unless `verbose`, the terminal shows
     WARNING and above plus the progress line that is yielded (feed it the run's events), else None."""
     stream = stream or sys.stderr
-    log_path = Path(run_dir) / "logs" / "train.log"
+    log_path = Path(run_dir) / "logs" / log_name
     log_path.parent.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
     file_handler = logging.FileHandler(log_path, encoding="utf-8")

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 
 from areal_pipeline.checksums import IntegrityError, has_checksums, verify_checksums
 from areal_pipeline.config import ExperimentConfig, save_config, to_dict
-from areal_pipeline.data.datasets import load_records
+from areal_pipeline.data.datasets import ROW_FILE_SUFFIXES, load_records
 from areal_pipeline.data.shards import keep_if_intact, read_manifest
 from areal_pipeline.inference.backend import engine_for
 from areal_pipeline.inference.client import RemoteSGLangEngine
@@ -87,7 +87,9 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
         d = self.cfg.dataset
         source = hashlib.sha256(json.dumps(to_dict(d), sort_keys=True).encode() + str(self.cfg.seed).encode())
         if d.path and Path(d.path).exists():
-            for f in sorted(Path(d.path).rglob("*.jsonl")) if Path(d.path).is_dir() else [Path(d.path)]:
+            files = [f for f in Path(d.path).rglob("*") if f.suffix in ROW_FILE_SUFFIXES] if Path(d.path).is_dir() \
+                else [Path(d.path)]
+            for f in sorted(files):
                 source.update(f.read_bytes())
         out = Path(self.cfg.output_dir) / "_datasets" / f"{d.name}-{source.hexdigest()[:16]}"
         manifest = read_json(out / "manifest.json")
@@ -221,7 +223,7 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
         with self._trainer_lock:
             client = self.ensure_trainer_version(k)
             client.call("save", path=str(path), extra={"iteration": k, "run_id": self.cfg.run_id})
-        for old in self.paths.saved_checkpoints()[: -self.cfg.keep_checkpoints]:
+        for old in prunable_checkpoints(self.paths, self.cfg.keep_checkpoints, self.cfg.keep_best_checkpoint):
             shutil.rmtree(self.paths.checkpoint(old), ignore_errors=True)
         return {"saved": True, "path": str(path), "seconds": time.perf_counter() - started, "cached": False}
 
@@ -331,6 +333,20 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
         # the collector. Otherwise every full collection walks it all again with the orchestrating process stalled,
         # a few times a minute: a visible share of an asynchronous run's wall time.
         gc.freeze()
+
+
+def prunable_checkpoints(paths: RunPaths, keep: int, keep_best: bool) -> list[int]:
+    """The saved checkpoints to delete: all but the newest `keep`, the best one by eval pass@1 (`keep_best`: of
+    the checkpoints whose iteration was evaluated, the highest pass@1, the newest of equals) and the pinned ones
+    (a recurring line's champions, recurring/line.py)."""
+    saved = paths.saved_checkpoints()
+    kept = set(saved[-keep:]) | paths.pinned_checkpoints()
+    if keep_best:
+        scored = [(record["pass_at_1"], k) for k in saved
+                  if (record := read_json(paths.evaluation(k))) is not None and record.get("pass_at_1") is not None]
+        if scored:
+            kept.add(max(scored)[1])
+    return [k for k in saved if k not in kept]
 
 
 def run_together(steps: list[Callable[[], Any]]) -> list[Any]:

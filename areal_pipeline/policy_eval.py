@@ -12,9 +12,10 @@ from areal_pipeline.utils import run_async
 
 
 def evaluate_policy(run: RunSpec | ExperimentConfig, engine_factory, records: list[dict], tokenizer, reward_pool,
-                    tool_kwargs: dict) -> dict[str, Any]:
+                    tool_kwargs: dict, per_prompt: bool = False) -> dict[str, Any]:
     """pass@1 (greedy, one sample per prompt) and mean reward on `records`, with the run's workflow (a config in
-    place of a RunSpec is assembled first)."""
+    place of a RunSpec is assembled first); `per_prompt`: also each prompt's reward and answer (`per_prompt`,
+    prompt id -> {"reward", "completion"}), what a paired comparison of two policies needs."""
     import dataclasses
 
     from areal_pipeline.rollout.executor import play_batch
@@ -37,8 +38,14 @@ def evaluate_policy(run: RunSpec | ExperimentConfig, engine_factory, records: li
         async with engine_factory() as engine:
             return await play_batch(workflow, engine, dict(enumerate(records)), n_samples=1, policy=policy,
                                     max_concurrent_rollouts=cfg.rollout.max_concurrent_rollouts, progress=False)
-    trajectories = [t for group in run_async(run()) for t in group.trajectories]
+    groups = run_async(run())
+    trajectories = [t for group in groups for t in group.trajectories]
     n = max(1, len(trajectories))
+    scores = {}
+    if per_prompt:  # a prompt's one greedy episode may make several trajectories (turns): the last one's reward
+        for group in groups:
+            for t in group.trajectories:
+                scores[str(group.prompt_id)] = {"reward": float(t.reward), "completion": t.text}
     return {
         "num_prompts": len(records),
         "pass_at_1": sum(t.reward >= 1.0 for t in trajectories) / n,
@@ -47,4 +54,5 @@ def evaluate_policy(run: RunSpec | ExperimentConfig, engine_factory, records: li
         "seconds": time.perf_counter() - started,
         "samples": [{"prompt": next((m["content"] for m in t.messages if m["role"] == "user"), ""),
                      "completion": t.text, "reward": t.reward} for t in trajectories[:4]],
+        **({"per_prompt": scores} if per_prompt else {}),
     }

@@ -84,6 +84,14 @@ class RunPaths:
     def metrics_jsonl(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
+    @property
+    def pinned(self) -> Path:
+        """The checkpoint steps never pruned (a recurring line's champions: recurring/line.py)."""
+        return self.checkpoints / "pinned.json"
+
+    def pinned_checkpoints(self) -> set[int]:
+        return set((read_json(self.pinned) or {}).get("steps", []))
+
     def saved_checkpoints(self) -> list[int]:
         """The steps whose checkpoint was saved to the end: its checksums.json is written last, so a save that
         crashed midway never counts (whether the files are still intact is checked where they are used)."""
@@ -107,3 +115,11 @@ def write_json(path: Path, record: dict) -> dict:
 def newest_completed_iteration(run_dir: Path) -> int:
     done = RunPaths(run_dir).completed_iterations()
     return done[-1] if done else 0
+
+
+def pin_checkpoint(run_dir: Path, iteration: int) -> None:
+    """Keep run `run_dir`'s checkpoint at `iteration` whatever keep_checkpoints says."""
+    paths = RunPaths(run_dir)
+    pinned = paths.pinned_checkpoints()
+    if iteration not in pinned:
+        write_json(paths.pinned, {"steps": sorted({*pinned, iteration})})

@@ -80,6 +80,23 @@ def atomic_directory(path: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def link_tree(source: Path, target: Path) -> bool:
+    """`target` as a tree of hard links to `source`'s files; False where it had to copy (another file system).
+    Hidden temporary files (an unfinished write) are left out."""
+    copied = False
+
+    def link(src: str, dst: str) -> None:
+        nonlocal copied
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+            copied = True
+
+    shutil.copytree(source, target, copy_function=link, ignore=shutil.ignore_patterns(".*"), symlinks=False)
+    return not copied
+
+
 @contextlib.contextmanager
 def environment(**variables: str) -> Iterator[None]:
     """`os.environ` with `variables` set for the block (what a process started in it inherits), as it was after."""

@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "path/to/file.py:Class")
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("serve", help="serve the train, evaluate and sweep deployments (Prefect UI runs, schedules)")
+    p = sub.add_parser("serve", help="serve the train, evaluate and sweep deployments (Prefect UI runs, schedules), "
+                                     "or a recurring line's (--recurring)")
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
     p.add_argument("--run-id", default=None)
     p.add_argument("--iterations", type=int, default=None, help="iterations a train run adds to its run")
@@ -98,8 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-seconds", type=float, default=None,
                    help="how often to ask the API for runs to start (default: PREFECT_RUNNER_POLL_FREQUENCY if set, "
                         "else 2; Prefect's own default is 10)")
+    p.add_argument("--recurring", action="store_true",
+                   help="serve the recurring line of --config instead (its firings on --cron/--interval, its "
+                        "rollback; and the servers the line runs itself, recurring.serve.num_servers)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_serve)
+
+    from cli.recurring import add_parser as add_recurring_parser
+
+    add_recurring_parser(sub)
 
     p = sub.add_parser("export", help="a data set from a run's rollout shards: rejection-sampled SFT conversations "
                                       "or chosen/rejected pairs, as Parquet or JSON lines")
@@ -237,7 +245,7 @@ def _interrupted_message(args) -> str:
     return message
 
 
-FLOW_COMMANDS = ("train", "evaluate", "branch", "sweep", "rescore")
+FLOW_COMMANDS = ("train", "evaluate", "branch", "sweep", "rescore", "recurring")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -161,6 +161,17 @@ def cmd_config(args) -> None:
 def cmd_serve(args) -> None:
     from flows.serve import serve_deployments
 
+    if args.recurring:
+        from areal_pipeline.recurring.line import check_line_config
+        from areal_pipeline.run_spec import load_config
+
+        if args.run_id or args.iterations or args.eval_cron or args.eval_interval:
+            sys.exit("serve --recurring: the line's config says its run id and iterations (recurring.*); --run-id, "
+                     "--iterations and --eval-* are for the train deployments")
+        check_line_config(load_config(args.config, args.overrides))
+        serve_deployments(args.config, args.overrides, cron=args.cron, interval=args.interval,
+                          poll_seconds=args.poll_seconds, recurring=True)
+        return
     serve_deployments(args.config, args.overrides, args.run_id, args.iterations, cron=args.cron,
                       interval=args.interval, eval_cron=args.eval_cron, eval_interval=args.eval_interval,
                       poll_seconds=args.poll_seconds)

@@ -20,6 +20,14 @@ from flows.sweep import sweep
 from flows.train import train
 
 
+def one_at_a_time():
+    """A deployment's concurrency limit of one run: a run started while one runs waits for it (Prefect's ENQUEUE:
+    AwaitingConcurrencySlot in the UI) rather than fail on the run's lock."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+
+    return ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
+
+
 def deployments(config_path: str, overrides: list[str], run_id: Optional[str], iterations: Optional[int],
                 cron: Optional[str] = None, interval: Optional[float] = None,
                 eval_cron: Optional[str] = None, eval_interval: Optional[float] = None) -> list[tuple[Flow, dict]]:
@@ -31,8 +39,9 @@ def deployments(config_path: str, overrides: list[str], run_id: Optional[str], i
     common = {"config_path": config_path, "overrides": overrides, "run_id": run_id}
     train_deployment = dict(
         name="train", parameters={**common, "iterations": iterations}, cron=cron, interval=interval,
+        concurrency_limit=one_at_a_time(),
         description="RL training: one child flow run per iteration (rollout -> advantages -> ppo_update -> "
-                    "broadcast_weights -> checkpoint -> evaluate)")
+                    "broadcast_weights -> checkpoint -> evaluate); one run at a time, the next waits its turn")
     evaluate_deployment = dict(
         name="evaluate", parameters={**common, "checkpoint": "latest"}, cron=eval_cron, interval=eval_interval,
         description="pass@1 and mean reward of a checkpoint (default: the run's newest) on the test split")
@@ -45,6 +54,28 @@ def deployments(config_path: str, overrides: list[str], run_id: Optional[str], i
         description="a train run per combination of axes (key=v1,v2,...: add the keys to sweep), at most "
                     "max_parallel at once, each its own run id and flow run; a table artifact of their figures")
     return [(train, train_deployment), (evaluate, evaluate_deployment), (sweep, sweep_deployment)]
+
+
+def line_deployments(config_path: str, overrides: list[str], cron: Optional[str] = None,
+                     interval: Optional[float] = None) -> list[tuple[Flow, dict]]:
+    """A recurring line's deployments, named after the line: `recurring/<line>` (its firings, on the schedule) and
+    `recurring-rollback/<line>` (the UI's way to publish an earlier champion). One run of each at a time: a firing
+    due while the last one runs waits for it in Prefect (and then for the line's lock)."""
+    from areal_pipeline.recurring.line import line_name
+    from areal_pipeline.run_spec import load_config
+    from flows.recurring import recurring, recurring_rollback
+
+    config_path = str(Path(config_path).resolve())
+    name = line_name(load_config(config_path, overrides))
+    common = {"config_path": config_path, "overrides": overrides}
+    firing = dict(name=name, parameters=common, cron=cron, interval=interval, concurrency_limit=one_at_a_time(),
+                  tags=[f"line:{name}", "recurring"],
+                  description=f"a firing of line {name}: a candidate from the champion on the new rows, gated, "
+                              "approved, promoted to the servers the line serves")
+    rollback = dict(name=name, parameters={**common, "to": None}, concurrency_limit=one_at_a_time(),
+                    tags=[f"line:{name}", "recurring"],
+                    description=f"publish an earlier champion of line {name} again (to: its run id, or base)")
+    return [(recurring, firing), (recurring_rollback, rollback)]
 
 
 DEFAULT_POLL_SECONDS = 2.0  # a run started from the UI begins within this (Prefect's default: 10 s)
@@ -72,9 +103,10 @@ def stop_started_runs(grace: float = RUNS_STOP_GRACE_S) -> None:
             pass
 
 
-def serve_deployments(*args, poll_seconds: Optional[float] = None, **kwargs) -> None:
+def serve_deployments(*args, poll_seconds: Optional[float] = None, recurring: bool = False, **kwargs) -> None:
     """What `prefect.serve` does, with a runner that asks the API for runs to start every `poll_seconds` (default:
-    PREFECT_RUNNER_POLL_FREQUENCY where set, else `DEFAULT_POLL_SECONDS`)."""
+    PREFECT_RUNNER_POLL_FREQUENCY where set, else `DEFAULT_POLL_SECONDS`). `recurring`: a recurring line's
+    deployments (`line_deployments`), and the servers the line runs itself while this serves."""
     import asyncio
 
     from prefect.exceptions import TerminationSignal
@@ -85,7 +117,12 @@ def serve_deployments(*args, poll_seconds: Optional[float] = None, **kwargs) -> 
         poll_seconds = DEFAULT_POLL_SECONDS
     runner = Runner(pause_on_shutdown=True, query_seconds=poll_seconds)
     served = []
-    for flow, arguments in deployments(*args, **kwargs):
+    if recurring:
+        config_path, overrides = args[0], args[1]
+        planned = line_deployments(config_path, overrides, kwargs.get("cron"), kwargs.get("interval"))
+    else:
+        planned = deployments(*args, **kwargs)
+    for flow, arguments in planned:
         deployment = flow.to_deployment(**arguments, entrypoint_type=EntrypointType.MODULE_PATH)
         # run by this runner, not a work pool's worker (as `Runner.add_flow` sets it)
         deployment.work_pool_name = deployment.work_queue_name = None
@@ -98,9 +135,49 @@ def serve_deployments(*args, poll_seconds: Optional[float] = None, **kwargs) -> 
     # the API; the command's stop still starts at the signal (areal_pipeline/shutdown.py), stopping the runs
     # and ending the process within FORCED_EXIT_AFTER_S, the API there or not.
     stopping = shutdown.register("the runs serve started", stop_started_runs)
+    line_servers = None
     try:
+        if recurring:
+            from flows.line_servers import LineServers
+
+            line_servers = LineServers.start(args[0], args[1])
         asyncio.run(runner.start())
     except (KeyboardInterrupt, TerminationSignal) as stop:
         print(f"{type(stop).__name__}: no longer serving", flush=True)
     finally:
         shutdown.unregister(stopping)
+        if line_servers is not None:
+            line_servers.stop()
+        remove_schedules(served)
+
+
+REMOVE_SCHEDULES_TIMEOUT_S = 10.0
+
+
+def remove_schedules(served: list[str], timeout: float = REMOVE_SCHEDULES_TIMEOUT_S) -> None:
+    """The served deployments' schedules are deleted when `serve` stops (the runner has paused them, which drops
+    their scheduled runs): a schedule belongs to the `serve` that set it, and nothing else (a later `prefect deploy`
+    of the same deployment, a worker) fires it once serving stopped. The API gone: said, not waited for."""
+    import asyncio
+
+    async def remove() -> int:
+        from prefect.client.orchestration import get_client
+
+        removed = 0
+        async with get_client() as client:
+            for name in served:
+                deployment = await client.read_deployment_by_name(name)
+                for schedule in deployment.schedules:
+                    await client.delete_deployment_schedule(deployment.id, schedule.id)
+                    removed += 1
+        return removed
+
+    try:
+        removed = asyncio.run(asyncio.wait_for(remove(), timeout))
+    except Exception as error:  # stopping: a warning, never a hang or a traceback
+        print(f"could not remove the schedules of {', '.join(served)} ({type(error).__name__}: {error}); they stay "
+              "paused", flush=True)
+        return
+    if removed:
+        print(f"removed {removed} schedule(s) of {', '.join(served)}: `serve` sets them again when it starts",
+              flush=True)

@@ -151,6 +151,9 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
     run_logs.keep_completed_task_runs_from_the_api()
     logger = get_run_logger()
     with run_lock(cfg.run_dir):
+        # the plan first (a Retry's is its first attempt's): the trainer, the saved config and every node read the
+        # run's length from it
+        first, cfg.total_iterations, per_run = planned_iterations(cfg)
         pipeline = Pipeline(spec)
         run = runs.register(pipeline)
         save_config(cfg, cfg.run_dir / "config.yaml")  # how the run was made; what a branch of it starts from
@@ -160,7 +163,6 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
             tracking.start(run)
             tasks.prepare_dataset(cfg.run_id)
             _start_services(pipeline)
-            first, cfg.total_iterations, per_run = planned_iterations(cfg)
             if first > 1:
                 logger.info("run %s: iterations 1..%d are finished; continuing at %d", cfg.run_id, first - 1, first)
             if pipeline.wants_initial_evaluation(first):  # policy 0's pass@1, where the curve starts: evaluate-0

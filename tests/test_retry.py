@@ -18,6 +18,9 @@ import torch
 from test_flows import REPO, cli, fast_overrides, final_weights, stop_serve, wait_for_deployment, wait_until
 
 ITERATIONS = 3
+# A schedule that decays: a retry that laid it over other iterations than the first attempt would update with
+# other learning rates, and end with other weights
+LINEAR = ["trainer.optimizer.lr_scheduler_type=linear", "trainer.optimizer.min_lr_ratio=0.25"]
 
 
 def block_iteration_2(run_dir: Path) -> Path:
@@ -61,26 +64,35 @@ def wait_final(flow_run_id, timeout: float = 600):
                       timeout, f"flow run {flow_run_id} to finish", interval=0.5)
 
 
-def assert_resumed(run_id: str, tmp_path: Path, reference: dict[str, torch.Tensor],
+def assert_resumed(run_id: str, tmp_path: Path, reference: dict,
                    iteration_runs: list[tuple[str, str]]) -> None:
     """The iteration runs are `iteration_runs`: iteration 2 failed and ran again (iteration 1 not); the weights are
     those of a run that never failed."""
     assert asyncio.run(_iteration_runs(run_id)) == iteration_runs
     weights = final_weights(tmp_path / run_id, ITERATIONS)
-    assert weights.keys() == reference.keys() and all(torch.equal(weights[n], reference[n]) for n in reference)
-    lines = (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == ITERATIONS  # the retry trained to the end first asked for, no further
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == reference["lr"]  # the schedule of a run that never failed, iteration by iteration
+    assert weights.keys() == reference["weights"].keys()
+    assert all(torch.equal(weights[n], reference["weights"][n]) for n in weights)
+    assert len(lrs) == ITERATIONS  # the retry trained to the end first asked for, no further
+    from areal_pipeline.run_spec import load_config
+
+    saved = load_config(tmp_path / run_id / "config.yaml")  # the plan it trained, not the retry's own count
+    assert (saved.total_iterations, saved.trainer.optimizer.schedule_iterations) == (ITERATIONS, ITERATIONS)
 
 
 @pytest.fixture(scope="module")
-def reference(prefect_api, tiny_model_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
-    """The final weights of the same run never failing (run once: both tests resume to it)."""
+def reference(prefect_api, tiny_model_dir, tmp_path_factory) -> dict:
+    """The final weights and the learning rates of the same run never failing (run once: both tests resume to
+    it)."""
     from flows.train import train
 
     out = tmp_path_factory.mktemp("reference")
     train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
-          overrides=fast_overrides(out, tiny_model_dir, run_id="ref", iterations=ITERATIONS))
-    return final_weights(out / "ref", ITERATIONS)
+          overrides=[*fast_overrides(out, tiny_model_dir, run_id="ref", iterations=ITERATIONS), *LINEAR])
+    lrs = [json.loads(line)["lr"] for line in (out / "ref" / "metrics.jsonl").read_text().splitlines()]
+    assert len(set(lrs)) == ITERATIONS  # the rate changes every iteration
+    return {"weights": final_weights(out / "ref", ITERATIONS), "lr": lrs}
 
 
 def test_the_ui_retry_button_resumes_a_failed_deployment_run(prefect_api, tiny_model_dir, reference, tmp_path):
@@ -92,7 +104,7 @@ def test_the_ui_retry_button_resumes_a_failed_deployment_run(prefect_api, tiny_m
     blocker = block_iteration_2(tmp_path / "ui")
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     serve = cli("serve", "--config", "configs/tiny_cpu.yaml", "--iterations", str(ITERATIONS),
-                *fast_overrides(tmp_path, tiny_model_dir, run_id="ui"), env=env, start_new_session=True)
+                *fast_overrides(tmp_path, tiny_model_dir, run_id="ui"), *LINEAR, env=env, start_new_session=True)
     try:
         async def start_run():
             async with get_client() as client:
@@ -122,7 +134,8 @@ def test_prefect_flow_run_retry_resumes_a_failed_command_line_run(prefect_api, t
     blocker = block_iteration_2(tmp_path / "cli")
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     run = cli("train", "--config", "configs/tiny_cpu.yaml",
-              *fast_overrides(tmp_path, tiny_model_dir, run_id="cli", iterations=ITERATIONS, per_flow_run=2), env=env)
+              *fast_overrides(tmp_path, tiny_model_dir, run_id="cli", iterations=ITERATIONS, per_flow_run=2), *LINEAR,
+              env=env)
     out, _ = run.communicate(timeout=600)
     assert run.returncode != 0, out[-3000:]
     assert "Retrying" not in out and "Not a directory" in out.strip().splitlines()[-1], out[-3000:]

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
+from areal_pipeline.config.recurring import LineServeConfig, RecurringConfig
 from areal_pipeline.config.schema import (DatasetConfig, ExperimentConfig, GenerationConfig, InferenceConfig,
                                           JudgeConfig,
                                           ModelConfig, NormConfig, OptimizerConfig, PPOConfig, RetrievalConfig,
                                           MlflowConfig, RolloutConfig, SGLangConfig, TinyModelConfig, TrackersConfig,
                                           TrainerConfig, VLLMConfig, WandbConfig)
+from areal_pipeline.config.host_rules import hosts_reach_each_other, weights_reach_the_servers
 from areal_pipeline.errors import PermanentError
 
 
@@ -193,7 +195,8 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
     OptimizerConfig: {"lr": _POSITIVE, "weight_decay": _NON_NEGATIVE, "beta1": _ADAM_BETA, "beta2": _ADAM_BETA,
                       "eps": _POSITIVE, "gradient_clipping": _POSITIVE,
                       "lr_scheduler_type": one_of("constant", "linear", "cosine"),
-                      "warmup_steps_proportion": _FRACTION, "min_lr_ratio": _FRACTION},
+                      "warmup_steps_proportion": _FRACTION, "min_lr_ratio": _FRACTION,
+                      "schedule_iterations": _COUNT},
     TrainerConfig: {"nproc": _COUNT, "nnodes": _COUNT, "backend": one_of("auto", "nccl", "gloo"),
                     "param_dtype": one_of("auto", *_DTYPES),
                     "num_threads": _NON_NEGATIVE, "mb_max_tokens": _COUNT,
@@ -207,6 +210,17 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                                     lambda value: value in ("", "auto") or bool(_ADDRESS.fullmatch(value))),
                     "rdzv_endpoint": _HOST_PORT, "port": _PORT, "max_restarts": _NON_NEGATIVE},
     TrackersConfig: {"timeout": _POSITIVE},
+    RecurringConfig: {"line": Rule("empty or a name of letters, digits, '.', '_' and '-' (a directory and a "
+                                   "deployment are named after it)",
+                                   lambda name: not name or bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name))),
+                      "iterations": _NON_NEGATIVE, "max_rows": _NON_NEGATIVE,
+                      "replay_fraction": within(0, 1, open_high=True), "gate_split": _NAMED,
+                      "gate_max_prompts": _NON_NEGATIVE, "gate_test": one_of("bootstrap", "mcnemar"),
+                      "min_improvement": _NON_NEGATIVE, "confidence": within(0, 1, open_low=True, open_high=True),
+                      "gate_resamples": at_least(100), "approval": one_of("auto", "manual"),
+                      "approval_timeout": _POSITIVE, "wait_timeout": _POSITIVE},
+    LineServeConfig: {"addresses": _ADDRESSES, "backend": one_of("", "cpu", "vllm", "sglang"),
+                      "num_servers": _NON_NEGATIVE, "host": _HOST, "base_port": _PORT},
     WandbConfig: {"mode": one_of("online", "offline", "disabled"), "project": _NAMED},
     MlflowConfig: {"experiment": _NAMED,
                    "tracking_uri": Rule("empty or a URI (http://host:port, file:///path, sqlite:///path, ...)",
@@ -291,6 +305,19 @@ def _judge_is_complete(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
                "would ignore the judge's score; use a workflow with one reward per trajectory")
 
 
+def _schedule_covers_the_run(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    """Past schedule_iterations a decaying schedule stays at its end, lr x min_lr_ratio: iterations there at a rate
+    of 0 would train nothing while looking like a run."""
+    o = cfg.trainer.optimizer
+    if (o.lr_scheduler_type != "constant" and o.min_lr_ratio == 0 and o.schedule_iterations is not None
+            and cfg.total_iterations > o.schedule_iterations):
+        yield (f"{key('total_iterations')}={cfg.total_iterations}: past "
+               f"{key('trainer.optimizer.schedule_iterations')}={o.schedule_iterations} the {o.lr_scheduler_type} "
+               f"schedule stays at its end, lr x {key('trainer.optimizer.min_lr_ratio')} = 0, so those iterations "
+               f"would not train; raise {key('trainer.optimizer.schedule_iterations')}, set "
+               f"{key('trainer.optimizer.min_lr_ratio')} > 0, or use lr_scheduler_type=constant")
+
+
 def _evaluation_has_prompts(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
     d = cfg.dataset
     empty = ("dataset.max_test_size" if d.max_test_size == 0 else
@@ -299,72 +326,6 @@ def _evaluation_has_prompts(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
         yield (f"{key('eval_freq')}={cfg.eval_freq}: must be 0 when the test split is empty "
                f"({key(empty)}=0), or evaluation scores no prompts")
 
-
-
-_LOOPBACK = re.compile(r"(127\.\d+\.\d+\.\d+|localhost|::1)")
-
-
-def _weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
-    """Weight updates must be able to reach every server: SGLang takes them over NCCL only from a trainer on a
-    GPU, and servers on other hosts neither read this host's run directory nor reach its loopback."""
-    inf, t = cfg.inference, cfg.trainer
-    if t.weight_sync == "distributed" and t.device == "cpu" and inf.backend == "sglang" and not inf.addresses:
-        yield (f"{key('trainer.weight_sync')}='distributed': SGLang servers receive weights over NCCL, which a "
-               f"trainer on the CPU ({key('trainer.device')}=cpu) cannot take part in; use "
-               f"{key('trainer.weight_sync')}=disk")
-    if t.weight_sync == "distributed" and inf.backend == "vllm":
-        yield (f"{key('trainer.weight_sync')}='distributed': not supported with {key('inference.backend')}=vllm "
-               "(vLLM's weight transfer engine needs GPUs on both sides and is not wired to this trainer); use "
-               f"{key('trainer.weight_sync')}=disk (each version is loaded with vLLM's reload_weights)")
-    if t.weight_sync == "distributed" and inf.backend == "sglang" and inf.sglang.dp_size > 1:
-        yield (f"{key('inference.sglang.dp_size')}={inf.sglang.dp_size}: must be 1 with "
-               f"{key('trainer.weight_sync')}='distributed' (SGLang updates weights from a process group only "
-               f"without data parallelism inside a server); run more servers ({key('inference.num_servers')}) or "
-               f"use {key('trainer.weight_sync')}=disk")
-    remote = [a for a in inf.addresses if not _LOOPBACK.fullmatch(a.rsplit(":", 1)[0])]
-    # empty: the host of the trainer's endpoint, loopback for a trainer this run launches
-    master = t.weight_sync_master_address or ("" if t.address else "127.0.0.1")
-    if remote and t.weight_sync == "distributed" and _LOOPBACK.fullmatch(master):
-        where = "" if t.weight_sync_master_address else " (the launched trainer's address, 127.0.0.1)"
-        yield (f"{key('trainer.weight_sync_master_address')}={t.weight_sync_master_address!r}{where}: servers on "
-               f"other hosts ({', '.join(remote)}) cannot reach it; set it to this host's address they reach")
-
-
-def _hosts_reach_each_other(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
-    """A run across hosts: a trainer of several nodes runs on its own nodes and meets at a rendezvous every node
-    reaches; every address another host uses is one it can reach; every path another host opens names the same
-    file there (a shared file system, so absolute)."""
-    inf, t = cfg.inference, cfg.trainer
-    if t.nnodes > 1 and not t.address:
-        yield (f"{key('trainer.nnodes')}={t.nnodes}: a trainer of several nodes runs on them, each node started by "
-               f"`areal-pipeline trainer-node` (`areal-pipeline cluster` prints the commands); set "
-               f"{key('trainer.address')}=auto (or rank 0's host:port) for this run to use it")
-    if t.nnodes > 1 and (not t.rdzv_endpoint or _LOOPBACK.fullmatch(t.rdzv_endpoint.rsplit(":", 1)[0])):
-        yield (f"{key('trainer.rdzv_endpoint')}={t.rdzv_endpoint!r}: {t.nnodes} trainer nodes meet at a rendezvous "
-               "every node reaches: host:port of the first node's address")
-    if t.address not in ("", "auto") and t.port != int(t.address.rsplit(":", 1)[1]):
-        yield (f"{key('trainer.port')}={t.port}: the trainer's nodes serve rank 0's endpoint on it, and the run looks "
-               f"for it at {key('trainer.address')}={t.address!r}: set it to {t.address.rsplit(':', 1)[1]} (or "
-               f"{key('trainer.address')}=auto, which finds any port)")
-    remote_trainer = bool(t.address) and (t.address == "auto" or not _LOOPBACK.fullmatch(t.address.rsplit(":", 1)[0]))
-    remote_servers = [a for a in inf.addresses if not _LOOPBACK.fullmatch(a.rsplit(":", 1)[0])]
-    if remote_trainer and t.weight_sync_master_address and _LOOPBACK.fullmatch(t.weight_sync_master_address):
-        yield (f"{key('trainer.weight_sync_master_address')}={t.weight_sync_master_address!r}: the trainer runs on "
-               "other hosts, where loopback is their own; leave it empty (the trainer's own address) or name an "
-               "address of rank 0's node")
-    if remote_trainer and t.weight_sync == "distributed" and not inf.addresses and _LOOPBACK.fullmatch(inf.host):
-        yield (f"{key('inference.host')}={inf.host!r}: the trainer on other hosts sends weights to the servers this "
-               "run launches; set it to an address of this host the trainer's nodes reach")
-    if remote_trainer and not Path(cfg.output_dir).is_absolute():
-        yield (f"{key('output_dir')}={cfg.output_dir!r}: the trainer's nodes read the run's shards and write its "
-               "checkpoints by path: set it to an absolute path that every host reads at the same name (a shared "
-               "file system)")
-    weights = t.weights_dir or cfg.output_dir  # empty: <output_dir>/<run_id>/weights
-    if (remote_trainer or remote_servers) and t.weight_sync == "disk" and not Path(weights).is_absolute():
-        hosts = ", ".join(remote_servers) or "the trainer's"
-        yield (f"{key('trainer.weights_dir')}={t.weights_dir!r}: servers on other hosts ({hosts}) load each version "
-               f"from a directory: set it (or {key('output_dir')}) to an absolute path they read at the same name "
-               "(a shared file system)")
 
 
 # A tracker's package, and what installs it
@@ -389,8 +350,9 @@ CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {
     RetrievalConfig: (_default_topk_within_max,),
     RolloutConfig: (_mask_keeps_enough_survivors,),
     TrackersConfig: (_trackers_are_installed,),
-    ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, _weights_reach_the_servers,
-                       _hosts_reach_each_other, _vllm_serves_the_embedded_model, _judge_is_complete),
+    ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, weights_reach_the_servers,
+                       hosts_reach_each_other, _vllm_serves_the_embedded_model, _judge_is_complete,
+                       _schedule_covers_the_run),
 }
 
 FieldRules = Mapping[type, Mapping[str, "Rule | tuple[Rule, ...]"]]

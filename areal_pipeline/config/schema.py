@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from areal_pipeline.config.integrations import JudgeConfig, MlflowConfig, TrackersConfig, WandbConfig  # noqa: F401
+from areal_pipeline.config.recurring import LineServeConfig, RecurringConfig  # noqa: F401
 
 @dataclass
 class ModelConfig:
@@ -288,6 +289,11 @@ class OptimizerConfig:
     lr_scheduler_type: str = "constant"  # constant | linear | cosine
     warmup_steps_proportion: float = 0.0  # share of the optimizer steps that warm the learning rate up linearly
     min_lr_ratio: float = 0.0  # linear and cosine schedules decay to lr x min_lr_ratio
+    # Iterations the schedule spans, warm-up share and decay included, counted from the run's first iteration (a
+    # branch's and a line's from their lineage's): fixed when the run is first configured, so that `--iterations`,
+    # a Retry or a scheduled continuation never lays the schedule anew. Past it the rate stays at its end value.
+    # None: total_iterations as the config gives it (not as `--iterations` extends it)
+    schedule_iterations: Optional[int] = None
 
 
 @dataclass
@@ -372,11 +378,16 @@ class ExperimentConfig:
     total_iterations: int = 10  # RL iterations of the run (rollout, update, weights to the servers)
     save_freq: int = 1  # checkpoint every N iterations (and after the last)
     keep_checkpoints: int = 2  # newest K kept
+    # besides the newest keep_checkpoints, keep the checkpoint whose iteration scored the best eval pass@1 (and any
+    # checkpoint a line pinned as its champion's: never pruned)
+    keep_best_checkpoint: bool = True
     eval_freq: int = 0  # pass@1 on the test split every N iterations (and after the last); 0: off
     eval_max_prompts: int = 0  # 0: the whole test split
     # experiment trackers besides Prefect: TensorBoard, Weights & Biases, MLflow (the former top-level `tensorboard`
     # key is trackers.tensorboard)
     trackers: TrackersConfig = field(default_factory=TrackersConfig)
+    # recurring training: a line of champions, each firing a candidate gated against the champion (docs/recurring.md)
+    recurring: RecurringConfig = field(default_factory=RecurringConfig)
     # Iterations per Prefect flow run of the `train` flow (`<run>/iter-<k>`, or `<run>/iter-<k>..<k+n-1>`), each
     # node still a task run of its own. A flow run costs the Prefect API several synchronous calls and CPU beside
     # the nodes: worth it where an iteration takes minutes, not where it takes a fraction of a second.
@@ -385,6 +396,8 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         if self.ppo.use_decoupled_loss is None:
             self.ppo.use_decoupled_loss = self.rollout.max_head_offpolicyness > 0
+        if self.trainer.optimizer.schedule_iterations is None:  # fixed now: a later `--iterations` moves no schedule
+            self.trainer.optimizer.schedule_iterations = self.total_iterations
 
     @property
     def run_dir(self) -> Path:

@@ -9,14 +9,17 @@ Each record is a plain dict:
     question   the bare question, for workflows that build their own prompt
 
 Sources, by `cfg.name`:
-    arithmetic  generated from `seed`; the train and test splits never share a question
+    arithmetic  generated from `seed`; the train and test splits never share a question; with a path, rows
+                {"question": "What is 3+4?", "answer": "7"} of a file or a directory of `<split>.jsonl`
     grid        generated grid-navigation puzzles (a start and a goal on a `grid_size` square, `grid_pits` pits
                 that leave a way between them) for the grid_world workflow; the splits never share a puzzle
     gsm8k       a jsonl file, a directory of `<split>.jsonl`, or a hub id (default "openai/gsm8k")
     search_qa   a jsonl file or a directory of `<split>.jsonl`; rows {"question", "answer", "id"?};
                 empty path: questions over the generated knowledge base (`data/knowledge_base.py`)
 
-A jsonl file given directly is used whatever the split; a directory is looked up per split.
+A file given directly is used whatever the split; a directory is looked up per split (`<split>.jsonl`, or
+`<split>.parquet`: the same rows as a Parquet table). A row's optional "id" is its prompt id (unique in its file);
+without one the prompt id is `<dataset>-<split>-<row index>`.
 """
 
 from __future__ import annotations
@@ -73,7 +76,12 @@ def _record(cfg: DatasetConfig, prompt_id: str, question: str, prompt: str, answ
 # ---------------------------------------------------------------------------------------------- arithmetic
 
 
+ARITHMETIC_INSTRUCTION = "Answer with the number."
+
+
 def _arithmetic(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
+    if cfg.path:
+        return _arithmetic_rows(cfg, split)
     if split not in (cfg.train_split, cfg.test_split):
         raise DatasetError(f"arithmetic has splits '{cfg.train_split}' and '{cfg.test_split}', not '{split}'")
     bad = [op for op in cfg.arithmetic_operators if op not in ARITHMETIC_OPERATORS]
@@ -92,8 +100,23 @@ def _arithmetic(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any
         question = f"What is {a}{op}{b}?"
         answer = str(ARITHMETIC_OPERATORS[op](a, b))
         records.append(
-            _record(cfg, f"arithmetic-{split}-{i:05d}", question, f"{question} Answer with the number.", answer)
+            _record(cfg, f"arithmetic-{split}-{i:05d}", question, f"{question} {ARITHMETIC_INSTRUCTION}", answer)
         )
+    return records
+
+
+def _arithmetic_rows(cfg: DatasetConfig, split: str) -> list[dict[str, Any]]:
+    """Arithmetic questions read from rows (a recurring line's files, docs/recurring.md): the question as the
+    generator words it, the answer a number or its text."""
+    records, ids = [], PromptIds()
+    for i, (where, row) in enumerate(read_rows(data_file(cfg.path, split, "arithmetic"))):
+        question = _text_field(row, "question", where)
+        answer = row.get("answer")
+        if isinstance(answer, int) and not isinstance(answer, bool):
+            answer = str(answer)
+        answer = _text_field({**row, "answer": answer}, "answer", where)
+        records.append(_record(cfg, ids.take(row, f"arithmetic-{split}-{i:05d}", where), question,
+                               f"{question} {ARITHMETIC_INSTRUCTION}", answer.strip()))
     return records
 
 
@@ -206,17 +229,58 @@ def _grid(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------- jsonl sources
 
 
-def _jsonl_file(path_str: str, split: str, dataset: str) -> Path:
+ROW_FILE_SUFFIXES = (".jsonl", ".parquet")
+
+
+def data_file(path_str: str, split: str, dataset: str) -> Path:
+    """The file of `split` at `path_str`: the file itself, or `<split>.jsonl` / `<split>.parquet` in a directory."""
     path = Path(path_str).expanduser()
     if path.is_file():
         return path
     if path.is_dir():
-        candidate = path / f"{split}.jsonl"
-        if not candidate.is_file():
-            found = ", ".join(sorted(p.name for p in path.glob("*.jsonl"))) or "none"
-            raise DatasetError(f"{dataset}: {path} has no {split}.jsonl for split '{split}' (jsonl files: {found})")
-        return candidate
+        for suffix in ROW_FILE_SUFFIXES:
+            if (path / f"{split}{suffix}").is_file():
+                return path / f"{split}{suffix}"
+        found = ", ".join(sorted(p.name for p in path.iterdir() if p.suffix in ROW_FILE_SUFFIXES)) or "none"
+        raise DatasetError(f"{dataset}: {path} has no {split}.jsonl (or .parquet) for split '{split}' (data files: "
+                           f"{found})")
     raise DatasetError(f"{dataset}: dataset path not found: {path}")
+
+
+def read_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(location, row) of a JSON lines or Parquet file, location naming the file and line (row) for messages."""
+    if Path(path).suffix == ".parquet":
+        return _read_parquet(Path(path))
+    return _read_jsonl(Path(path))
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow's errors name no file: this one does
+        raise DatasetError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+    if not rows:
+        raise DatasetError(f"{path}: no rows (the table is empty)")
+    for i, row in enumerate(rows, start=1):
+        yield f"{path}, row {i}", row
+
+
+class PromptIds:
+    """Prompt ids of one file's rows: a row's own "id" (unique within the file), else the default given."""
+
+    def __init__(self):
+        self._seen: dict[str, str] = {}
+
+    def take(self, row: dict[str, Any], default: str, where: str) -> str:
+        if row.get("id") is None:
+            return default
+        prompt_id = str(row["id"])
+        if prompt_id in self._seen:
+            raise DatasetError(f"{where}: duplicate id '{prompt_id}' (first at {self._seen[prompt_id]})")
+        self._seen[prompt_id] = where
+        return prompt_id
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -256,15 +320,16 @@ def _text_field(row: dict[str, Any], key: str, where: str) -> str:
 def _gsm8k(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
     path = cfg.path or GSM8K_HUB_ID
     if Path(path).expanduser().exists() or looks_like_local_path(path):
-        rows: Iterator[tuple[str, dict]] = _read_jsonl(_jsonl_file(path, split, "gsm8k"))
+        rows: Iterator[tuple[str, dict]] = read_rows(data_file(path, split, "gsm8k"))
     else:
         rows = _hub_rows(path, split)
-    records = []
+    records, ids = [], PromptIds()
     for i, (where, row) in enumerate(rows):
         question = _text_field(row, "question", where)
         solution = _text_field(row, "answer", where)
         # The full solution is the reference: the reward function extracts the "#### x" answer itself.
-        records.append(_record(cfg, f"gsm8k-{split}-{i:05d}", question, f"{question}\n{GSM8K_INSTRUCTION}", solution))
+        records.append(_record(cfg, ids.take(row, f"gsm8k-{split}-{i:05d}", where), question,
+                               f"{question}\n{GSM8K_INSTRUCTION}", solution))
     return records
 
 
@@ -285,18 +350,11 @@ def _hub_rows(hub_id: str, split: str) -> Iterator[tuple[str, dict[str, Any]]]:
 def _search_qa(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
     if not cfg.path:
         return _generated_search_qa(cfg, split)
-    records = []
-    seen: dict[str, str] = {}
-    for i, (where, row) in enumerate(_read_jsonl(_jsonl_file(cfg.path, split, "search_qa"))):
+    records, ids = [], PromptIds()
+    for i, (where, row) in enumerate(read_rows(data_file(cfg.path, split, "search_qa"))):
         question = _text_field(row, "question", where)
         answers = _answer_list(row, where)
-        prompt_id = f"search_qa-{split}-{i:05d}"
-        if row.get("id") is not None:
-            prompt_id = str(row["id"])
-            if prompt_id in seen:
-                raise DatasetError(f"{where}: duplicate id '{prompt_id}' (first at {seen[prompt_id]})")
-            seen[prompt_id] = where
-        records.append(_record(cfg, prompt_id, question, question, answers))
+        records.append(_record(cfg, ids.take(row, f"search_qa-{split}-{i:05d}", where), question, question, answers))
     return records
 
 

@@ -87,7 +87,9 @@ class Trainer:
         self.settings = training_settings(cfg)  # a run driving this trainer checks it trains with these
 
     def _engine(self, trainable: bool) -> TrainEngine:
-        steps = self.cfg.total_iterations * self.cfg.ppo.ppo_n_minibatches
+        # the schedule's span, fixed when the run was configured (never the iterations this command adds)
+        span = self.cfg.trainer.optimizer.schedule_iterations or self.cfg.total_iterations
+        steps = span * self.cfg.ppo.ppo_n_minibatches
         engine = TrainEngine(self.model_path, self.cfg.trainer, total_steps=steps,
                              temperature=self.cfg.rollout.gconfig.temperature,
                              trust_remote_code=self.cfg.model.trust_remote_code, trainable=trainable)
