@@ -1,0 +1,348 @@
+"""A recurring line as a team runs it (configs/recurring_cpu.yaml, docs/recurring.md): firings on fresh files of
+rows, each a candidate from the champion gated on held-out prompts, promoted to a real server the line serves
+(the project's, checked weight by weight), rejected when a harmful override makes it worse, rolled back; manual
+approval answered through Prefect's API, and its timeout; a firing killed with SIGKILL and resumed; two firings at
+once. A real `prefect server start` (events persisted) and real servers, trainers and Prefect engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _learning_helpers import base_model
+from _prefect_server import client_env, prefect_server
+from conftest import http, start_cpu_server
+from test_flows import REPO, cli, wait_until
+
+CONFIG = REPO / "configs" / "recurring_cpu.yaml"
+HARMFUL = "trainer.optimizer.lr=0.05"  # collapses the tiny policy onto one answer
+NORM = "model.norm.weight"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def base(model_cache) -> str:
+    """The embedded base model of the line's config (the tiny default's warm start), built once a session."""
+    return base_model("recurring_cpu.yaml", model_cache)
+
+
+def line_overrides(tmp_path: Path, base: str, *extra: str) -> list[str]:
+    (tmp_path / "data").mkdir(parents=True, exist_ok=True)  # where the files arrive
+    return [f"output_dir={tmp_path}", f"dataset.path={tmp_path / 'data'}", f"model.path={base}", *extra]
+
+
+def line_of(overrides: list[str]):
+    from areal_pipeline.recurring.line import Line
+    from areal_pipeline.run_spec import load_config
+
+    return Line(load_config(CONFIG, overrides))
+
+
+def new_data(overrides: list[str]) -> Path:
+    from areal_pipeline.recurring.demo import write_demo_file
+
+    line = line_of(overrides)
+    return write_demo_file(line.cfg)[0]
+
+
+def fire(api_url: str, overrides: list[str]) -> dict:
+    """One firing in this process, against the Prefect server at `api_url`."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.recurring import recurring
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        return recurring(config_path=str(CONFIG), overrides=overrides)
+
+
+def status(overrides: list[str]) -> dict:
+    from areal_pipeline.recurring.status import line_status
+
+    return line_status(line_of(overrides).read_ledger())
+
+
+def served_norm(address: str) -> torch.Tensor:
+    code, values = http(address, "/get_weights_by_name", {"name": NORM, "truncate_size": 10 ** 6})
+    assert code == 200, values
+    return torch.tensor(values)
+
+
+def checkpoint_norm(model_dir: str) -> torch.Tensor:
+    return load_file(str(Path(model_dir) / "model.safetensors"))[NORM]
+
+
+def assert_serves(address: str, model_dir: str, version: int) -> None:
+    """The server computes with `model_dir`'s weights (a tensor compared value for value) under `version`."""
+    assert torch.allclose(served_norm(address), checkpoint_norm(model_dir).float(), atol=0, rtol=0)
+    code, info = http(address, "/model_info")
+    assert code == 200 and str(info["weight_version"]) == str(version), info
+
+
+class Traffic:
+    """Requests a user sends to the served policy the whole time, one after another: none may fail."""
+
+    def __init__(self, address: str):
+        self.address, self.replies, self.errors = address, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._send, daemon=True)
+
+    def _send(self) -> None:
+        body = {"text": "<|im_start|>user\nWhat is 3+4? Answer with the number.<|im_end|>\n<|im_start|>assistant\n",
+                "sampling_params": {"max_new_tokens": 48, "temperature": 1.0, "ignore_eos": True}}
+        while not self._stop.is_set():
+            code, reply = http(self.address, "/generate", body)
+            (self.replies if code == 200 and reply["meta_info"]["finish_reason"]["type"] != "abort"
+             else self.errors).append(reply)
+
+    def __enter__(self) -> "Traffic":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def _events(server: str, kind: str, line: str) -> list[dict]:
+    import httpx
+
+    reply = httpx.post(f"{server}/events/filter", json={
+        "filter": {"event": {"name": [f"areal.line.{kind}"]}, "resource": {"id": [f"areal.line.{line}"]},
+                   "order": "ASC"}, "limit": 50})
+    reply.raise_for_status()
+    return reply.json()["events"]
+
+
+def test_a_line_promotes_rejects_and_promotes_again_serving_each_champion_then_rolls_back(server, base, tmp_path):
+    """Three firings on fresh files: promoted (the base's greedy pass@1 rises), rejected (a harmful learning
+    rate collapses the candidate: the gate refuses it, the served weights stay), promoted again; a firing with
+    nothing new; a used file changed (refused, naming it); rollbacks to the previous champion and to the base.
+    After each step the line's server serves exactly the ledger's champion, and no request sent to it meanwhile
+    failed."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    production = start_cpu_server(Path(base), tmp_path)  # the line's policy in production: the base model first
+    overrides = line_overrides(tmp_path, base, f"recurring.serve.addresses=[{production.address}]")
+    try:
+        new_data(overrides)
+        with Traffic(production.address) as traffic:
+            first = fire(server, overrides)
+        assert first["decision"] == "promoted" and first["rows"] == 160, first
+        gate = first["gate"]
+        assert gate["candidate"]["mean_reward"] > gate["champion"]["mean_reward"] and gate["p_value"] <= 0.05
+        champion = status(overrides)["champion"]
+        assert champion["run_id"] == "arith-line-0001" and champion["iteration"] == 3
+        assert_serves(production.address, champion["checkpoint"] + "/model", 3)
+        assert not traffic.errors and len(traffic.replies) >= 3, traffic.errors[:2]
+        assert {r["meta_info"]["weight_version"] for r in traffic.replies} >= {"0", "3"}  # served before and after
+
+        new_data(overrides)
+        harmful = fire(server, [*overrides, HARMFUL])
+        assert harmful["decision"] == "rejected" and harmful["approved_by"] == "gate", harmful
+        assert harmful["gate"]["candidate"]["mean_reward"] < harmful["gate"]["champion"]["mean_reward"]
+        assert status(overrides)["champion"]["run_id"] == "arith-line-0001"
+        assert_serves(production.address, champion["checkpoint"] + "/model", 3)  # untouched
+        # the rejected candidate stays inspectable: its run and checkpoint are there
+        assert (tmp_path / "arith-line-0002" / "checkpoints" / "step_6" / "model" / "config.json").is_file()
+
+        nothing = fire(server, overrides)
+        assert nothing["decision"] == "no_data" and nothing["run_id"] is None and "no new data" in nothing["reason"]
+
+        new_data(overrides)
+        third = fire(server, overrides)
+        assert third["decision"] == "promoted" and third["run_id"] == "arith-line-0004", third
+        assert third["gate"]["champion"]["mean_reward"] == gate["candidate"]["mean_reward"]  # against champion 1
+        assert third["gate"]["candidate"]["pass_at_1"] > third["gate"]["champion"]["pass_at_1"]
+        line = status(overrides)
+        assert line["champion"]["run_id"] == "arith-line-0004" and line["champion"]["iteration"] == 6
+        assert_serves(production.address, line["champion"]["checkpoint"] + "/model", 6)
+        assert [f["decision"] for f in line["firings"]] == ["promoted", "rejected", "no_data", "promoted"]
+        assert [f["rows"] for f in line["firings"]] == [160, 160, 0, 160]
+        # firing 4 branched from champion 1 (iteration 3), not from the rejected candidate
+        branch = json.loads((tmp_path / "arith-line-0004" / "branch.json").read_text())
+        assert (branch["parent_run_id"], branch["at"]) == ("arith-line-0001", 3)
+
+        day_1 = tmp_path / "data" / "day-0001.jsonl"
+        original = day_1.read_text()
+        day_1.write_text(original.replace("What is", "What's", 1))
+        with pytest.raises(Exception, match=r"day-0001.jsonl: changed after firing 1"):
+            fire(server, overrides)
+        assert status(overrides)["firings"][-1]["decision"] == "failed"
+        assert status(overrides)["champion"]["run_id"] == "arith-line-0004"  # as it was
+        day_1.write_text(original)
+        resumed = fire(server, overrides)  # the failed firing, resumed: nothing new
+        assert (resumed["firing"], resumed["decision"]) == (5, "no_data")
+
+        from flows.recurring import recurring_rollback
+
+        with temporary_settings(updates={PREFECT_API_URL: server}):
+            back = recurring_rollback(config_path=str(CONFIG), overrides=overrides)
+            assert back["decision"] == "rollback" and back["run_id"] == "arith-line-0001"
+            assert_serves(production.address, champion["checkpoint"] + "/model", 3)
+            to_base = recurring_rollback(config_path=str(CONFIG), overrides=overrides, to="base")
+        assert to_base["run_id"] is None and status(overrides)["champion"]["run_id"] is None
+        assert_serves(production.address, base, 0)
+        line = status(overrides)
+        assert [f["decision"] for f in line["firings"]] == [
+            "promoted", "rejected", "no_data", "promoted", "no_data", "rollback", "rollback"]
+        assert line["served"]["addresses"] == [production.address] and line["served"]["version"] == 0
+    finally:
+        production.stop()
+    def events(kind: str, count: int) -> list[dict]:
+        return wait_until(lambda: (lambda found: found if len(found) >= count else None)(
+            _events(server, kind, "arith-line")), 60, f"{count} areal.line.{kind} event(s)")
+
+    promoted = events("promoted", 2)
+    assert [e["payload"]["run_id"] for e in promoted] == ["arith-line-0001", "arith-line-0004"]
+    assert all(e["related"][0]["prefect.resource.role"] == "flow-run" for e in promoted)
+    assert promoted[0]["payload"]["served"] == [production.address]
+    assert [e["payload"]["run_id"] for e in events("rejected", 1)] == ["arith-line-0002"]
+    assert [e["payload"]["run_id"] for e in events("rolled-back", 2)] == ["arith-line-0001", None]
+
+
+def _flow_run(flow_run_id: str):
+    from prefect.client.orchestration import get_client
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_flow_run(flow_run_id)
+    return asyncio.run(read())
+
+
+def test_manual_approval_is_answered_through_prefect_and_no_answer_rejects(server, base, tmp_path):
+    """recurring.approval=manual: a candidate that passed the gate waits on a paused child run whose form (the
+    gate's figures, both policies' answers) a person answers; answered through Prefect's API (what the UI's form
+    sends) it is promoted, with who and why in the ledger; `recurring approve --reject` (the shell's way) rejects
+    the next; one nobody answers within approval_timeout is rejected, the firing still Completed."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    overrides = line_overrides(tmp_path, base, "recurring.approval=manual", "recurring.approval_timeout=600")
+    env = client_env(server, tmp_path / "home")
+    line = line_of(overrides)
+
+    def waiting_request(firing: int, run: subprocess.Popen) -> dict:
+        path = line.firing_dir(firing) / "approval-request.json"
+        wait_until(lambda: path.is_file() or run.poll() is not None, 600, f"firing {firing} to ask for approval")
+        assert run.poll() is None, run.stdout.read()[-3000:]
+        request = json.loads(path.read_text())
+        wait_until(lambda: _flow_run(request["flow_run_id"]).state.is_paused(), 60, "the approval run to pause")
+        return request
+
+    with temporary_settings(updates={PREFECT_API_URL: server}):
+        new_data(overrides)
+        run = cli("recurring", "fire", "--config", str(CONFIG), *overrides, env=env)
+        request = waiting_request(1, run)
+        approval_run = _flow_run(request["flow_run_id"])
+        assert approval_run.name == "arith-line/firing-1/approval"
+
+        async def form_and_answer():
+            async with get_client() as client:
+                keyset = approval_run.state.state_details.run_input_keyset
+                description = await client.read_flow_run_input(approval_run.id, keyset["description"])
+                schema = json.loads(await client.read_flow_run_input(approval_run.id, keyset["schema"]))
+                result = await client.resume_flow_run(approval_run.id, run_input={
+                    "approve": True, "reason": "better sums", "approver": "alice"})
+                return json.loads(description), schema, result
+        description, schema, result = asyncio.run(form_and_answer())
+        assert "promote `arith-line-0001`?" in description and "| pass@1 |" in description
+        assert "champion, reward" in description and "candidate, reward" in description  # answers side by side
+        assert set(schema["properties"]) >= {"approve", "reason", "approver"}
+        assert result.status.value == "ACCEPT", result
+        out, _ = run.communicate(timeout=600)
+        assert run.returncode == 0 and "firing 1: promoted" in out and "approved by alice: better sums" in out, out
+        first = status(overrides)["firings"][0]
+        assert (first["decision"], first["approved_by"], first["reason"]) == ("promoted", "alice", "better sums")
+
+        new_data(overrides)
+        run = cli("recurring", "fire", "--config", str(CONFIG), *overrides, env=env)
+        waiting_request(2, run)
+        answer = subprocess.run([sys.executable, "-m", "cli", "recurring", "approve", "--config", str(CONFIG),
+                                 *overrides, "--reject", "--reason", "not tonight", "--by", "bob"], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert answer.returncode == 0 and "rejected by bob" in answer.stdout, answer.stdout + answer.stderr
+        out, _ = run.communicate(timeout=600)
+        assert run.returncode == 0 and "firing 2: rejected" in out, out
+        second = status(overrides)["firings"][1]
+        assert (second["decision"], second["approved_by"], second["reason"]) == ("rejected", "bob", "not tonight")
+        assert second["gate"]["passed"]  # a person's no, not the gate's
+
+        new_data(overrides)
+        started = time.monotonic()
+        run = cli("recurring", "fire", "--config", str(CONFIG), *overrides, "recurring.approval_timeout=3", env=env)
+        out, _ = run.communicate(timeout=600)
+        assert run.returncode == 0 and "firing 3: rejected" in out and "no answer within 3 s" in out, out
+        third = status(overrides)["firings"][2]
+        assert (third["decision"], third["approved_by"]) == ("rejected", "timeout") and third["gate"]["passed"]
+        request = json.loads((line.firing_dir(3) / "approval-request.json").read_text())
+        assert _flow_run(request["flow_run_id"]).state.is_failed()  # the approval run: paused, never resumed
+        (firing_run,) = [f for f in third["flow_runs"]]
+        assert _flow_run(firing_run).state.is_completed()
+        assert status(overrides)["champion"]["run_id"] == "arith-line-0001"
+        assert time.monotonic() - started < 300
+
+
+def test_a_firing_killed_mid_training_is_resumed_by_the_same_command_to_the_same_weights(server, base, tmp_path):
+    """kill -9 of `recurring fire` while its candidate trains: the line is left as it was (no champion, the firing
+    unfinished, the lock free); the same command resumes that firing (its flow runs: two) from the candidate's last
+    finished node, and the candidate ends with the weights of a firing that was never killed."""
+    from areal_pipeline.forkserver import processes_of
+
+    reference_dir, victim_dir = tmp_path / "reference", tmp_path / "victim"
+    reference, victim = line_overrides(reference_dir, base), line_overrides(victim_dir, base)
+    day = new_data(reference)
+    (victim_dir / "data" / day.name).write_bytes(day.read_bytes())
+    assert fire(server, reference)["decision"] == "promoted"
+
+    env = client_env(server, tmp_path / "home")
+    run = cli("recurring", "fire", "--config", str(CONFIG), *victim, env=env)
+    marker = victim_dir / "arith-line-0001" / "iter_2" / "rollout" / "manifest.json"
+    wait_until(lambda: marker.is_file() or run.poll() is not None, 600, "the candidate's iteration 2 rollout",
+               interval=0.05)
+    assert run.poll() is None, run.stdout.read()[-3000:]
+    run.kill()
+    run.wait()
+    wait_until(lambda: processes_of(run.pid) == [], 30, "the killed firing's services to exit")
+    killed = status(victim)
+    assert killed["champion"]["run_id"] is None and killed["firings"][0]["state"] == "running"
+
+    again = cli("recurring", "fire", "--config", str(CONFIG), *victim, env=env)
+    out, _ = again.communicate(timeout=600)
+    assert again.returncode == 0 and "firing 1: promoted" in out, out
+    line = status(victim)
+    (firing,) = line["firings"]
+    assert firing["decision"] == "promoted" and len(firing["flow_runs"]) == 2
+    records = [json.loads(row) for row in (victim_dir / "arith-line-0001" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    ours = load_file(str(Path(line["champion"]["checkpoint"]) / "model" / "model.safetensors"))
+    theirs = load_file(str(Path(status(reference)["champion"]["checkpoint"]) / "model" / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_two_firings_at_once_train_one_candidate(server, base, tmp_path):
+    """Two `recurring fire` started together: one trains the candidate, the other waits on the line's lock and
+    then finds nothing new; both exit 0."""
+    overrides = line_overrides(tmp_path, base)
+    new_data(overrides)
+    env = client_env(server, tmp_path / "home")
+    runs = [cli("recurring", "fire", "--config", str(CONFIG), *overrides, env=env) for _ in range(2)]
+    outs = [run.communicate(timeout=900)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outs
+    line = status(overrides)
+    assert sorted(f["decision"] for f in line["firings"]) == ["no_data", "promoted"]
+    assert sorted(p.name for p in tmp_path.glob("arith-line-*")) == ["arith-line-0001"]
+    assert "waiting for its firing in progress" in (line_of(overrides).dir / "logs" / "fire.log").read_text()
