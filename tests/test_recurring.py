@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -346,3 +347,71 @@ def test_two_firings_at_once_train_one_candidate(server, base, tmp_path):
     assert sorted(f["decision"] for f in line["firings"]) == ["no_data", "promoted"]
     assert sorted(p.name for p in tmp_path.glob("arith-line-*")) == ["arith-line-0001"]
     assert "waiting for its firing in progress" in (line_of(overrides).dir / "logs" / "fire.log").read_text()
+
+
+def test_serve_recurring_fires_the_line_from_its_deployment_one_at_a_time_and_leaves_no_schedule(server, base,
+                                                                                                  tmp_path):
+    """`serve --recurring`: the line's deployment with its schedule and a concurrency limit of one, and the
+    server the line runs itself (recurring.serve.num_servers) on its champion. Two firings started from the
+    deployment at once: the second waits for a slot (AwaitingConcurrencySlot), then finds nothing new; the
+    first's champion is what the line's server serves. Stopping `serve` stops that server and deletes the
+    schedule (nothing fires the deployment afterwards)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterState
+    from prefect.client.schemas.filters import FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from test_flows import stop_serve, wait_for_deployment
+
+    overrides = line_overrides(tmp_path, base, "recurring.serve.num_servers=1")
+    new_data(overrides)
+    env = client_env(server, tmp_path / "home")
+    serve = cli("serve", "--config", str(CONFIG), "--recurring", "--cron", "0 0 1 1 *", *overrides, env=env,
+                start_new_session=True)
+    line = line_of(overrides)
+    try:
+        announced = wait_until(lambda: line.announced_servers(), 300, "the line's own server")
+        assert_serves(announced[0], base, 0)
+
+        async def fire_twice():
+            async with get_client() as client:
+                deployment = await wait_for_deployment(client, "recurring/arith-line")
+                assert deployment.schedules and deployment.schedules[0].active
+                assert deployment.global_concurrency_limit.limit == 1
+                assert deployment.concurrency_options.collision_strategy.value == "ENQUEUE"
+                await wait_for_deployment(client, "recurring-rollback/arith-line")
+                runs = [await client.create_flow_run_from_deployment(deployment.id) for _ in range(2)]
+                while True:
+                    states = [(await client.read_flow_run(r.id)).state for r in runs]
+                    if all(s.is_final() for s in states):
+                        break
+                    await asyncio.sleep(1)
+                histories = [[s.name for s in await client.read_flow_run_states(r.id)] for r in runs]
+                return deployment, states, histories
+        with temporary_settings(updates={PREFECT_API_URL: server}):
+            deployment, states, histories = asyncio.run(fire_twice())
+        assert all(s.is_completed() for s in states), (states, serve.stdout)
+        assert any("AwaitingConcurrencySlot" in history for history in histories), histories
+        assert sorted(f["decision"] for f in status(overrides)["firings"]) == ["no_data", "promoted"]
+        champion = status(overrides)["champion"]
+        assert_serves(announced[0], champion["checkpoint"] + "/model", champion["iteration"])
+    finally:
+        stop_serve(serve)
+    out = serve.stdout.read()
+    assert "removed 1 schedule(s) of recurring/arith-line" in out, out[-3000:]
+    assert line.announced_servers() == [] and not (line.dir / "servers.json").exists()
+
+    async def after():
+        async with get_client() as client:
+            fresh = await client.read_deployment(deployment.id)
+            scheduled = await client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
+                flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
+                    type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))))
+            return fresh, scheduled
+    with temporary_settings(updates={PREFECT_API_URL: server}):
+        fresh, scheduled = asyncio.run(after())
+    assert fresh.schedules == [] and scheduled == []
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://{announced[0]}/health", timeout=5)
