@@ -155,6 +155,11 @@ def publish_iteration(run: LiveRun, k: int, record: dict[str, Any]) -> bool:
     if not due:
         return False
     run.artifacts_published_at = now
+    skipped = "" if run.last_card is None or k - 1 <= run.last_card else (
+        f"Iterations {run.last_card + 1}..{k - 1} have no card of their own: cards are published at most every "
+        f"{ITERATION_ARTIFACTS_INTERVAL_S:g} s (and for every checkpoint and the last iteration); the run's metrics "
+        "table has every iteration.\n\n")
+    run.last_card = k
     paths = pipeline.paths
     checkpoint = paths.checkpoint(k)
     links = [f"- rollout shards: `{paths.rollout(k)}`", f"- batch shards: `{paths.batch(k)}`",
@@ -164,7 +169,7 @@ def publish_iteration(run: LiveRun, k: int, record: dict[str, Any]) -> bool:
     metrics = "\n".join(f"| {name} | {significant(value)} |" for name, value in record.items() if value is not None)
     create_markdown_artifact(
         key=iteration_key(run_id, k),
-        markdown=(f"# {run_id} / iteration {k}\n\n## Metrics\n\n| metric | value |\n|---|---|\n{metrics}\n\n"
+        markdown=(f"# {run_id} / iteration {k}\n\n{skipped}## Metrics\n\n| metric | value |\n|---|---|\n{metrics}\n\n"
                   f"{failures_markdown(pipeline, k)}## Sample trajectories\n\n{samples_markdown(pipeline, k)}\n\n"
                   "## Outputs\n" + "\n".join(links)),
         description=f"{run_id} iteration {k}: metrics, samples (best and worst) and outputs")

@@ -76,3 +76,41 @@ def tag_iteration_run(tags: tuple[str, ...]) -> None:
         return
     with get_client(sync_client=True) as client:
         client.update_flow_run(flow_run.id, tags=sorted({*flow_run.tags, *tags}))
+
+
+LEFTOVER_STATES = ("RUNNING", "PENDING", "CANCELLING")
+
+
+def crash_leftover_runs(run_id: str) -> list[str]:
+    """Flow runs of run `run_id` (tagged `run:<id>`) that the API shows Running, Pending or Cancelling while this
+    process holds the run's lock: their process was killed (no other process can be running the run), so the UI
+    would show them running until someone retried them. Each is marked Crashed, naming this flow run; this flow
+    run and the runs above it are left alone. Returns their names."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
+                                                FlowRunFilterTags)
+    from prefect.client.schemas.objects import StateType
+    from prefect.context import FlowRunContext
+    from prefect.states import Crashed
+
+    here = FlowRunContext.get().flow_run
+    with get_client(sync_client=True) as client:
+        ours, run = {here.id}, here
+        while run.parent_task_run_id is not None:  # this run's parents (a branch, a firing, a sweep)
+            task_run = client.read_task_run(run.parent_task_run_id)
+            if task_run.flow_run_id is None:
+                break
+            run = client.read_flow_run(task_run.flow_run_id)
+            ours.add(run.id)
+        found = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[f"run:{run_id}"]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType[s] for s in LEFTOVER_STATES]))))
+        crashed = []
+        for leftover in found:
+            if leftover.id in ours:
+                continue
+            client.set_flow_run_state(leftover.id, Crashed(
+                message=f"its process is gone: run {run_id} was started again by flow run {here.name} ({here.id})"),
+                force=True)
+            crashed.append(leftover.name)
+    return crashed

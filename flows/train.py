@@ -159,6 +159,10 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
         save_config(cfg, cfg.run_dir / "config.yaml")  # how the run was made; what a branch of it starts from
         status = "failed"  # what the trackers are told at the end
         try:
+            leftovers = labels.crash_leftover_runs(cfg.run_id)
+            if leftovers:
+                logger.warning("run %s: %s were left running by a process that is gone: marked Crashed",
+                               cfg.run_id, ", ".join(leftovers))
             run.tags = labels.label_train_run(cfg, config_path)
             tracking.start(run)
             tasks.prepare_dataset(cfg.run_id)

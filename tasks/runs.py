@@ -22,6 +22,7 @@ class LiveRun:
     trackers: Optional[Any] = None  # areal_pipeline.trackers.Trackers: W&B, MLflow, TensorBoard (flows/tracking.py)
     artifacts: Optional[Any] = None  # flows.artifacts.RunArtifacts: the run's live table and curves
     artifacts_published_at: float = -math.inf  # when its last iteration card was published (monotonic)
+    last_card: Optional[int] = None  # the iteration of that card (None: no card yet in this command)
     tags: tuple[str, ...] = ()  # the Prefect tags of its flow runs (flows/labels.py)
 
     @property

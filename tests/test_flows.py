@@ -275,6 +275,12 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     (card,) = asyncio.run(_artifacts("e2e-iter-0003"))
     assert "| reward_mean |" in card.data and card.description.startswith("e2e iteration 3")
     assert_samples(card.data, run_dir, 3)
+    # iterations without a card of their own (cards at most every 2 s) are named on the next card
+    carded = [k for k in (1, 2, 3) if asyncio.run(_artifacts(f"e2e-iter-{k:04d}"))]
+    for previous, k in zip(carded, carded[1:]):
+        (shown,) = asyncio.run(_artifacts(f"e2e-iter-{k:04d}"))
+        note = f"Iterations {previous + 1}..{k - 1} have no card of their own"
+        assert (note in shown.data) == (k - previous > 1), (k, shown.data[:300])
     library_logs = wait_until(lambda: asyncio.run(_library_logs(logs_since)), 30, "library logs in the Prefect API")
     assert any("inference servers ready" in log.message for log in library_logs)
     left = [p for p in processes_of(os.getpid(), forkserver=False) if p.pid not in before]
@@ -486,6 +492,21 @@ def test_killed_run_reruns_to_bitwise_equal_weights(prefect_api, tiny_model_dir,
     a, b = final_weights(tmp_path / "ref", 3), final_weights(tmp_path / "victim", 3)
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
     assert "mean reward" in out and "reward curve:" in out
+    # the killed command's train run and its iteration-2 run stayed Running in the API; the rerun marked them
+    # Crashed (their process is gone), so that no run of `victim` still looks alive
+    runs = asyncio.run(_tagged("run:victim"))
+    assert not [r.name for r in runs if r.state.type.value in ("RUNNING", "PENDING")], runs
+    crashed = {r.name for r in runs if r.state.type.value == "CRASHED"}  # iteration 1's too, were it still reporting
+    assert {"victim", "victim/iter-2"} <= crashed, [(r.name, r.state.type.value) for r in runs]
+    assert "were left running by a process that is gone: marked Crashed" in out, out
+
+
+async def _tagged(tag: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    async with get_client() as client:
+        return await client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])))
 
 
 def test_sigterm_mid_update_stops_the_run_and_its_services_promptly(prefect_api, tiny_model_dir, tmp_path):
@@ -564,23 +585,40 @@ def test_scheduled_deployment_registers_and_a_triggered_run_completes(prefect_ap
             train_dep = await wait_for_deployment(client, "train/train", run_id="served")
             await wait_for_deployment(client, "evaluate/evaluate", run_id="served")
             assert train_dep.schedules and train_dep.parameters["iterations"] == 1
-            finished = []
-            for _ in range(2):  # a second run continues the same run id for one more iteration
-                run = await client.create_flow_run_from_deployment(train_dep.id)
-                for _ in range(3000):
-                    run = await client.read_flow_run(run.id)
-                    if run.state.is_final():
-                        break
-                    await asyncio.sleep(0.2)
-                finished.append(run.state.type)
-            return finished
+            assert train_dep.global_concurrency_limit.limit == 1  # one at a time: the next waits its turn
+            # two at once (a person's Run beside a scheduled one): the second waits for the first, then continues
+            # the same run id for one more iteration, rather than fail on the run's lock
+            runs = [await client.create_flow_run_from_deployment(train_dep.id) for _ in range(2)]
+            for _ in range(3000):
+                runs = [await client.read_flow_run(run.id) for run in runs]
+                if all(run.state.is_final() for run in runs):
+                    break
+                await asyncio.sleep(0.2)
+            histories = [[s.name for s in await client.read_flow_run_states(run.id)] for run in runs]
+            return train_dep, [run.state.type for run in runs], histories
 
     try:
-        assert asyncio.run(scenario()) == [StateType.COMPLETED, StateType.COMPLETED]
+        deployment, finished, histories = asyncio.run(scenario())
+        assert finished == [StateType.COMPLETED, StateType.COMPLETED]
+        assert any("AwaitingConcurrencySlot" in history for history in histories), histories
     finally:
         stop_serve(serve)
     lines = (tmp_path / "served" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["iteration"] for line in lines] == [1, 2]
+    # stopping serve deleted its schedules (not only paused them): a later `prefect deploy` of the same deployment
+    # cannot bring them back, and no scheduled run of it is left for a worker to pick up
+
+    async def afterwards():
+        from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
+                                                    FlowRunFilterState, FlowRunFilterStateType)
+
+        async with get_client() as client:
+            scheduled = await client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
+                flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
+                    type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))))
+            return (await client.read_deployment(deployment.id)).schedules, scheduled
+    assert asyncio.run(afterwards()) == ([], [])
 
 
 def test_stopping_serve_stops_its_deployment_run_and_what_the_run_started(prefect_api, tiny_model_dir, tmp_path):
