@@ -195,15 +195,39 @@ def quiet_console(run_id: str, run_dir: Path, verbose: bool = False, stream: Opt
     """For the block: every log record also to `<run_dir>/logs/<log_name>`; unless `verbose`, the terminal shows
     WARNING and above plus the progress line that is yielded (feed it the run's events), else None."""
     stream = stream or sys.stderr
+    with run_log_file(run_dir, log_name) as log_path:
+        with _quiet_terminal(run_id, log_path, verbose, stream, live) as progress:
+            yield progress
+
+
+@contextlib.contextmanager
+def run_log_file(run_dir: Path, log_name: str = "train.log", header: str = "") -> Iterator[Path]:
+    """For the block, every log record of this process also to `<run_dir>/logs/<log_name>` (appended, after a
+    header line: when, and the command or `header`), unless a handler of this process writes there already (a
+    flow run of a command whose `quiet_console` opened it: nothing is written twice)."""
     log_path = Path(run_dir) / "logs" / log_name
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
+    if any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == log_path.resolve() for h in root.handlers):
+        yield log_path
+        return
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     file_handler = logging.FileHandler(log_path, encoding="utf-8")
     file_handler.setFormatter(RunFormatter())
     file_handler.setLevel(logging.INFO)
-    with open(log_path, "a", encoding="utf-8") as header:
-        header.write(f"==== {datetime.now(timezone.utc).isoformat()} {' '.join(sys.argv)}\n")
+    with open(log_path, "a", encoding="utf-8") as head:
+        head.write(f"==== {datetime.now(timezone.utc).isoformat()} {header or ' '.join(sys.argv)}\n")
     root.addHandler(file_handler)
+    try:
+        yield log_path
+    finally:
+        root.removeHandler(file_handler)
+        file_handler.close()
+
+
+@contextlib.contextmanager
+def _quiet_terminal(run_id: str, log_path: Path, verbose: bool, stream: IO[str],
+                    live: Optional[bool]) -> Iterator[Optional[ProgressLine]]:
+    root = logging.getLogger()
     progress = None if verbose else ProgressLine(run_id, stream, live)
     muted = [] if verbose else _terminal_handlers(root)
     levels = [h.level for h in muted]
@@ -223,5 +247,3 @@ def quiet_console(run_id: str, run_dir: Path, verbose: bool = False, stream: Opt
             handler.setLevel(level)
         if around is not None:
             root.removeHandler(around)
-        root.removeHandler(file_handler)
-        file_handler.close()

@@ -9,17 +9,26 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from areal_pipeline.evaluation import evaluate_checkpoint
 from areal_pipeline.run_spec import resolve_run_config
-from flows import run_logs
+from flows import labels, run_logs
 from flows.artifacts import artifact_key
 
 
-@flow(name="evaluate", persist_result=True, result_serializer="json")
+@flow(name="evaluate", flow_run_name=labels.evaluate_run_name, persist_result=True, result_serializer="json")
 def evaluate(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[str]] = None,
              run_id: Optional[str] = None, checkpoint: str = "latest") -> dict[str, Any]:
-    """Score `checkpoint` (a checkpoint directory, a Hugging Face model directory, or "latest": the run's
-    newest checkpoint) on the config's test split."""
+    """Score a checkpoint of a run on the config's test split: pass@1 and mean reward, greedy, one sample a
+    prompt, on inference servers of its own; a table and a report artifact.
+
+    Args:
+        config_path: The run's config file (relative to the directory the flow runs in), e.g. configs/tiny_cpu.yaml.
+        overrides: Dotted key=value overrides of the config, e.g. eval_max_prompts=50.
+        run_id: The run whose checkpoint is scored (default: the config's run_id).
+        checkpoint: "latest" (the run's newest checkpoint), a checkpoint directory, or a Hugging Face model
+            directory.
+    """
     run_logs.keep_completed_task_runs_from_the_api()
     cfg = resolve_run_config(config_path, overrides, run_id)
+    labels.tag_iteration_run((*labels.run_tags(cfg, config_path), "evaluate"))
     record = evaluate_checkpoint(cfg, checkpoint)
     model_dir = record.pop("model")
     table = [{"metric": k, "value": round(v, 4) if isinstance(v, float) else v}

@@ -32,6 +32,16 @@ def train_run_name() -> str:
         return f"train {Path(str(config_path)).stem}"
 
 
+def evaluate_run_name() -> str:
+    """The `evaluate` flow's `flow_run_name`: `<run id>/evaluate` (the run id as `train_run_name` resolves it)."""
+    parameters = runtime.flow_run.parameters
+    config_path = parameters.get("config_path") or DEFAULT_CONFIG
+    try:
+        return f"{run_id_of(config_path, parameters.get('overrides'), parameters.get('run_id'))}/evaluate"
+    except Exception:  # noqa: BLE001  the body reports a bad config with its reason: naming never raises
+        return f"evaluate {Path(str(config_path)).stem}"
+
+
 def run_tags(cfg: ExperimentConfig, config_path: str) -> tuple[str, ...]:
     tags = [f"run:{cfg.run_id}", f"config:{Path(str(config_path)).stem}", f"workflow:{cfg.rollout.workflow}"]
     branch = read_branch(cfg.run_dir)  # written by the branch flow before its train run starts
@@ -65,7 +75,7 @@ def label_train_run(cfg: ExperimentConfig, config_path: str) -> tuple[str, ...]:
 
 
 def tag_iteration_run(tags: tuple[str, ...]) -> None:
-    """Add the run's tags to the current (iteration) flow run. Not through `prefect.tags(...)` around the iteration
+    """Add the run's tags to the current (iteration, evaluate) flow run. Not through `prefect.tags(...)` around the iteration
     calls: that context tags every task run created inside it too, and a tagged task run takes and releases a
     tag concurrency slot through the API around each node."""
     from prefect.client.orchestration import get_client

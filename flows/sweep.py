@@ -259,8 +259,17 @@ def _stop_runs_hook(flow, flow_run, state) -> None:
 @flow(name="sweep", flow_run_name=_sweep_run_name, on_crashed=[_stop_runs_hook], on_cancellation=[_stop_runs_hook])
 def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] = None,
           run_id: Optional[str] = None, iterations: Optional[int] = None, max_parallel: int = 1) -> list[dict]:
-    """A `train` run for each combination of `axes` (`key=v1,v2,...`; the cartesian product), at most
-    `max_parallel` at once; each run's id is `run_id` (default: the config's) followed by its values."""
+    """A `train` run for each combination of `axes` (the cartesian product), at most `max_parallel` at once, each
+    in a process of its own; a table artifact of their figures.
+
+    Args:
+        config_path: The runs' config file (relative to the directory the flow runs in).
+        axes: Dotted keys and their values, key=v1,v2,... (a single value applies to every run), e.g.
+            trainer.optimizer.lr=1e-3,5e-4.
+        run_id: The base of the runs' ids (default: the config's run_id); each run is BASE-key=value[-...].
+        iterations: As train's: iterations each run adds after its newest finished one.
+        max_parallel: Runs at once.
+    """
     from prefect.settings import PREFECT_API_URL
 
     from areal_pipeline import shutdown

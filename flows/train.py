@@ -25,6 +25,7 @@ from prefect.states import Cancelled
 
 import tasks
 from areal_pipeline.config import save_config, to_dict
+from areal_pipeline.console import run_log_file
 from areal_pipeline.metrics import initial_record
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.run_dir import newest_completed_iteration, run_lock
@@ -143,14 +144,23 @@ def _start_services(pipeline: Pipeline) -> None:
       **overlap.STOP_HOOKS)
 def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[str]] = None,
           run_id: Optional[str] = None, iterations: Optional[int] = None) -> dict[str, Any]:
-    """Train `config_path` (+ dotted `overrides`) as run `run_id` (default: the config's). `iterations`
-    continues the run for that many more iterations after its newest finished one; without it the run goes
-    to the config's `total_iterations`."""
+    """RL training of a run: its set-up, then a child flow run per iteration (rollout -> advantages -> ppo_update
+    -> broadcast_weights -> checkpoint -> evaluate). A run id found partly trained goes on from its last finished
+    node; one found finished does nothing.
+
+    Args:
+        config_path: The run's config file (relative to the directory the flow runs in), e.g. configs/tiny_cpu.yaml.
+        overrides: Dotted key=value overrides of the config, e.g. trainer.optimizer.lr=5e-4 or seed=3.
+        run_id: The run's id, its directory under output_dir (default: the config's run_id).
+        iterations: Train this many iterations after the run's newest finished one (default: up to the config's
+            total_iterations). The learning-rate schedule stays the one the run was configured with.
+    """
     spec = load_run(config_path, overrides, run_id, iterations)
     cfg = spec.cfg
     run_logs.keep_completed_task_runs_from_the_api()
     logger = get_run_logger()
-    with run_lock(cfg.run_dir):
+    # the run's log file, whoever started the flow run (a command opened it already; a deployment run opens it)
+    with run_lock(cfg.run_dir), run_log_file(cfg.run_dir, header=f"flow run {runtime.flow_run.name}"):
         # the plan first (a Retry's is its first attempt's): the trainer, the saved config and every node read the
         # run's length from it
         first, cfg.total_iterations, per_run = planned_iterations(cfg)

@@ -396,6 +396,9 @@ def test_evaluate_flow_scores_the_newest_checkpoint(prefect_api, tiny_model_dir,
     expected = sum(math_reward(c, r["answer"]) for c, r in zip(completions, records)) / 8
     assert (result["num_prompts"], result["pass_at_1"], result["reward_mean"]) == (8, expected, expected)
     assert asyncio.run(_artifacts("ev-evaluation"))
+    # found in the UI as the run's: named after it and tagged with it, like its train and iteration runs
+    (run,) = [r for r in asyncio.run(_tagged("run:ev")) if "evaluate" in r.tags]
+    assert run.name == "ev/evaluate" and {"run:ev", "config:tiny_cpu"} <= set(run.tags), run
 
 
 def test_ppo_update_failing_on_first_attempt_succeeds_on_retry(prefect_api, tiny_model_dir, tmp_path, monkeypatch):
@@ -605,6 +608,9 @@ def test_scheduled_deployment_registers_and_a_triggered_run_completes(prefect_ap
         stop_serve(serve)
     lines = (tmp_path / "served" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["iteration"] for line in lines] == [1, 2]
+    # a deployment run (no command line of the project's around it) keeps the run's log file too
+    log = (tmp_path / "served" / "logs" / "train.log").read_text()
+    assert log.count("==== ") == 2 and "flow run served" in log and "inference servers ready" in log, log[-2000:]
     # stopping serve deleted its schedules (not only paused them): a later `prefect deploy` of the same deployment
     # cannot bring them back, and no scheduled run of it is left for a worker to pick up
 

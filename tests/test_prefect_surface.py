@@ -175,6 +175,20 @@ def test_a_served_deployment_names_its_flow_by_module_path():
     assert deployment.entrypoint == "flows.train.train"
 
 
+def test_every_parameter_of_a_served_flow_is_described_on_its_deployment_form():
+    """The UI's Run form shows each parameter's description: Prefect reads it from the flow's docstring (its
+    Args section); a parameter without one is a bare field a person has to guess."""
+    from flows.serve import deployments, line_deployments
+
+    served = deployments("configs/tiny_cpu.yaml", [], None, None)
+    served += line_deployments("configs/recurring_cpu.yaml", [f"dataset.path={REPO}"])
+    for flow, arguments in served:
+        properties = flow.parameters.properties  # the schema a deployment of the flow sends the API
+        assert properties and all(p.get("description", "").strip() for p in properties.values()), (
+            flow.name, {name: p.get("description") for name, p in properties.items()})
+        assert arguments["description"]
+
+
 def test_multiprocessing_forkserver_surface():
     import multiprocessing
     from multiprocessing import forkserver
