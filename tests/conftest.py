@@ -58,9 +58,11 @@ def prefect_api(tmp_path_factory):
         yield PREFECT_API_URL.value()
 
 
-def start_cpu_server(model_dir: Path, log_dir: Path, *extra: str, deterministic: bool = True) -> ServerProcess:
-    """`deterministic`: honour sampling_seed, as the project's launcher starts it (SGLang's flag)."""
-    port = find_free_port()
+def start_cpu_server(model_dir: Path, log_dir: Path, *extra: str, deterministic: bool = True,
+                     port: int = 0) -> ServerProcess:
+    """`deterministic`: honour sampling_seed, as the project's launcher starts it (SGLang's flag); `port`: this one
+    (0: a free one)."""
+    port = port or find_free_port()
     command = [sys.executable, "-m", "areal_pipeline.inference.server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *extra,
                *(["--enable-deterministic-inference"] if deterministic else [])]

@@ -396,6 +396,11 @@ def test_serve_recurring_fires_the_line_from_its_deployment_one_at_a_time_and_le
         assert sorted(f["decision"] for f in status(overrides)["firings"]) == ["no_data", "promoted"]
         champion = status(overrides)["champion"]
         assert_serves(announced[0], champion["checkpoint"] + "/model", champion["iteration"])
+        # what clients of the line use: its OpenAI-compatible endpoint, answered by the champion
+        code, reply = http(announced[0], "/v1/chat/completions", {
+            "model": "default", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is 2+3? Answer with the number."}]})
+        assert code == 200 and reply["choices"][0]["message"]["content"], reply
     finally:
         stop_serve(serve)
     out = serve.stdout.read()
@@ -415,3 +420,42 @@ def test_serve_recurring_fires_the_line_from_its_deployment_one_at_a_time_and_le
     assert fresh.schedules == [] and scheduled == []
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://{announced[0]}/health", timeout=5)
+
+
+def test_a_promotion_a_server_cannot_take_leaves_the_servers_as_they_were_and_resumes_once_it_can(
+        server, base, tmp_path):
+    """One of the line's two servers is down when the candidate, approved, is published: the one that took the new
+    weights is given the previous ones back, the champion stays the base model, the firing is left failed. With
+    the server back, the same command resumes that firing from its publication: the candidate is not trained nor
+    gated again, and both servers serve it."""
+    up = start_cpu_server(Path(base), tmp_path)
+    down = start_cpu_server(Path(base), tmp_path)
+    port = int(down.address.rsplit(":", 1)[1])
+    down.stop()
+    overrides = line_overrides(tmp_path, base, f"recurring.serve.addresses=[{up.address},{down.address}]",
+                               "inference.request_retries=0")
+    restarted = None
+    try:
+        new_data(overrides)
+        with pytest.raises(Exception, match=rf"did not take version 3 .*{down.address}"):
+            fire(server, overrides)
+        line = status(overrides)
+        assert line["champion"]["run_id"] is None and line["firings"][0]["state"] == "failed"
+        assert_serves(up.address, base, 0)  # given the base model back
+        gate_file = line_of(overrides).firing_dir(1) / "gate.json"
+        gated_at = gate_file.stat().st_mtime_ns
+
+        restarted = start_cpu_server(Path(base), tmp_path, port=port)
+        resumed = fire(server, overrides)
+        assert (resumed["firing"], resumed["decision"]) == (1, "promoted")
+        champion = status(overrides)["champion"]
+        for address in (up.address, down.address):
+            assert_serves(address, champion["checkpoint"] + "/model", 3)
+        assert gate_file.stat().st_mtime_ns == gated_at  # the gate's record was found, not made again
+        lines = (tmp_path / "arith-line-0001" / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(row)["iteration"] for row in lines] == [1, 2, 3]
+        assert len(status(overrides)["firings"][0]["flow_runs"]) == 2
+    finally:
+        up.stop()
+        if restarted is not None:
+            restarted.stop()
