@@ -34,20 +34,24 @@ def gate_table(gate: dict[str, Any]) -> list[dict[str, Any]]:
     rows += [{"figure": "improvement", "champion": None, "candidate": _figure(gate["improvement"])},
              {"figure": f"{gate['test']} p-value", "champion": None, "candidate": _figure(gate["p_value"])},
              {"figure": "needed", "champion": None,
-              "candidate": f">= {gate['min_improvement']} at confidence {gate['confidence']}"},
+              "candidate": f"at least {gate['min_improvement']}, p <= {1 - gate['confidence']:.3g}"},
              {"figure": "decision", "champion": None, "candidate": "passed" if gate["passed"] else "failed"}]
     return rows
 
 
 def answers_markdown(gate: dict[str, Any]) -> str:
-    lines = []
-    for item in gate.get("answers", []):
-        lines.append(f"- `{item['prompt'][:ANSWER_CHARS]}` (reference `{item['answer']}`)\n"
-                     f"  - champion, reward {item['champion']['reward']:.2f}: "
-                     f"`{item['champion']['completion'][:ANSWER_CHARS]}`\n"
-                     f"  - candidate, reward {item['candidate']['reward']:.2f}: "
-                     f"`{item['candidate']['completion'][:ANSWER_CHARS]}`")
-    return "\n".join(lines) or "(no answers recorded)"
+    """A few gate prompts with both policies' answers (first those where they differ), as a table."""
+    rows = [f"| {_cell(item['prompt'])} | {_cell(item['answer'])} | {_cell(item['champion']['completion'])} "
+            f"({item['champion']['reward']:.2f}) | {_cell(item['candidate']['completion'])} "
+            f"({item['candidate']['reward']:.2f}) |" for item in gate.get("answers", [])]
+    if not rows:
+        return "(no answers recorded)"
+    return "| prompt | reference | champion (reward) | candidate (reward) |\n|---|---|---|---|\n" + "\n".join(rows)
+
+
+def _cell(value: Any) -> str:
+    text = " ".join(str(value).split())[:ANSWER_CHARS]
+    return text.replace("|", "\\|") or " "
 
 
 def approval_form(line: Line, firing: dict[str, Any], gate: dict[str, Any]) -> str:

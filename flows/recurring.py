@@ -34,7 +34,7 @@ def load_line(config_path: str, overrides: Optional[list[str]]) -> Line:
 
     cfg = load_config(config_path, list(overrides or []))
     check_line_config(cfg)
-    return Line(cfg)
+    return Line(cfg, str(config_path))
 
 
 def _firing_run_name() -> str:
@@ -98,12 +98,10 @@ def recurring(config_path: str = DEFAULT_CONFIG, overrides: Optional[list[str]] 
     logger = get_run_logger()
     overrides = list(overrides or [])
     line = load_line(config_path, overrides)
-    line.config_path = config_path
     with line.lock(on_wait=lambda holder: logger.info("line %s: waiting for its firing in progress (%s) to end",
                                                       line.name, holder)):
         ledger = line.ledger()
         line, firing = open_firing(line, ledger, overrides)
-        line.config_path = config_path
         _label(line, firing)
         try:
             return fire(line, ledger, firing)

@@ -49,8 +49,9 @@ def check_line_config(cfg: ExperimentConfig) -> None:
 
 
 class Line:
-    def __init__(self, cfg: ExperimentConfig):
+    def __init__(self, cfg: ExperimentConfig, config_path: Optional[str] = None):
         self.cfg = cfg
+        self.config_path = config_path  # the file it was loaded from (a resumed firing reloads it)
         self.name = line_name(cfg)
         self.dir = Path(cfg.output_dir) / "lines" / self.name
 
