@@ -67,8 +67,7 @@ def open_firing(line: Line, ledger: Ledger, overrides: list[str]) -> tuple[Line,
     logger = get_run_logger()
     firing = ledger.open_firing
     if firing is None:
-        firing = ledger.start_firing("firing", this_flow_run())
-        firing["overrides"] = overrides
+        firing = ledger.start_firing("firing", this_flow_run(), overrides)
     else:
         ledger.resume_firing(firing, this_flow_run())
         if firing.get("overrides", []) != overrides:
@@ -173,7 +172,7 @@ def recurring_rollback(config_path: str = DEFAULT_CONFIG, overrides: Optional[li
                                 "abandon`) first")
         target = rollback_target(ledger, to)
         before = ledger.champion
-        firing = ledger.start_firing("rollback", this_flow_run())
+        firing = ledger.start_firing("rollback", this_flow_run(), list(overrides or []))
         firing["run_id"] = target["run_id"] if target else None
         ledger.save()
         _label(line, firing, "rollback")

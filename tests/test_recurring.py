@@ -254,7 +254,7 @@ def test_manual_approval_is_answered_through_prefect_and_no_answer_rejects(serve
         description, schema = asyncio.run(form())  # what the UI's Resume button shows
         assert "promote `arith-line-0001`?" in description and "| pass@1 |" in description
         assert "| champion (reward) | candidate (reward) |" in description  # both policies' answers, side by side
-        assert description.count("Answer with the number. |") == 6
+        assert description.count("| What is ") == 6
         assert set(schema["properties"]) >= {"approve", "reason", "approver"}
         answer = subprocess.run([sys.executable, "-m", "cli", "recurring", "approve", "--config", str(CONFIG),
                                  *overrides, "--reason", "better sums", "--by", "alice"], cwd=REPO, env=env,

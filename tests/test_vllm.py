@@ -340,3 +340,49 @@ def test_the_train_flow_runs_on_vllm(server, models, tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == list(range(1, iterations + 1))
     assert_serves_checkpoint(server, models, run_dir, iterations)
+
+
+def test_a_line_publishes_its_champion_to_vllm_without_dropping_requests(server, models):
+    """A recurring line served on vLLM (recurring.serve.backend=vllm): its champion is loaded while requests are in
+    flight (none fails) and checked with the probe; a champion whose probe does not match is refused and the
+    previous weights are given back."""
+    import threading
+    import urllib.request
+
+    from areal_pipeline.recurring.publish import PublishError, publish
+
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [HEADS, *VLLM_OVERRIDES, "recurring.serve.backend=vllm"])
+    ids = probe(models)
+    expected = {v: reference_logprobs(path, ids) for v, path in models.items()}
+    replies, stop = [], threading.Event()
+
+    def traffic() -> None:
+        body = json.dumps({"model": str(models[0]), "prompt": "What is 3+4?", "max_tokens": 32, "temperature": 1.0,
+                           "ignore_eos": True}).encode()
+        while not stop.is_set():
+            request = urllib.request.Request(f"http://{server}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=120) as reply:
+                    replies.append((reply.status, json.loads(reply.read())["choices"][0]["finish_reason"]))
+            except Exception as error:  # recorded: the assertion below names it
+                replies.append((None, repr(error)))
+
+    sender = threading.Thread(target=traffic, daemon=True)
+    sender.start()
+    try:
+        record = publish(cfg, [server], str(models[1]), 1, expected[1], previous=(str(models[0]), 0))
+    finally:
+        stop.set()
+        sender.join(120)
+    assert record["verified"] and record["probe_difference"][server] < 1e-4 and record["tolerance"] == TOLERANCE
+    assert replies and all(status == 200 and reason == "length" for status, reason in replies), replies[:3]
+
+    async def served_version() -> str:
+        async with RemoteVLLMEngine([server]) as engine:
+            return (await engine.get_model_info())["weight_version"]
+    with pytest.raises(PublishError, match=rf"did not take version 0 .*vllm server {re.escape(server)}"):
+        publish(cfg, [server], str(models[0]), 0, expected[1], previous=(str(models[1]), 1))
+    assert asyncio.run(served_version()) == "1"  # given back
+    publish(cfg, [server], str(models[0]), 0, expected[0])  # as the other tests expect it
+    assert asyncio.run(served_version()) == "0"

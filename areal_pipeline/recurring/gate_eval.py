@@ -96,7 +96,8 @@ def answers_side_by_side(results: dict[str, dict[str, Any]], prompts: dict[str, 
     ids = sorted(prompts)
     differing = [p for p in ids if champion["per_prompt"][p]["reward"] != candidate["per_prompt"][p]["reward"]]
     chosen = (differing + [p for p in ids if p not in differing])[:shown]
-    return [{"prompt_id": p, "prompt": _prompt_text(prompts[p]), "answer": prompts[p].get("answer"),
+    return [{"prompt_id": p, "prompt": prompts[p].get("question") or _prompt_text(prompts[p]),
+             "answer": prompts[p].get("answer"),
              "champion": champion["per_prompt"][p], "candidate": candidate["per_prompt"][p]} for p in chosen]
 
 

@@ -133,9 +133,11 @@ class Ledger:
         return 1 + max((f["id"] for f in self.firings), default=0)
 
     # ----- what changes it (the lock holder saves after each) ---------------------------------------------------
-    def start_firing(self, kind: str, flow_run_id: Optional[str]) -> dict[str, Any]:
+    def start_firing(self, kind: str, flow_run_id: Optional[str], overrides: Optional[list[str]] = None
+                     ) -> dict[str, Any]:
         champion = self.champion
-        record = {"id": self.next_id, "kind": kind, "state": "running", "decision": None, "started_at": now(),
+        record = {"id": self.next_id, "kind": kind, "overrides": list(overrides or []), "state": "running",
+                  "decision": None, "started_at": now(),
                   "ended_at": None, "flow_runs": [flow_run_id] if flow_run_id else [], "run_id": None,
                   "from": {"run_id": champion["run_id"], "iteration": champion["iteration"]} if champion else None,
                   "rows": 0, "replay_rows": 0, "files": [], "gate": None, "approved_by": None, "reason": None,

@@ -131,8 +131,11 @@ class Line:
         return cfg
 
     def save_candidate_config(self, firing: dict[str, Any], cfg: ExperimentConfig) -> Path:
+        """The first firing's candidate config, written once: a resumed firing trains its run under the config it
+        started with, whatever the line's file says since."""
         path = self.firing_dir(firing["id"]) / "candidate.yaml"
-        save_config(cfg, path)
+        if not path.is_file():
+            save_config(cfg, path)
         return path
 
     def candidate_model(self, firing: dict[str, Any], cfg: ExperimentConfig) -> str:

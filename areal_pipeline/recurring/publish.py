@@ -34,15 +34,16 @@ def publish(cfg: ExperimentConfig, addresses: list[str], model_dir: str, version
     the gate's logprobs of it; None: not verified, said in the record). On a failure the servers are given
     `previous` (model directory, version) back and PublishError is raised."""
     from areal_pipeline.inference.backend import engine_for
-    from areal_pipeline.inference.weight_check import probe_ids, tolerance, verify_served
+    from areal_pipeline.inference.weight_check import probe_ids, served_dtype, tolerance, verify_served
     from areal_pipeline.model import load_tokenizer
 
     if not addresses:
         return {"addresses": [], "model": model_dir, "version": version, "verified": False}
     inference = serving_inference(cfg)
     probe = probe_ids(load_tokenizer(model_dir, cfg.model.trust_remote_code))
-    # the gate's servers compute in the line's inference dtype: float32 on both sides is the tight tolerance
-    tol = tolerance(inference, trainer_fp32=cfg.inference.dtype == "float32" and cfg.inference.backend == "cpu")
+    # the expected logprobs came from the gate's servers, the line's inference settings: where they computed in
+    # float32, the tight tolerance applies (if the line's servers do too)
+    tol = tolerance(inference, trainer_fp32=served_dtype(cfg.inference) == "float32")
 
     async def push(path: str, v: int, check: Optional[list[float]]) -> dict[str, float]:
         async with engine_for(addresses, inference) as engine:
