@@ -124,7 +124,9 @@ def _status(args) -> None:
         else:
             print(f"line {line.name}: no firing yet ({line.ledger_path} does not exist)")
         return
-    status = line_status(ledger)
+    from areal_pipeline.recurring.ledger import lock_is_held
+
+    status = line_status(ledger, busy=lock_is_held(line.dir))
     print(json.dumps(status, indent=1) if args.json else status_text(status))
 
 

@@ -319,8 +319,14 @@ def test_two_firings_at_once_train_one_candidate_and_a_killed_one_resumes_to_the
     run.kill()
     run.wait()
     wait_until(lambda: processes_of(run.pid) == [], 30, "the killed firing's services to exit")
-    killed = status(victim)
-    assert killed["champion"]["run_id"] is None and killed["firings"][0]["state"] == "running"
+    shown = subprocess.run([sys.executable, "-m", "cli", "recurring", "status", "--json", "--config", str(CONFIG),
+                            *victim], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    killed = json.loads(shown.stdout)  # `recurring status --json`: one object
+    assert killed["line"] == "arith-line" and killed["champion"]["run_id"] is None
+    (unfinished,) = killed["firings"]
+    assert (unfinished["decision"], unfinished["state"], unfinished["run_id"]) == ("failed", "killed",
+                                                                                   "arith-line-0001")
 
     again = cli("recurring", "fire", "--config", str(CONFIG), *victim, env=env)
     out, _ = again.communicate(timeout=600)

@@ -282,3 +282,24 @@ def test_pruning_keeps_the_newest_the_best_and_the_pinned(tmp_path):
     pin_checkpoint(tmp_path, 2)
     assert prunable_checkpoints(paths, 2, keep_best=True) == [6]
     assert paths.pinned_checkpoints() == {2}
+
+
+def test_status_reads_an_unfinished_firing_without_a_lock_holder_as_killed(tmp_path):
+    from areal_pipeline.recurring.ledger import lock_is_held
+    from areal_pipeline.recurring.status import line_status, status_text
+
+    ledger = Ledger.new(tmp_path / "ledger.json", "l", "/models/base")
+    firing = ledger.start_firing("firing", "run-1", ["trainer.optimizer.lr=1e-4"])
+    firing["run_id"] = "l-0001"
+    assert not lock_is_held(tmp_path)
+    (shown,) = line_status(ledger, busy=False)["firings"]
+    assert (shown["decision"], shown["state"]) == ("failed", "killed")
+    with line_lock(tmp_path, 1.0):
+        assert lock_is_held(tmp_path)
+        (shown,) = line_status(ledger, busy=lock_is_held(tmp_path))["firings"]
+        assert (shown["decision"], shown["state"]) == (None, "running")
+    assert not lock_is_held(tmp_path)
+    status = line_status(ledger)
+    assert status["champion"] == {"run_id": None, "iteration": 0, "checkpoint": "/models/base", "gate": None,
+                                  "firing": None}
+    assert "champion the base model" in status_text(status) and "firing 1: failed" in status_text(status)

@@ -173,6 +173,20 @@ class Ledger:
         self.data["served"] = served
 
 
+def lock_is_held(directory: Path) -> bool:
+    """Whether a process holds the line's lock now (a firing or rollback in progress)."""
+    path = Path(directory) / ".lock"
+    if not path.is_file():
+        return False
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
 @contextlib.contextmanager
 def line_lock(directory: Path, timeout: float, on_wait: Optional[Callable[[str], None]] = None,
               poll_s: float = 0.5) -> Iterator[None]:

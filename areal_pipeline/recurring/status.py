@@ -16,10 +16,16 @@ def _gate(gate: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
             "passed": gate["passed"]}
 
 
-def line_status(ledger: Ledger) -> dict[str, Any]:
+def line_status(ledger: Ledger, busy: bool = False) -> dict[str, Any]:
     """One object: the line, its champion (run_id, checkpoint, gate figures; null run_id: the base model), what its
-    servers serve, and every firing oldest first."""
+    servers serve, and every firing oldest first. `busy`: whether a process holds the line's lock now; an
+    unfinished firing without one was killed, and reads as failed (state "killed") until it is resumed."""
     champion = ledger.champion
+
+    def state(f: dict[str, Any]) -> tuple[Optional[str], str]:
+        if f["state"] == "running" and not busy:
+            return "failed", "killed"
+        return f["decision"], f["state"]
     return {
         "line": ledger.name,
         "champion": ({"run_id": champion["run_id"], "iteration": champion["iteration"],
@@ -28,7 +34,7 @@ def line_status(ledger: Ledger) -> dict[str, Any]:
                      else {"run_id": None, "iteration": 0, "checkpoint": ledger.data["base_model"], "gate": None,
                            "firing": None}),
         "served": ledger.data.get("served"),
-        "firings": [{"id": f["id"], "run_id": f["run_id"], "decision": f["decision"], "state": f["state"],
+        "firings": [{"id": f["id"], "run_id": f["run_id"], "decision": state(f)[0], "state": state(f)[1],
                      "rows": f["rows"], "replay_rows": f["replay_rows"], "files": f["files"],
                      "gate": _gate(f["gate"]), "approved_by": f["approved_by"], "reason": f["reason"],
                      "error": f["error"], "started_at": f["started_at"], "ended_at": f["ended_at"],
