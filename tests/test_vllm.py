@@ -357,7 +357,7 @@ def test_a_line_publishes_its_champion_to_vllm_without_dropping_requests(server,
     replies, stop = [], threading.Event()
 
     def traffic() -> None:
-        body = json.dumps({"model": str(models[0]), "prompt": "What is 3+4?", "max_tokens": 32, "temperature": 1.0,
+        body = json.dumps({"model": "default", "prompt": "What is 3+4?", "max_tokens": 32, "temperature": 1.0,
                            "ignore_eos": True}).encode()
         while not stop.is_set():
             request = urllib.request.Request(f"http://{server}/v1/completions", data=body,
