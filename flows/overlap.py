@@ -234,7 +234,7 @@ def _run_units(call: Callable[[int, int], Any], run: LiveRun, units: list[tuple[
         try:
             for k, until in units:
                 if run.control is not None:  # paused in Prefect: start nothing new until resumed
-                    run.control.hold_while_paused()
+                    run.control.hold_while_paused(k)
                 for i in range(k, until + 1):
                     run.handoffs.setdefault(i, Handoff())
                 last_of_unit = run.handoffs[until]

@@ -49,8 +49,21 @@ def prefect_server(home: Path, timeout: float = 180) -> Iterator[str]:
         wait_for_api(server, url, home / "server.log", timeout)
         yield url
     finally:
+        drain_prefect_workers()
         stop_group(server)
         log.close()
+
+
+def drain_prefect_workers(timeout: float = 30) -> None:
+    """Send what this process queued for Prefect APIs (run logs, events) and stop the workers that send them,
+    within `timeout`, before a server they send to stops: a worker left with a gone server retries, and Prefect's
+    test harness waits for every events worker at its exit, without a deadline. New ones start at the next log or
+    event."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout)
 
 
 def wait_for_api(server: subprocess.Popen, url: str, log: Path, timeout: float) -> None:

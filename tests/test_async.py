@@ -11,6 +11,7 @@ import torch
 from areal_pipeline.data.shards import read_trajectories
 from areal_pipeline.model import load_model
 from areal_pipeline.pipeline import run_plain
+from areal_pipeline.rollout.failures import EpisodesFailed
 from areal_pipeline.run_spec import load_config
 from areal_pipeline.training.losses import gather_logprobs
 from _learning_helpers import base_model, first_and_last, short_run
@@ -123,7 +124,7 @@ def test_a_failed_iteration_cancels_its_episodes_and_a_retry_starts_afresh(tiny_
                                     policy=FailurePolicy(episode_retries=0, on_failure="fail"))
     caplog.set_level(logging.ERROR, logger="asyncio")
     executor.start()
-    with pytest.raises(Exception, match="reward server gone"):
+    with pytest.raises(EpisodesFailed, match="ValueError: reward server gone"):
         executor.collect(1, timeout=10)
     deadline = time.monotonic() + 5
     while sorted(cancelled) != [1, 2, 3] and time.monotonic() < deadline:
@@ -143,7 +144,7 @@ def test_a_failed_iteration_cancels_its_episodes_and_a_retry_starts_afresh(tiny_
             pipeline.start()
             real_episodes = pipeline._episodes
             pipeline._episodes = lambda k: [{**real_episodes(k)[0], "answer": None, "messages": None}]
-            with pytest.raises(Exception, match="'NoneType' object is not iterable"):  # the episode's messages
+            with pytest.raises(TypeError, match="'NoneType' object is not iterable"):  # the episode's messages
                 pipeline.rollout(1)
             pipeline._episodes = real_episodes
             stats = pipeline.rollout(1)  # the retry

@@ -45,6 +45,32 @@ def test_quick_chaos_is_survived_in_both_modes(quick_chaos):
     assert figures["async"]["max_staleness"] <= 1
 
 
+def test_what_the_chaos_run_left_on_disk_says_the_same(quick_chaos):
+    """The figures, checked from the runs' own files rather than from the benchmark's: two kills a mode in its
+    log, every round's run finished each iteration once, and the synchronous rounds' final weights are the
+    reference's tensor for tensor."""
+    import torch
+    from safetensors.torch import load_file
+
+    done, work = quick_chaos
+    assert work is not None, done.stdout[-3000:]
+    for mode in ("sync", "async"):
+        kills = re.findall(rf"^\[{mode}\] round \d+: kill (.+?) at [\d.]+ s \(pid [\d, ]+\) -> (.+)$", done.stdout,
+                           re.MULTILINE)
+        assert len(kills) == 2 and all("HUNG" not in after for _, after in kills), kills
+        rounds = sorted((work / mode).glob("round-*/faults"))
+        assert rounds, list((work / mode).iterdir())
+        for run_dir in rounds:
+            finished = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            assert sorted(finished) == [1, 2, 3], (run_dir, finished)
+    final = "checkpoints/step_3/model/model.safetensors"
+    reference = load_file(str(work / "sync" / "reference" / "faults" / final))
+    for run_dir in sorted((work / "sync").glob("round-*/faults")):
+        weights = load_file(str(run_dir / final))
+        assert weights.keys() == reference.keys()
+        assert all(torch.equal(weights[name], reference[name]) for name in reference), run_dir
+
+
 def test_the_ledger_finds_a_skipped_prompt_and_one_trained_twice(quick_chaos):
     from chaos import ledger
 

@@ -27,6 +27,9 @@ def test_skipped_for_postgres():
 def test_skipped_for_a_gpu():
     pytest.skip("this machine has a GPU")
 
+def test_skipped_naming_a_gpu_in_passing():
+    pytest.skip("no MLflow server (it runs without a GPU)")
+
 @pytest.mark.skipif(True, reason="needs CUDA")
 def test_skipped_by_a_cuda_mark():
     pass
@@ -70,12 +73,13 @@ def test_under_ci_a_skip_fails_with_its_reason_unless_it_is_for_a_gpu(skipping_p
     result = _run(skipping_project)
     # failed: the pytest.skip in a test; errors: the skips in set-up (the mark's, the fixture's) and in collection
     # (the module's); the GPU and CUDA reasons stay skips; an xfail is not a skip
-    result.assert_outcomes(passed=1, failed=1, errors=3, skipped=2, xfailed=1)
+    result.assert_outcomes(passed=1, failed=2, errors=3, skipped=2, xfailed=1)
     result.stdout.fnmatch_lines_random([
         "*skipped under CI (CI=true), which only a GPU reason may: Skipped: no PostgreSQL here",
         "*skipped under CI (CI=true), which only a GPU reason may: Skipped: no two adjacent free ports",
         "*skipped under CI (CI=true), which only a GPU reason may: Skipped: shared data not present",
         "*skipped under CI (CI=true), which only a GPU reason may: Skipped: no server binary",
+        "*skipped under CI (CI=true), which only a GPU reason may: Skipped: no MLflow server (it runs without a GPU)",
         "SKIPPED * this machine has a GPU",
         "SKIPPED * needs CUDA",
     ])
@@ -89,9 +93,10 @@ def test_without_ci_every_skip_stays_a_skip_and_is_listed(skipping_project, monk
     else:
         monkeypatch.setenv("CI", ci)
     result = _run(skipping_project)
-    result.assert_outcomes(passed=1, skipped=6, xfailed=1)
+    result.assert_outcomes(passed=1, skipped=7, xfailed=1)
     result.stdout.fnmatch_lines_random([
         "SKIPPED * no PostgreSQL here", "SKIPPED * no two adjacent free ports", "SKIPPED * shared data not present",
         "SKIPPED * no server binary", "SKIPPED * this machine has a GPU", "SKIPPED * needs CUDA",
+        "SKIPPED * no MLflow server (it runs without a GPU)",
     ])
     assert result.ret == pytest.ExitCode.OK

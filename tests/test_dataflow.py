@@ -57,6 +57,28 @@ def test_each_node_records_only_its_own_iterations_upstream_nodes(prefect_api, t
         for node, task_run in nodes.items():
             for upstream in BY_NAME[node].inputs:
                 assert task_run.start_time >= nodes[upstream].end_time, (node, upstream, k)
+    assert_the_reference_is_the_base_model(tmp_path / "edges", tiny_model_dir, k=3)
+
+
+def assert_the_reference_is_the_base_model(run_dir, base_model_dir, k: int) -> None:
+    """Iteration k's ref_logprobs are the frozen base model's logprobs of its rollout, not the actor's: after k - 1
+    updates the two differ, and the proximal logprobs (policy k - 1's, of the same rows) are the actor's."""
+    import pyarrow.parquet as pq
+
+    from _trainer_helpers import plain_logprobs
+    from areal_pipeline.data.shards import read_table
+
+    iteration = run_dir / f"iter_{k}"
+    sequences = read_table(iteration / "rollout").column("input_ids").to_pylist()
+    reference = pq.read_table(iteration / "ref_logprobs.parquet").column("logprobs").to_pylist()
+    proximal = pq.read_table(iteration / "prox_logprobs.parquet").column("logprobs").to_pylist()
+    base = plain_logprobs(base_model_dir, sequences)
+    assert [len(r) for r in reference] == [len(s) for s in sequences] == [len(r) for r in proximal]
+
+    def largest_difference(a, b):
+        return max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p[1:], q[1:]))
+    assert largest_difference(reference, base) < 1e-4
+    assert largest_difference(proximal, base) > 1e-3  # the actor moved: a reference taken from it would show
 
 
 def test_the_logprob_nodes_give_the_weights_of_the_trainers_own_passes(prefect_api, tiny_model_dir, tmp_path):

@@ -4,12 +4,13 @@ two iterations) is cancelled, or paused and then resumed, by the automation the 
 
 from __future__ import annotations
 
+import datetime
 import http.server
 import json
 import random
+import re
 import subprocess
 import threading
-import time
 from typing import Optional
 
 import httpx
@@ -200,14 +201,17 @@ def test_a_paused_run_holds_and_goes_on_when_resumed(server, warm_model, tmp_pat
         paused = wait_until(lambda: _paused(server, "held") if run.poll() is None else pytest.fail(
             run.stdout.read()[-3000:]), 300, "the guard to pause the run", interval=0.5)
         assert "areal-guard/held/reward-drop" in paused["state"]["message"]
-        time.sleep(8)  # the iterations in flight finish; no new one starts
-        held_at = _iterations(tmp_path / "held")
-        time.sleep(5)
-        assert _iterations(tmp_path / "held") == held_at and len(held_at) < HELD_RUN
+        # the iterations in flight finish; the next one waits, which the run says when it starts waiting
+        log = tmp_path / "held" / "logs" / "train.log"
+        waiting = re.compile(r"run held: iteration (\d+) waits for the flow run to be resumed")
+        held = int(wait_until(lambda: waiting.search(log.read_text()) if run.poll() is None else pytest.fail(
+            run.stdout.read()[-3000:]), 300, "the next iteration to wait", interval=0.5).group(1))
+        assert held < HELD_RUN
         assert run.poll() is None and processes_of(run.pid, forkserver=False)  # servers and trainer kept
 
         # the person looks, decides to go on: removes the guard and presses Resume
         assert "removed 1 guard automation(s) of run held" in _guard(env, "--run-id", "held", "--remove")
+        resumed_at = datetime.datetime.now(datetime.timezone.utc)
         reply = httpx.post(f"{server}/flow_runs/{paused['id']}/resume", json={})
         assert reply.status_code in (200, 201) and reply.json()["status"] == "ACCEPT", reply.text
         out, _ = run.communicate(timeout=600)
@@ -216,6 +220,12 @@ def test_a_paused_run_holds_and_goes_on_when_resumed(server, warm_model, tmp_pat
     assert run.returncode == 0, out[-3000:]
     assert _iterations(tmp_path / "held") == list(range(1, HELD_RUN + 1))
     assert _train_flow_run(server, "held")["state_type"] == "COMPLETED"
+    # the waiting iteration started only once resumed (Prefect's clock: the server is on this machine)
+    reply = httpx.post(f"{server}/flow_runs/filter", json={"flow_runs": {"name": {"like_": f"held/iter-{held}"}}})
+    reply.raise_for_status()
+    (iteration_run,) = [r for r in reply.json() if r["name"].split("-", 1)[1].split("..")[0] == str(held)]
+    assert datetime.datetime.fromisoformat(iteration_run["created"]) >= resumed_at, (iteration_run["created"],
+                                                                                    resumed_at)
     # with the default interval between its updates, the run's table has every iteration
     assert [row["iteration"] for row in json.loads(_artifact(server, "held-metrics")["data"])] == list(
         range(1, HELD_RUN + 1))

@@ -219,13 +219,18 @@ def test_async_iterations_roll_out_during_the_previous_update(prefect_api, tiny_
     from areal_pipeline.pipeline import Pipeline
     from flows.train import train
 
+    from areal_pipeline.data.shards import has_manifest
+
     real_update = Pipeline.ppo_update
 
-    def slow_update(self, k, *inputs):  # long enough that the next iteration's run start and rollout fit inside it
-        time.sleep(3)
+    def update_after_the_next_batch(self, k, *inputs):
+        # iteration k's update ends only once iteration k+1's rollout and advantages are done: they cannot wait for
+        # it (a run that did would time out here), whatever the machine's load makes of the timing
+        if k < 3:
+            wait_until(lambda: has_manifest(self.paths.batch(k + 1)), 300, f"iteration {k + 1}'s batch")
         return real_update(self, k, *inputs)
 
-    monkeypatch.setattr(Pipeline, "ppo_update", slow_update)
+    monkeypatch.setattr(Pipeline, "ppo_update", update_after_the_next_batch)
     train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
           overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="asy", iterations=3)
           + ["rollout.max_head_offpolicyness=1"])

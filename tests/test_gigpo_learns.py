@@ -1,8 +1,12 @@
 """GiGPO learns on its multi-step environment: configs/gigpo_grid.yaml shortened (14 iterations instead of 30)
 through the real servers and trainer, from the config's own warm-started base model; every step record the
-advantage used came through the rollout shards."""
+advantage used came through the rollout shards, and the advantage trained on is GRPO's plus the step term, which the
+test computes by hand from the steps' rewards and states."""
 
 from __future__ import annotations
+
+import statistics
+from collections import defaultdict
 
 import pytest
 
@@ -45,3 +49,49 @@ def test_gigpo_raises_the_success_rate_of_grid_walks(grid_base_model, tmp_path):
     assert revisited > 0
     batch = read_table(paths.batch(1), schema=None)
     assert batch.column("step_states").null_count == 0
+    assert_step_term_trained_on(batch.to_pylist(), cfg.ppo.gigpo_discount)
+
+
+def step_starts(mask: list) -> list[int]:
+    return [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+
+
+def hand_step_advantages(rows: list[dict], gamma: float) -> dict[tuple[int, int], float]:
+    """GiGPO's A^S by the paper, (row, first token of the step) -> value: each step's discounted return against
+    the returns of the steps of its group that acted from the same state ((R - mean) / (std + 1e-6)), 0 alone."""
+    steps = []
+    for r, row in enumerate(rows):
+        starts = step_starts(row["loss_mask"])
+        returns, following = [], 0.0
+        for i in reversed(starts):
+            following = row["step_rewards"][i] + gamma * following
+            returns.append(following)
+        for i, ret in zip(starts, reversed(returns)):
+            steps.append((r, i, (row["group_id"], row["step_states"][i]), ret))
+    by_state = defaultdict(list)
+    for _, _, key, ret in steps:
+        by_state[key].append(ret)
+    return {(r, i): 0.0 if len(by_state[key]) < 2 else
+            (ret - statistics.mean(by_state[key])) / (statistics.stdev(by_state[key]) + 1e-6)
+            for r, i, key, ret in steps}
+
+
+def assert_step_term_trained_on(rows: list[dict], gamma: float) -> None:
+    """GRPO gives every step of a walk one advantage, and the batch normalisation is one affine map over the batch:
+    so two steps of one walk differ in advantage by omega/std times their difference in A^S, one positive factor
+    for the whole batch. With the step term weighted 0 (or computed wrongly) the differences are 0 or out of
+    proportion."""
+    hand = hand_step_advantages(rows, gamma)
+    ratios, flat = [], 0
+    for r, row in enumerate(rows):
+        starts = step_starts(row["loss_mask"])
+        for a, b in zip(starts, starts[1:]):
+            trained = row["advantages"][b] - row["advantages"][a]
+            expected = hand[(r, b)] - hand[(r, a)]
+            if abs(expected) > 1e-3:
+                ratios.append(trained / expected)
+            else:
+                flat += 1
+                assert abs(trained) < 1e-4, (r, a, b, trained)
+    assert len(ratios) >= 10, (len(ratios), flat)  # walks whose steps the step term tells apart
+    assert min(ratios) > 0 and max(ratios) == pytest.approx(min(ratios), rel=1e-3), (min(ratios), max(ratios))

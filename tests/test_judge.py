@@ -204,13 +204,20 @@ def judged_rows(run_dir: Path) -> list[dict]:
 def assert_judged(run_dir: Path) -> dict:
     """The run's rewards are the judge's grades of its answers (1 where the answer holds the reference), the
     workflow's own kept beside them, and its metrics carry the judge's usage."""
+    from areal_pipeline.rewards.math import math_reward
+
     rows = judged_rows(run_dir)
     assert len(rows) == 8
+    workflow_rewards = []
     for row in rows:
         meta = json.loads(row["metadata"])
-        assert "workflow_reward" in meta
+        # the workflow's own reward (rlvr's verifier on the answer), kept beside the judge's
+        assert meta["workflow_reward"] == math_reward(row["text"], meta["answer"]), row
+        workflow_rewards.append(meta["workflow_reward"])
         assert row["reward"] == (1.0 if str(meta["answer"]) in row["text"] else 0.0), row
     metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    # ... and averaged as the metric docs/judge.md promises
+    assert metrics["agent/workflow_reward"] == pytest.approx(sum(workflow_rewards) / len(workflow_rewards))
     assert metrics["judge/calls"] + metrics["judge/cache_hits"] == 4
     assert metrics["judge/prompt_tokens"] > 0 and metrics["judge/cost_usd"] == pytest.approx(
         (metrics["judge/prompt_tokens"] * 1.0 + metrics["judge/completion_tokens"] * 4.0) / 1e6)

@@ -15,6 +15,7 @@ import pytest
 
 from areal_pipeline.config import ConfigError
 from areal_pipeline.run_spec import load_config
+from areal_pipeline.services import ServicesStoppedError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,7 +75,7 @@ def test_the_run_serves_its_judge_starts_it_again_where_it_died_and_stops_it(tmp
     finally:
         services.stop()
     assert second.poll() is not None and services.judge is None
-    with pytest.raises(Exception, match="stopped"):
+    with pytest.raises(ServicesStoppedError, match="stopped"):
         services.start_judge()
 
 

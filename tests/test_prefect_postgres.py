@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from _prefect_server import SERVER_ENV, client_env
+from _prefect_server import SERVER_ENV, client_env, drain_prefect_workers
 from areal_pipeline.prefect_server import (SERVER_DEFAULTS, LocalPrefectServer, PrefectServerError, postgres_binaries,
                                           server_env)
 from areal_pipeline.utils import find_free_port
@@ -68,6 +68,7 @@ def pg_server():
         url = f"http://127.0.0.1:{port}/api"
         assert out.strip().splitlines()[-1] == f"export PREFECT_API_URL={url}", out
         yield url, directory, env
+        drain_prefect_workers()  # what this process sent there, before the server goes
         out = _command("prefect-server", "stop", "--dir", str(directory), env=env)
         assert "Prefect server" in out and "PostgreSQL stopped" in out, out
         assert "stopped" in _command("prefect-server", "status", "--dir", str(directory), env=env)

@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from _learning_helpers import base_model
+from areal_pipeline.recurring.incoming import DataChangedError
+from areal_pipeline.recurring.publish import PublishError
 from _prefect_server import client_env, prefect_server
 from conftest import http, start_cpu_server
 from test_flows import REPO, cli, wait_until
@@ -179,7 +181,7 @@ def test_a_line_promotes_rejects_and_promotes_again_serving_each_champion_then_r
         day_1 = tmp_path / "data" / "day-0001.jsonl"
         original = day_1.read_text()
         day_1.write_text(original.replace("What is", "What's", 1))
-        with pytest.raises(Exception, match=r"day-0001.jsonl: changed after firing 1"):
+        with pytest.raises(DataChangedError, match=r"day-0001.jsonl: changed after firing 1"):
             fire(server, overrides)
         assert status(overrides)["firings"][-1]["decision"] == "failed"
         assert status(overrides)["champion"]["run_id"] == "arith-line-0004"  # as it was
@@ -429,7 +431,7 @@ def test_a_promotion_a_server_cannot_take_leaves_the_servers_as_they_were_and_re
     restarted = None
     try:
         new_data(overrides)
-        with pytest.raises(Exception, match=rf"did not take version 3 .*{down.address}"):
+        with pytest.raises(PublishError, match=rf"did not take version 3 .*{down.address}"):
             fire(server, overrides)
         line = status(overrides)
         assert line["champion"]["run_id"] is None and line["firings"][0]["state"] == "failed"

@@ -109,7 +109,10 @@ def test_a_reward_function_rescores_the_stored_episodes_beside_them(parent, rewa
             assert summary["reward_correlation"] == pytest.approx(float(np.corrcoef(olds, news)[0, 1]))
         else:
             assert summary["reward_correlation"] is None
-        assert 0.0 <= summary["advantage_sign_flips"] <= 1.0
+        # the share of episodes whose group-centred reward changed sign, from these very rewards (sign_flips is
+        # checked by hand below): the summary is computed on the stored episodes' groups, old and new rewards
+        expected_flips = sign_flips([t.group_id for t in old], olds, news)
+        assert summary["advantage_sign_flips"] == pytest.approx(expected_flips)
     assert _digests(parent) == before  # the old shards untouched
     lineage = json.loads((parent / "rescored/short/rescore.json").read_text())
     assert lineage["scorer"] == reward and lineage["parent_run_dir"] == str(parent.resolve())

@@ -14,7 +14,8 @@ import torch
 
 from areal_pipeline.data.shards import content_sha256, read_manifest, read_table, read_trajectories
 from areal_pipeline.data.trajectory import Trajectory
-from areal_pipeline.rollout.failures import EpisodeFailure, FailurePolicy, GroupResult, RolloutFailureRate
+from areal_pipeline.rollout.failures import (EpisodeFailure, EpisodesFailed, FailurePolicy, GroupResult,
+                                             RolloutFailureRate)
 from areal_pipeline.rollout.journal import EpisodeJournal, episodes_digest, finish_rollout
 from areal_pipeline.run_spec import load_config
 
@@ -196,24 +197,27 @@ def test_a_retried_rollout_node_plays_only_the_missing_groups(tiny_model_dir, tm
             real_episodes = pipeline._episodes
             workflow = pipeline._workflow()
 
+            ids = [r["prompt_id"] for r in real_episodes(1)]
+            failing = {ids[3]}  # the last group's episodes lose their tool server on every attempt
+
             class Counting:  # the workflow, counting the groups it plays
                 async def arun_episode(self, engine, data):
                     if data["sample_idx"] == 0:
                         played.append(data["prompt_id"])
+                    if data["prompt_id"] in failing:
+                        raise ConnectionError("tool server gone")
                     return await workflow.arun_episode(engine, data)
             pipeline._workflow = Counting
-            poisoned = [*real_episodes(1)[:3], {**real_episodes(1)[3], "messages": None}]
-            pipeline._episodes = lambda k: poisoned
-            with pytest.raises(Exception, match="'NoneType' object is not iterable"):
+            # an episode's failure, which rollout.on_failure=skip would drop: `fail` fails the node with it
+            with pytest.raises(EpisodesFailed, match=f"prompt {ids[3]} .*ConnectionError: tool server gone"):
                 pipeline.rollout(1)
+            failing.clear()
             journal = pipeline.journal(1)
             assert sorted(p.name for p in journal.directory.glob("g-*")) == [f"g-0000{i}.parquet" for i in range(3)]
             assert not (cfg.run_dir / "iter_1" / "rollout" / "manifest.json").exists()
             journal.path(1).write_bytes(journal.path(1).read_bytes()[:100])  # a torn file
-            pipeline._episodes = real_episodes
             played.clear()
             resumed = pipeline.rollout(1)  # the retry
-            ids = [r["prompt_id"] for r in real_episodes(1)]
             assert played == [ids[1], ids[3]]  # the corrupt group and the failed one, nothing else
             assert "resuming iteration 1: 2/4 groups on disk" in caplog.text
             assert f"{journal.path(1)} is unusable" in caplog.text
@@ -402,7 +406,7 @@ def test_an_async_failure_keeps_every_iteration_s_finished_groups(tmp_path, capl
     first = executor(fail=True)
     first.start()
     try:
-        with pytest.raises(Exception, match="tool server gone"):
+        with pytest.raises(EpisodesFailed, match="ConnectionError: tool server gone"):
             first.collect(1, timeout=30)
         assert [g.slot for g in first.collect(2, timeout=30)] == [0, 1, 2, 3]
     finally:

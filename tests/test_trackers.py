@@ -291,15 +291,19 @@ def test_the_former_tensorboard_key_still_sets_trackers_tensorboard(tmp_path):
         load(saved)
 
 
-def test_tensorboard_gets_every_iteration_or_its_missing_package_is_named(tmp_path):
+def test_a_missing_tensorboard_package_is_named_with_its_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # what importlib finds where the package is not installed
+    assert importlib.util.find_spec("tensorboard") is None
+    with pytest.raises(ConfigError, match=r"trackers.tensorboard=True: needs the tensorboard package.*"
+                                          r"pip install 'areal-pipeline\[tensorboard\]'"):
+        load(None, ["tensorboard=true"])
+
+
+def test_tensorboard_gets_every_iteration(tmp_path):
     from areal_pipeline.trackers import Trackers
 
-    if importlib.util.find_spec("tensorboard") is None:
-        assert os.environ.get("CI") != "true", "CI installs the [tensorboard] extra (make setup)"
-        with pytest.raises(ConfigError, match=r"trackers.tensorboard=True: needs the tensorboard package.*"
-                                              r"pip install 'areal-pipeline\[tensorboard\]'"):
-            load(None, ["tensorboard=true"])
-        return
+    if importlib.util.find_spec("tensorboard") is None:  # under CI a skip fails (conftest.py): make setup installs it
+        pytest.skip("the tensorboard package is not installed (pip install 'areal-pipeline[tensorboard]')")
     cfg = load(None, ["tensorboard=true", f"output_dir={tmp_path}", "run_id=tb"])
     trackers = Trackers.of(cfg)
     assert trackers.start("tb", {}, {"prefect": "http://x/flow-runs/flow-run/1"}) == {
