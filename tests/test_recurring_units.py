@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from areal_pipeline.recurring import gate
-from areal_pipeline.recurring.incoming import (DataChangedError, data_files, rows_digest, take_window,
-                                               write_rows)
+from areal_pipeline.recurring.incoming import (DataChangedError, check_dataset_reads_rows, data_files, gate_rows,
+                                               iterations_for, rows_digest, take_window, write_rows)
 from areal_pipeline.recurring.ledger import Ledger, LedgerError, LineBusyError, line_lock
 
 
@@ -30,6 +30,13 @@ def test_mcnemar_exact_one_sided_p_values_by_hand():
     assert gate.mcnemar_p_value(0, 4) == 1.0  # P(X >= 0)
     assert gate.mcnemar_p_value(2, 2) == pytest.approx(11 / 16)  # (6 + 4 + 1) / 16
     assert gate.mcnemar_p_value(0, 0) == 1.0  # no prompt tells them apart
+    assert gate.mcnemar_p_value(1, 0) == 0.5  # one discordant pair
+
+
+def test_a_policy_s_summary_is_its_mean_reward_and_the_share_it_solves():
+    assert gate.summary({"a": 1.0, "b": 0.5, "c": 0.0}) == {"prompts": 3, "mean_reward": 0.5, "pass_at_1": 1 / 3}
+    assert gate.summary({"a": 0.5}) == {"prompts": 1, "mean_reward": 0.5, "pass_at_1": 0.0}
+    assert gate.summary({}) == {"prompts": 0, "mean_reward": 0.0, "pass_at_1": 0.0}
 
 
 def test_the_mcnemar_gate_counts_discordant_prompts_and_decides():
@@ -57,6 +64,9 @@ def test_bootstrap_p_value_against_an_exact_enumeration():
     assert gate.bootstrap_p_value([0.5, 0.25, 1.0], 0.0, 999, seed=1) == pytest.approx(1 / 1000)
     # every difference at or below the bar: p = 1
     assert gate.bootstrap_p_value([0.0, -1.0, 0.0], 0.0, 999, seed=1) == 1.0
+    # resamples drawn in chunks: 1500 is 1500 draws, not two chunks of a thousand
+    assert gate.bootstrap_p_value([0.0, -1.0, 0.0], 0.0, 1500, seed=1) == 1.0
+    assert gate.bootstrap_p_value([0.5, 0.25, 1.0], 0.0, 1500, seed=1) == pytest.approx(1 / 1501)
 
 
 def test_bootstrap_is_seeded_and_its_lower_bound_brackets_the_mean():
@@ -110,6 +120,60 @@ def test_the_ledger_round_trips_and_refuses_an_edited_file(tmp_path):
     path.write_text('{"format": 1, "line"')  # cut short
     with pytest.raises(LedgerError, match="not a readable ledger"):
         Ledger.load(path)
+
+
+def test_a_firing_starts_empty_from_the_champion_and_a_resume_adds_its_flow_run_once(tmp_path):
+    ledger = Ledger.new(tmp_path / "ledger.json", "l", "/models/base")
+    first = ledger.start_firing("firing", None)
+    assert (first["id"], first["state"], first["rows"], first["replay_rows"], first["from"]) == (1, "running", 0, 0,
+                                                                                                 None)
+    assert first["flow_runs"] == []
+    ledger.crown({"firing": 1, "run_id": "l-0001", "iteration": 4, "checkpoint": "c", "model": "c/model"})
+    ledger.end_firing(first, "promoted")
+    second = ledger.start_firing("firing", "run-2", ["seed=3"])
+    assert second["from"] == {"run_id": "l-0001", "iteration": 4} and second["overrides"] == ["seed=3"]
+    ledger.fail_firing(second, "killed")
+    ledger.resume_firing(second, "run-3")
+    ledger.resume_firing(second, "run-3")  # the same flow run resumed again: listed once
+    assert second["flow_runs"] == ["run-2", "run-3"] and (second["state"], second["error"]) == ("running", None)
+
+
+def test_a_rollback_to_the_base_model_is_recorded_as_iteration_0(tmp_path):
+    ledger = Ledger.new(tmp_path / "ledger.json", "l", "/models/base")
+    ledger.crown(None)
+    assert ledger.champion is None
+    assert {k: v for k, v in ledger.data["champions"][-1].items() if k != "since"} == {
+        "run_id": None, "iteration": 0, "firing": None}
+
+
+def test_the_gate_s_rows_come_from_a_file_and_an_empty_file_is_refused(tmp_path):
+    from areal_pipeline.data.datasets import DatasetError
+    from areal_pipeline.run_spec import load_config
+
+    gate_file = tmp_path / "gate.jsonl"
+    (tmp_path / "data").mkdir()
+    write_rows(gate_file, [{"question": "What is 2+2?", "answer": "4"}, {"id": "g7", "question": "1+1?", "answer": "2"}])
+    cfg = load_config(None, [f"recurring.gate_split={gate_file}", f"dataset.path={tmp_path / 'data'}",
+                             f"output_dir={tmp_path}"])
+    assert [r["id"] for r in gate_rows(cfg)] == ["gate:0", "gate:g7"]
+    gate_file.write_text("")
+    with pytest.raises(DatasetError, match="no rows"):
+        gate_rows(cfg)
+
+
+def test_a_line_needs_files_of_rows_and_trains_one_pass_unless_told():
+    from areal_pipeline.config.schema import DatasetConfig
+
+    assert "generates its puzzles" in check_dataset_reads_rows(DatasetConfig(name="grid", path="/data"))
+    assert "dataset.path: empty" in check_dataset_reads_rows(DatasetConfig(name="arithmetic", path=""))
+    assert check_dataset_reads_rows(DatasetConfig(name="arithmetic", path="/data")) is None
+    assert iterations_for(rows=33, batch_size=16, configured=0) == 3 and iterations_for(0, 16, 0) == 1
+    assert iterations_for(rows=33, batch_size=16, configured=5) == 5
+
+
+def test_the_line_lock_makes_the_line_s_directory(tmp_path):
+    with line_lock(tmp_path / "lines" / "new-line", timeout=1):
+        assert (tmp_path / "lines" / "new-line" / ".lock").is_file()
 
 
 def test_each_save_keeps_the_previous_version_and_replaces_the_file_whole(tmp_path):
