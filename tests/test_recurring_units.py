@@ -279,6 +279,16 @@ def test_max_rows_takes_whole_files_oldest_first_and_the_rest_wait(tmp_path):
     assert [f.name for f in window.files] == ["a.jsonl"] and window.waiting == ["b.jsonl", "c.jsonl"]
     big = take_window(tmp_path, {}, set(), max_rows=2, replay_fraction=0.0, seed=1)
     assert [f.name for f in big.files] == ["a.jsonl"]  # one file at least, even beyond max_rows
+    full = take_window(tmp_path, {}, set(), max_rows=8, replay_fraction=0.0, seed=1)
+    assert [f.name for f in full.files] == ["a.jsonl", "b.jsonl"] and full.waiting == ["c.jsonl"]  # exactly full
+
+
+def test_nothing_new_replays_nothing(tmp_path):
+    write_rows(tmp_path / "a.jsonl", _rows(4))
+    watermark: dict = {}
+    _consume(watermark, take_window(tmp_path, watermark, set(), max_rows=0, replay_fraction=0.5, seed=1), 1)
+    again = take_window(tmp_path, watermark, set(), max_rows=0, replay_fraction=0.5, seed=1)
+    assert again.files == [] and again.rows == [] and again.replay == []
 
 
 def test_a_file_changed_after_use_is_an_error_naming_it_while_a_rewrite_of_the_same_rows_is_not(tmp_path):
