@@ -273,3 +273,11 @@ def test_the_pits_warm_start_teaches_the_workflows_own_walks():
         assert all(w.num_turns == len(moves) for w in replays)
         fell += replays[0].metadata["fell_in_pit"]
     assert 0 < fell < 40  # the base model is blind to the pits: some of its walks end in one
+
+
+def test_a_step_that_opens_the_sequence_is_a_step():
+    from areal_pipeline.training.gigpo import step_index, step_starts
+
+    mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 0]])
+    assert step_starts(mask).tolist() == [[True, False, False, True], [False, True, False, False]]
+    assert step_index(mask).tolist() == [[0, 0, -1, 1], [-1, 2, 2, -1]]
