@@ -174,7 +174,7 @@ def test_an_error_that_is_no_episodes_fault_fails_the_group_as_itself_and_cancel
     start = time.monotonic()
     with pytest.raises(TypeError, match="returned dict"):
         _group(flaky, {"prompt_id": "a"})
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 20  # the siblings were cancelled: waiting for them takes 30 s
 
 
 def _failing_batch(on_failure, fails, n=3, refill=None, **policy):
@@ -263,7 +263,7 @@ def test_an_attempt_past_episode_timeout_is_retried():
     policy = FailurePolicy(episode_retries=1, episode_retry_delay=0.01, episode_timeout=0.5)
     start = time.monotonic()
     result = _group(flaky, {"prompt_id": "a", "sampling_seed": 5}, n=2, policy=policy)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 20  # cut at the timeout: the attempt itself would take 30 s
     assert result.outcome == "ok" and len(result.trajectories) == 2
     [failure] = result.retried
     assert (failure.cause, failure.sample_idx, failure.retryable) == ("episode_timeout", 0, True)
