@@ -220,12 +220,12 @@ def test_a_paused_run_holds_and_goes_on_when_resumed(server, warm_model, tmp_pat
     assert run.returncode == 0, out[-3000:]
     assert _iterations(tmp_path / "held") == list(range(1, HELD_RUN + 1))
     assert _train_flow_run(server, "held")["state_type"] == "COMPLETED"
-    # the waiting iteration started only once resumed (Prefect's clock: the server is on this machine)
-    reply = httpx.post(f"{server}/flow_runs/filter", json={"flow_runs": {"name": {"like_": f"held/iter-{held}"}}})
+    # the waiting iteration's first node started only once resumed (Prefect's clock: the server is on this machine)
+    reply = httpx.post(f"{server}/task_runs/filter", json={"task_runs": {"name": {"any_": [f"rollout-{held}"]}},
+                                                           "flow_runs": {"name": {"like_": "held/iter-"}}})
     reply.raise_for_status()
-    (iteration_run,) = [r for r in reply.json() if r["name"].split("-", 1)[1].split("..")[0] == str(held)]
-    assert datetime.datetime.fromisoformat(iteration_run["created"]) >= resumed_at, (iteration_run["created"],
-                                                                                    resumed_at)
+    (rollout,) = reply.json()
+    assert datetime.datetime.fromisoformat(rollout["start_time"]) >= resumed_at, (rollout["start_time"], resumed_at)
     # with the default interval between its updates, the run's table has every iteration
     assert [row["iteration"] for row in json.loads(_artifact(server, "held-metrics")["data"])] == list(
         range(1, HELD_RUN + 1))
