@@ -214,7 +214,9 @@ def test_abort_mid_rollout_resumes_under_the_new_version(server, models):
     for r in responses:
         assert r.output_len == new_tokens and len(r.output_logprobs) == len(r.output_versions) == new_tokens
         assert r.stop_reason == "length"
-        assert r.output_versions == sorted(r.output_versions) and set(r.output_versions) == {0, 1}
+        # never back to the old version; a request the engine finished before the push landed is all version 0
+        assert r.output_versions == sorted(r.output_versions) and set(r.output_versions) <= {0, 1}
+    assert any(set(r.output_versions) == {0, 1} for r in responses), [set(r.output_versions) for r in responses]
     # the logprobs of every token under the weights of the version it is tagged with
     for version, path in models.items():
         model = load_model(path)
