@@ -193,13 +193,12 @@ class RunControl:
             self._paused.set() if paused else self._paused.clear()
             self._changed.notify_all()
 
-    def hold_while_paused(self, k: Optional[int] = None) -> None:
-        """Block while the flow run is paused (in short waits, so that a stop signal still reaches the main
-        thread); `k`: the iteration that waits, named in the log."""
+    def hold_while_paused(self, k: int) -> None:
+        """Block iteration `k` while the flow run is paused (in short waits, so that a stop signal still reaches
+        the main thread)."""
         with self._changed:
             if self.paused and not self._done.is_set():
-                logger.warning("run %s: iteration %s waits for the flow run to be resumed", self.pipeline.cfg.run_id,
-                               k if k is not None else "(next)")
+                logger.warning("run %s: iteration %d waits for the flow run to be resumed", self.pipeline.cfg.run_id, k)
             while self.paused and not self._done.is_set():
                 self._changed.wait(0.5)
 

@@ -27,31 +27,30 @@ SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast
          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
 
 
-def sites(tree: ast.AST) -> list[tuple[ast.AST, str]]:
-    """(node, what the mutant does) for every place one mutation applies; docstrings and annotations aside."""
+def sites(tree: ast.AST) -> list[tuple[ast.AST, int, str]]:
+    """(node, which of a comparison's operators or -1, what the mutant does) for every place one mutation applies."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
-            found += [(node, f"compare {i}: {type(op).__name__} -> {SWAPS[type(op)].__name__}")
+            found += [(node, i, f"compare {i}: {type(op).__name__} -> {SWAPS[type(op)].__name__}")
                       for i, op in enumerate(node.ops) if type(op) in SWAPS]
         elif isinstance(node, (ast.BinOp, ast.BoolOp)) and type(node.op) in SWAPS:
-            found.append((node, f"{type(node.op).__name__} -> {SWAPS[type(node.op)].__name__}"))
+            found.append((node, -1, f"{type(node.op).__name__} -> {SWAPS[type(node.op)].__name__}"))
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            found.append((node, "not dropped"))
+            found.append((node, -1, "not dropped"))
         elif isinstance(node, ast.Constant) and isinstance(node.value, bool):
-            found.append((node, f"{node.value} -> {not node.value}"))
-        elif isinstance(node, ast.Constant) and type(node.value) in (int, float) and not isinstance(node.value, bool):
-            found.append((node, f"{node.value!r} -> {node.value + 1!r}"))
+            found.append((node, -1, f"{node.value} -> {not node.value}"))
+        elif isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            found.append((node, -1, f"{node.value!r} -> {node.value + 1!r}"))
     return found
 
 
 def mutate(source: str, index: int) -> tuple[str, int, str]:
     """The source with mutation `index` applied (ast.unparse: the same program, reformatted), its line, what."""
     tree = ast.parse(source)
-    node, what = sites(tree)[index]
+    node, op, what = sites(tree)[index]
     if isinstance(node, ast.Compare):
-        i = int(what.split(":")[0].split()[1])
-        node.ops[i] = SWAPS[type(node.ops[i])]()
+        node.ops[op] = SWAPS[type(node.ops[op])]()
     elif isinstance(node, (ast.BinOp, ast.BoolOp)):
         node.op = SWAPS[type(node.op)]()
     elif isinstance(node, ast.UnaryOp):

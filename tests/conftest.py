@@ -104,18 +104,21 @@ def http(address: str, path: str, body=None, method: str | None = None, timeout:
 
 
 REAPER_SCRIPT = Path(__file__).with_name("_reaper.py")
-SESSION_MARK = "AREAL_PIPELINE_TEST_SESSION"  # the name tests/_reaper.py looks for
 REAPER: list = []  # its Popen, kept for the session's length
 
 
 def pytest_configure(config):
-    # the workers inherit the main process's mark; a pytest run inside a test keeps its session's; a conftest
-    # copied elsewhere (tests/test_ci_skips.py) has no reaper beside it
-    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get(SESSION_MARK) or not REAPER_SCRIPT.is_file():
+    # the workers inherit the main process's mark; a conftest copied elsewhere (tests/test_ci_skips.py) has no
+    # reaper beside it; a pytest run inside a test keeps its session's mark
+    if os.environ.get("PYTEST_XDIST_WORKER") or not REAPER_SCRIPT.is_file():
         return
     import subprocess
     import uuid
 
+    from _reaper import SESSION_MARK
+
+    if os.environ.get(SESSION_MARK):
+        return
     os.environ[SESSION_MARK] = uuid.uuid4().hex
     REAPER.append(subprocess.Popen(
         [sys.executable, str(REAPER_SCRIPT), str(os.getpid()), os.environ[SESSION_MARK]],

@@ -36,7 +36,7 @@ def test_gigpo_raises_the_success_rate_of_grid_walks(grid_base_model, tmp_path):
         assert len(first_states) == 1
     # the reward is the goal step's alone; and walks of a group meet again beyond their start (the step groups)
     for t in walks:
-        starts = [i for i, m in enumerate(t.loss_mask) if m and (i == 0 or not t.loss_mask[i - 1])]
+        starts = step_starts(t.loss_mask)
         step_rewards = [t.step_rewards[i] for i in starts]
         assert step_rewards == [0.0] * (len(starts) - 1) + [t.reward], step_rewards
     revisited = 0

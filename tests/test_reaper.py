@@ -9,10 +9,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from _reaper import SESSION_MARK, alive, reap
+from test_flows import wait_until
 
 TESTS = Path(__file__).resolve().parent
 
@@ -29,13 +29,6 @@ def test_starts_a_detached_process_and_hangs():
 """
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def test_a_session_killed_by_sigterm_leaves_no_process_behind(tmp_path):
     suite = tmp_path / "suite"
     suite.mkdir()
@@ -47,23 +40,21 @@ def test_a_session_killed_by_sigterm_leaves_no_process_behind(tmp_path):
     session = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "no:cacheprovider",
                                 str(suite)], cwd=suite, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for(lambda: pid_file.is_file() and pid_file.read_text(), 120, "the test's detached process")
+        wait_until(lambda: pid_file.is_file() and pid_file.read_text(), 120, "the test's detached process")
         child = int(pid_file.read_text())
         assert alive(child)
         session.send_signal(signal.SIGTERM)
         session.wait(60)
         # it ignores SIGTERM, so the reaper's SIGKILL after its grace is what ends it
-        wait_for(lambda: not alive(child), 60, f"the reaper to stop process {child}")
+        wait_until(lambda: not alive(child), 60, f"the reaper to stop process {child}")
     finally:
         if session.poll() is None:
             session.kill()
             session.wait(10)
 
 
-def test_the_conftest_marks_with_the_name_the_reaper_looks_for():
-    import conftest
-
-    assert conftest.SESSION_MARK == SESSION_MARK and os.environ.get(SESSION_MARK)
+def test_this_session_is_marked():
+    assert os.environ.get(SESSION_MARK)  # the workers inherit the mark conftest.py set in pytest's main process
 
 
 def test_the_reaper_stops_marked_processes_and_kills_those_that_ignore_sigterm(tmp_path):

@@ -11,13 +11,7 @@ import pytest
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.run_spec import load_config
 from flows.control import APIUnavailable, RunControl
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+from test_flows import wait_until
 
 
 @pytest.fixture
@@ -61,7 +55,7 @@ def test_a_paused_flow_run_holds_the_run_until_resumed_and_a_cancel_stops_it(pre
             pass
         set_state(flow_run_id, Running())
         wait_until(lambda: not control.paused, 30, "the resume to be seen")
-        control.hold_while_paused()  # returns at once
+        control.hold_while_paused(1)  # returns at once
         set_state(flow_run_id, Cancelling(message="stop it, please"))
         wait_until(lambda: control.cancelled is not None, 30, "the cancel to be seen")
         assert control.cancelled == "stop it, please"

@@ -96,10 +96,10 @@ def test_a_stop_signal_ends_the_run_promptly_and_the_same_run_id_continues_it(
     if not rerun:
         return
 
-    rerun = cli("train", "--config", "configs/tiny_cpu.yaml",
+    again = cli("train", "--config", "configs/tiny_cpu.yaml",
                 *fast_overrides(tmp_path, tiny_model_dir, run_id="stop", iterations=3), env=env)
-    out, _ = rerun.communicate(timeout=600)
-    assert rerun.returncode == 0, out[-3000:]
+    out, _ = again.communicate(timeout=600)
+    assert again.returncode == 0, out[-3000:]
     finished = [json.loads(line)["iteration"] for line in (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()]
     assert finished == [1, 2, 3], out[-3000:]
     assert "continuing at 2" in out or "continuing at 3" in out, out[-3000:]
