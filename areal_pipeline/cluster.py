@@ -13,10 +13,13 @@ timeouts, so the parts may start in any order.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Optional
 
+from areal_pipeline import auth
 from areal_pipeline.config import ExperimentConfig
 
 CLI = "areal-pipeline"
@@ -46,28 +49,57 @@ def server_argv(cfg: ExperimentConfig, model_path: str, address: str, index: int
     host, port = _host(address), int(address.rpartition(":")[2])
     seed = cfg.seed + index
     if inf.backend == "cpu":
-        command = build_cpu_server_command(model_path, host, port, inf, seed)
+        command = build_cpu_server_command(model_path, host, port, inf, seed, experiment=cfg)
         return [CLI, "inference-server", *command[3:]]  # `python -m areal_pipeline.inference.server` is this command
     if inf.backend == "sglang":
         return build_sglang_command(model_path, host, port, inf.sglang, seed, 0 if inf.device == "cuda" else None)
     return build_vllm_command(model_path, host, port, inf.vllm, seed)
 
 
+def credential_env(cfg: ExperimentConfig) -> dict[str, str]:
+    """How every part of a run across hosts finds the run's token (auth.py): the file AREAL_PIPELINE_TOKEN_FILE
+    names, else one made here (mode 0600, holding AREAL_PIPELINE_TOKEN where that is set, else a new token) as
+    `<output_dir>/.credentials/token`, on the shared path every host reads: one for the runs of an output
+    directory, which may share servers (a line's firings do). Only the file's path travels: a launch's environment
+    is printed, and passed as a worker flow run's parameters. With auth off, that it is off."""
+    from areal_pipeline.prefect_server import AUTH_FILE_ENV as PREFECT_AUTH_FILE_ENV
+
+    # the Prefect API's basic-auth string, by its file alone (prefect_server.py)
+    prefect = {name: str(Path(os.environ[name]).resolve()) for name in (PREFECT_AUTH_FILE_ENV,)
+               if os.environ.get(name, "").strip()}
+    if auth.auth_disabled():
+        return {auth.AUTH_ENV: "off", **prefect}
+    given = os.environ.get(auth.TOKEN_FILE_ENV, "").strip()
+    if given:
+        auth.read_token_file(given)
+        return {auth.TOKEN_FILE_ENV: str(Path(given).resolve()), **prefect}
+    path = Path(cfg.output_dir) / ".credentials" / "token"
+    auth.write_token_file(path, os.environ.get(auth.TOKEN_ENV, "").strip() or None)
+    return {auth.TOKEN_FILE_ENV: str(path), **prefect}
+
+
 def launch_plan(cfg: ExperimentConfig, config_path: str, overrides: list[str], model_path: str,
-                prefect_api_url: str = "") -> list[Launch]:
-    """Every process of the run across hosts, in the order a scheduler may start them."""
+                prefect_api_url: str = "", credentials: Optional[dict[str, str]] = None) -> list[Launch]:
+    """Every process of the run across hosts, in the order a scheduler may start them. `credentials`: the
+    environment naming the run's token (`credential_env`), given to every one of them."""
+    credentials = dict(credentials or {})
     t = cfg.trainer
     if not cfg.inference.addresses and not t.address:
         raise ClusterConfigError("nothing runs on other hosts: set inference.addresses (the servers' host:port) "
                                  "and/or trainer.address=auto with trainer.nnodes and trainer.rdzv_endpoint")
     config = ["--config", config_path, *overrides]
-    plan = [Launch("inference-server", _host(a), tuple(server_argv(cfg, model_path, a, i)))
+    server_env = dict(credentials)
+    if cfg.inference.backend != "cpu":  # SGLang's or vLLM's interpreter runs the project's with_token first
+        from areal_pipeline.inference.launcher import project_on_path
+
+        server_env["PYTHONPATH"] = project_on_path({})["PYTHONPATH"]
+    plan = [Launch("inference-server", _host(a), tuple(server_argv(cfg, model_path, a, i)), server_env)
             for i, a in enumerate(cfg.inference.addresses)]
     if t.address:
         first = _host(t.rdzv_endpoint) if t.rdzv_endpoint else (_host(t.address) if t.address != "auto" else "")
-        plan += [Launch("trainer-node", first if node == 0 else "", (CLI, "trainer-node", *config))
+        plan += [Launch("trainer-node", first if node == 0 else "", (CLI, "trainer-node", *config), credentials)
                  for node in range(t.nnodes)]
-    env = {"PREFECT_API_URL": prefect_api_url} if prefect_api_url else {}
+    env = {**credentials, **({"PREFECT_API_URL": prefect_api_url} if prefect_api_url else {})}
     plan.append(Launch("run", "", (CLI, "train", *config), env))
     return plan
 

@@ -1,6 +1,6 @@
 """JSON requests for the project's aiohttp servers (the CPU inference server and the retrieval server).
 
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[bearer_auth(token), json_errors])
     body = await read_json_object(request)                        # {} when the request has no body
     topk = check_int("topk", body.get("topk", 3), minimum=1, maximum=50)
 
@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from aiohttp import hdrs, web
 
+from areal_pipeline.auth import LIVENESS_PATH, UNAUTHORIZED_MESSAGE, authorized
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -50,6 +51,23 @@ async def json_errors(request: web.Request, handler):
     except Exception as e:
         logger.exception("error serving %s", request.path)
         return error_response(f"internal error: {e}", 500)
+
+
+def bearer_auth(token: Optional[str]):
+    """A middleware that answers 401 to any request without `token` (None: every request passes), but a GET of
+    the bare liveness probe. It runs before anything reads the request's body."""
+
+    @web.middleware
+    async def check_credential(request: web.Request, handler):
+        if token is None or (request.method in ("GET", "HEAD") and request.path == LIVENESS_PATH) or authorized(
+                request.headers.get(hdrs.AUTHORIZATION), token):
+            return await handler(request)
+        response = web.json_response({"error": {"message": UNAUTHORIZED_MESSAGE, "type": "invalid_request_error",
+                                                "code": "invalid_api_key"}}, status=401)
+        response.headers[hdrs.WWW_AUTHENTICATE] = "Bearer"
+        return response
+
+    return check_credential
 
 
 def _is_json_media_type(media_type: str) -> bool:

@@ -15,6 +15,13 @@ task-run recorder then wait on "database is locked" (docs/prefect.md, "A standin
 PostgreSQL refuses to run as root; run as root, its commands run as the `postgres` user, who owns DIR/postgres.
 The database password is generated at `initdb` and kept in DIR/db-password (mode 0600).
 
+Authentication: Prefect's basic auth. `start` gives the server an auth string where one is given, from
+PREFECT_SERVER_API_AUTH_STRING in its environment or from a file (`--auth-file PATH`, else
+AREAL_PIPELINE_PREFECT_AUTH_FILE; mode 0600, one line), by environment only: never on a command line, in a log or in
+DIR. Every client then sends it as PREFECT_API_AUTH_STRING; `apply_prefect_auth_file` sets that from the file named
+by AREAL_PIPELINE_PREFECT_AUTH_FILE, so that hosts are given the file's path, not the string. A client refused
+(401) gets a `PrefectAuthError` naming PREFECT_API_AUTH_STRING (`unauthorized_message`; `api_answers` is the check).
+
 Prefect runs as a subprocess (the `prefect` next to this Python, else on PATH): the library never imports it.
 """
 
@@ -31,10 +38,12 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, MutableMapping, Optional
+from urllib.parse import urlsplit, urlunsplit
 
 DATABASE = "prefect"
 DB_USER = "postgres"
@@ -69,6 +78,127 @@ def server_env(environ: dict[str, str], url: str) -> dict[str, str]:
 
 class PrefectServerError(RuntimeError):
     """A local server that cannot be started, stopped or found; the message says what to do."""
+
+
+# ---- authentication (Prefect's basic auth: `Authorization: Basic base64(auth string)` on every API call but
+# GET /health and /ready, checked by the server's middleware against PREFECT_SERVER_API_AUTH_STRING; 401 otherwise)
+SERVER_AUTH_ENV = "PREFECT_SERVER_API_AUTH_STRING"  # the server's
+CLIENT_AUTH_ENV = "PREFECT_API_AUTH_STRING"  # what every client (CLI, worker, flow run) sends
+AUTH_FILE_ENV = "AREAL_PIPELINE_PREFECT_AUTH_FILE"  # a file holding it, for the server and clients alike
+AUTH_PROBE_PATH = "/admin/version"  # a cheap API route behind the auth middleware (no database)
+
+
+class PrefectAuthError(PrefectServerError):
+    """A credential that is missing, refused, or kept where others can read it; the message names the setting,
+    never the credential."""
+
+
+def display_url(url: str) -> str:
+    """`url` without a user:password part, for messages."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def read_auth_file(path: str | Path, setting: str = "--auth-file") -> str:
+    """The auth string kept in the file at `path`: its one line, surrounding whitespace (the trailing newline)
+    dropped. The file must be a regular file that only its owner may read or write (mode 0600 or 0400); `setting`
+    names where the path came from, for the message."""
+    path = Path(path).expanduser()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO given by mistake must not block
+    except OSError as e:
+        raise PrefectAuthError(f"{setting}: cannot read the auth file {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)  # of the file opened, not of whatever the path names by now
+        if not stat.S_ISREG(st.st_mode):
+            raise PrefectAuthError(f"{setting}: the auth file {path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise PrefectAuthError(f"{setting}: the auth file {path} may be read or written by others (mode "
+                                   f"{stat.S_IMODE(st.st_mode):04o}): it must be mode 0600 (chmod 600 {path})")
+        raw = os.read(fd, 65537)
+    finally:
+        os.close(fd)
+    try:
+        value = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise PrefectAuthError(f"{setting}: the auth file {path} is not UTF-8 text") from None
+    if not value:
+        raise PrefectAuthError(f"{setting}: the auth file {path} is empty: write the auth string (e.g. "
+                               f"user:password) into it, one line")
+    if len(raw) > 65536 or "\n" in value or "\r" in value:
+        raise PrefectAuthError(f"{setting}: the auth file {path} must hold one line, the auth string")
+    return value
+
+
+def server_auth_string(auth_file: Optional[str] = None,
+                       environ: Optional[MutableMapping[str, str]] = None) -> Optional[str]:
+    """The auth string `prefect-server start` gives its server (None: no authentication): `auth_file`
+    (--auth-file), PREFECT_SERVER_API_AUTH_STRING and the file of AREAL_PIPELINE_PREFECT_AUTH_FILE, whichever are
+    given; where several are, they must agree."""
+    environ = os.environ if environ is None else environ
+    given: dict[str, str] = {}
+    if auth_file:
+        given[f"--auth-file {auth_file}"] = read_auth_file(auth_file)
+    if SERVER_AUTH_ENV in environ:
+        if not environ[SERVER_AUTH_ENV].strip():
+            raise PrefectAuthError(f"{SERVER_AUTH_ENV} is set but empty: unset it (no authentication) or set it to "
+                                   f"the auth string (e.g. user:password)")
+        given[SERVER_AUTH_ENV] = environ[SERVER_AUTH_ENV]
+    if environ.get(AUTH_FILE_ENV):
+        given[f"{AUTH_FILE_ENV}={environ[AUTH_FILE_ENV]}"] = read_auth_file(environ[AUTH_FILE_ENV], AUTH_FILE_ENV)
+    if len(set(given.values())) > 1:
+        raise PrefectAuthError(f"{' and '.join(given)} give different auth strings: give one (or make them agree)")
+    return next(iter(given.values()), None)
+
+
+_applied_auth_file: Optional[str] = None  # the file this process's PREFECT_API_AUTH_STRING was read from
+
+
+def apply_prefect_auth_file(environ: Optional[MutableMapping[str, str]] = None) -> Optional[str]:
+    """Where AREAL_PIPELINE_PREFECT_AUTH_FILE names a file and PREFECT_API_AUTH_STRING is not set, set
+    PREFECT_API_AUTH_STRING (in `environ`, default os.environ) from the file, for Prefect's client in this process
+    and every process it starts; the path applied, else None. PrefectAuthError for a file that cannot be used.
+    Call it before Prefect is imported: Prefect reads its settings from the environment once, at import."""
+    global _applied_auth_file
+    own = environ is None
+    environ = os.environ if environ is None else environ
+    path = environ.get(AUTH_FILE_ENV)
+    if not path or environ.get(CLIENT_AUTH_ENV):
+        return None
+    environ[CLIENT_AUTH_ENV] = read_auth_file(path, AUTH_FILE_ENV)
+    if own:
+        _applied_auth_file = path
+    return path
+
+
+def unauthorized_message(url: str, credential_given: bool, status: int = 401) -> str:
+    """What a client refused by the API at `url` is told: the setting to fix, never its value."""
+    source = f" (read from {AUTH_FILE_ENV}={_applied_auth_file})" if _applied_auth_file else ""
+    why = (f"its {CLIENT_AUTH_ENV}{source} is not the server's auth string" if credential_given
+           else f"{CLIENT_AUTH_ENV} is not set")
+    reason = "Unauthorized" if status == 401 else "Forbidden"
+    return (f"the Prefect API at {display_url(url)} refused this command (HTTP {status} {reason}): the server "
+            f"requires basic authentication and {why}. Set {CLIENT_AUTH_ENV} to the auth string the server was "
+            f"started with ({SERVER_AUTH_ENV}), or {AUTH_FILE_ENV} to a file (mode 0600) holding it")
+
+
+def api_answers(url: str, auth_string: Optional[str], timeout: float = 10) -> Optional[int]:
+    """The HTTP status of an API call behind the server's auth middleware (GET /admin/version), sent with
+    `auth_string` (None: without credentials) as Prefect's client sends it; None where nothing answers."""
+    import base64
+
+    request = urllib.request.Request(f"{url.rstrip('/')}{AUTH_PROBE_PATH}")
+    if auth_string:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth_string.encode()).decode())
+    try:
+        with _opener.open(request, timeout=timeout) as reply:
+            return reply.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
 
 
 def default_dir() -> Path:
@@ -312,14 +442,21 @@ class LocalPrefectServer:
 
     def start(self, port: int = DEFAULT_PORT, pg_port: int = DEFAULT_PG_PORT, timeout: float = 180,
               extra_env: Optional[dict[str, str]] = None,
-              say: Callable[[str], None] = lambda line: None, host: str = "127.0.0.1") -> str:
+              say: Callable[[str], None] = lambda line: None, host: str = "127.0.0.1",
+              auth_string: Optional[str] = None) -> str:
         """PostgreSQL and the Prefect server on it (either one left as it is where it runs already); the API URL.
         `host`: the address the server listens on (another host's workers and runs reach it there); PostgreSQL
-        stays on this host's loopback, reached by the server alone."""
+        stays on this host's loopback, reached by the server alone. `auth_string`: the server demands it of every
+        client (Prefect's basic auth, PREFECT_SERVER_API_AUTH_STRING), given to it by environment alone; checked
+        once the server answers (refused without it, accepted with it). None: the one that `extra_env` over this
+        process's environment gives (`server_auth_string`), if any."""
         url = f"http://{host}:{port}/api"
+        if auth_string is None:
+            auth_string = server_auth_string(environ={**os.environ, **(extra_env or {})})
         if self.server_pid() is not None:
             running = self.state()
             if _healthy(running["url"]):
+                self._check_running_auth(running["url"], auth_string)
                 say(f"the Prefect server of {self.dir} is running already (pid {running['pid']})")
                 return running["url"]
             raise PrefectServerError(f"the Prefect server of {self.dir} (pid {running['pid']}) runs but does not "
@@ -336,24 +473,50 @@ class LocalPrefectServer:
         env = server_env({**os.environ, **QUIET_ENV, **(extra_env or {}),
                           "PREFECT_HOME": str(self.prefect_home),
                           "PREFECT_API_DATABASE_CONNECTION_URL": self.database_url(pg_port)}, url)
+        env.pop(AUTH_FILE_ENV, None)  # the server is given the string itself
+        if auth_string:  # by environment: argv is anyone's to read (ps, /proc/PID/cmdline)
+            env[SERVER_AUTH_ENV] = auth_string
+        else:
+            env.pop(SERVER_AUTH_ENV, None)
         with open(self.server_log, "ab") as log:
             server = subprocess.Popen([prefect_executable(), "server", "start", "--host", host, "--port",
                                        str(port)], env=env, stdin=subprocess.DEVNULL, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True, cwd=self.dir)
         self._write_state({"pid": server.pid, "url": url, "port": port, "pg_port": pg_port,
-                           "database_url": self.database_url(pg_port, False)})
+                           "database_url": self.database_url(pg_port, False), "auth": bool(auth_string)})
+
+        def fail(why: str) -> PrefectServerError:
+            _stop_group(server.pid, 30)
+            if started_postgres:
+                self._stop_postgres()
+            return PrefectServerError(f"prefect server start {why}; {self.server_log}:\n{_tail(self.server_log)}")
+
         deadline = time.monotonic() + timeout
         while not _healthy(url):
             if server.poll() is not None or time.monotonic() > deadline:
-                why = (f"exited with {server.returncode}" if server.poll() is not None
-                       else f"did not answer within {timeout:.0f} s")
-                _stop_group(server.pid, 30)
-                if started_postgres:
-                    self._stop_postgres()
-                raise PrefectServerError(f"prefect server start {why}; {self.server_log}:\n{_tail(self.server_log)}")
+                raise fail(f"exited with {server.returncode}" if server.poll() is not None
+                           else f"did not answer within {timeout:.0f} s")
             time.sleep(0.3)
-        say(f"Prefect server: {url} (UI http://{host}:{port}, pid {server.pid}, log {self.server_log})")
+        if auth_string:  # /health answers anyone: the API itself must refuse a client without the string
+            without, with_it = api_answers(url, None), api_answers(url, auth_string)
+            if without != 401 or with_it != 200:
+                raise fail(f"did not enforce its auth string (an API call answered {without} without it and "
+                           f"{with_it} with it; expected 401 and 200)")
+        say(f"Prefect server: {url} (UI http://{host}:{port}, pid {server.pid}, log {self.server_log}"
+            f"{', basic authentication' if auth_string else ''})")
         return url
+
+    def _check_running_auth(self, url: str, auth_string: Optional[str]) -> None:
+        """A server running already is kept only where it demands the auth string asked for (or none is)."""
+        if not auth_string:
+            return
+        with_it = api_answers(url, auth_string)
+        if with_it == 401:
+            raise PrefectAuthError(f"the Prefect server of {self.dir} runs already with another auth string: stop "
+                                   f"it first (`prefect-server stop`), or give the auth string it was started with")
+        if api_answers(url, None) == 200:
+            raise PrefectAuthError(f"the Prefect server of {self.dir} runs already without authentication: stop it "
+                                   f"first (`prefect-server stop`), then start it with the auth string")
 
     def stop(self, timeout: float = 30, say: Callable[[str], None] = lambda line: None) -> None:
         """The Prefect server first (it holds connections to the database), then PostgreSQL."""
@@ -367,13 +530,31 @@ class LocalPrefectServer:
         if self._stop_postgres():
             say(f"PostgreSQL stopped (data kept in {self.pg_data})")
 
-    def status(self) -> dict:
+    def status(self, client_auth_string: Optional[str] = None) -> dict:
+        """`auth`, for a server that answers: whether it demands an auth string, and whether it takes
+        `client_auth_string` (this process's PREFECT_API_AUTH_STRING)."""
         state = self.state()
         pid = self.server_pid()
-        return {"dir": str(self.dir), "postgres": "running" if self.postgres_running() else "stopped",
-                "database_url": state.get("database_url"),
-                "prefect_server": ("healthy" if _healthy(state["url"]) else "not answering") if pid else "stopped",
-                "pid": pid, "url": state.get("url") if pid else None}
+        healthy = bool(pid) and _healthy(state["url"])
+        status = {"dir": str(self.dir), "postgres": "running" if self.postgres_running() else "stopped",
+                  "database_url": state.get("database_url"),
+                  "prefect_server": ("healthy" if healthy else "not answering") if pid else "stopped",
+                  "pid": pid, "url": state.get("url") if pid else None}
+        if healthy:
+            status["auth"] = self._auth_status(state["url"], client_auth_string)
+        return status
+
+    @staticmethod
+    def _auth_status(url: str, client_auth_string: Optional[str]) -> str:
+        without = api_answers(url, None)
+        if without == 200:
+            return "none (the API answers every client)"
+        if without != 401:
+            return f"unknown (the API answered {without})"
+        if not client_auth_string:
+            return f"basic ({CLIENT_AUTH_ENV} is not set here: this shell's clients are refused)"
+        accepted = api_answers(url, client_auth_string) == 200
+        return f"basic ({CLIENT_AUTH_ENV} here: {'accepted' if accepted else 'refused'})"
 
 
 def _stop_group(pid: int, timeout: float) -> None:
@@ -405,16 +586,28 @@ def _reap(pid: int) -> None:
         pass
 
 
-def main(action: str, directory: Optional[str], port: int, pg_port: int, host: str = "127.0.0.1") -> None:
-    """What `areal-pipeline prefect-server` runs."""
+def main(action: str, directory: Optional[str], port: int, pg_port: int, host: str = "127.0.0.1",
+         auth_file: Optional[str] = None) -> None:
+    """What `areal-pipeline prefect-server` runs. `auth_file`: --auth-file (see `server_auth_string`)."""
     server = LocalPrefectServer(directory)
     if action == "start":
-        url = server.start(port, pg_port, say=print, host=host)
-        print(f"\nexport PREFECT_API_URL={url}")
+        auth_string = server_auth_string(auth_file)
+        url = server.start(port, pg_port, say=print, host=host, auth_string=auth_string)
+        # what clients export; the auth string itself is never printed
+        exports = [f"export PREFECT_API_URL={url}"]
+        if auth_string:
+            path = auth_file or os.environ.get(AUTH_FILE_ENV)
+            if path:
+                exports.append(f"export {AUTH_FILE_ENV}={Path(path).expanduser().absolute()}")
+                print(f"clients send the auth string: {CLIENT_AUTH_ENV}, or {AUTH_FILE_ENV} naming its file")
+            else:
+                print(f"clients send the auth string: set {CLIENT_AUTH_ENV} to the value of {SERVER_AUTH_ENV}")
+        print("\n" + "\n".join(exports))
     elif action == "stop":
         if server.server_pid() is None and not server.postgres_running():
             print(f"nothing of {server.dir} is running")
         server.stop(say=print)
     else:
-        for key, value in server.status().items():
+        apply_prefect_auth_file()  # where the command line has not yet
+        for key, value in server.status(os.environ.get(CLIENT_AUTH_ENV)).items():
             print(f"{key + ':':16}{value}")

@@ -14,20 +14,18 @@ import signal
 import subprocess
 import tempfile
 import time
-import urllib.request
 from collections import deque
 from pathlib import Path
 from typing import Optional
 
 import psutil
 
+from areal_pipeline import auth
 from areal_pipeline.utils import PARENT_PID_ENV, get_logger
 
 logger = get_logger(__name__)
 
 LOG_TAIL_LINES = 40
-# Health checks go straight to the server, never through an http_proxy from the environment.
-_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class ServerLaunchError(RuntimeError):
@@ -77,7 +75,11 @@ class ServerProcess:
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logger.info("starting %s %s (log: %s): %s", self.kind, self.address, self.log_path, " ".join(self.command))
+        # a service started here demands the token its starter has, made now where none was given
+        token = auth.ensure_run_token()
         env = {**(self.env if self.env is not None else os.environ), PARENT_PID_ENV: str(os.getpid())}
+        if token is not None and auth.TOKEN_ENV not in env and auth.TOKEN_FILE_ENV not in env:
+            env[auth.TOKEN_ENV] = token  # an environment built before the token was made
         # Idle OpenMP threads spin by default: a server waiting for the trainer (or the other way round)
         # would then eat the cores the busy one needs (5x slower iterations measured on 2 cores).
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -102,7 +104,7 @@ class ServerProcess:
         """Whether `GET path` answers 200 within `timeout`. SGLang's /health generates a token: on a paused server
         it waits, and answers 503 after ~20 s; a probe of a server that may be paused asks LIVENESS_PATH instead."""
         try:
-            with _opener.open(f"http://{self.address}{path}", timeout=timeout) as resp:
+            with auth.opener().open(auth.request(self.address, path), timeout=timeout) as resp:
                 return resp.status == 200
         except OSError:  # refused, reset, timed out, or an HTTP error status (503 while loading)
             return False

@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from areal_pipeline import shutdown
+from areal_pipeline import auth, shutdown
 from areal_pipeline.config import ExperimentConfig
 from areal_pipeline.inference.launcher import LIVENESS_TIMEOUT_S, launch_servers
 from areal_pipeline.processes import ServerProcess
@@ -51,6 +51,8 @@ class Services:
     def __init__(self, cfg: ExperimentConfig, model_path: str, log_dir: Path, *,
                  tools: Optional[tuple[str, ...]] = None):
         self.cfg = cfg
+        # the services it starts demand the run's token, and its clients send it: one is made if none is given
+        auth.ensure_run_token()
         self.required_tools = tools  # the workflow's (RunSpec.tools); None: looked up from cfg when needed
         self.model_path = model_path
         self.log_dir = log_dir
@@ -123,7 +125,8 @@ class Services:
         elif not self.inference:
             placement = self.placement
             self.inference = launch_servers(self.model_path, self.cfg.inference, self.cfg.seed, self.log_dir,
-                                            gpus=list(placement.servers), colocated=bool(placement.shared))
+                                            gpus=list(placement.servers), colocated=bool(placement.shared),
+                                            experiment=self.cfg)
         return self.addresses
 
     def _check_external(self, addresses: list[str]) -> None:

@@ -50,13 +50,13 @@ import tempfile
 import threading
 import time
 import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import psutil
 
+from areal_pipeline import auth
 from areal_pipeline.checksums import sha256_file
 from areal_pipeline.forkserver import processes_of
 from areal_pipeline.processes import ServerProcess
@@ -77,8 +77,6 @@ REJECTED_WALL_S = 30  # its wall time, on a 2-core machine busy with other work
 ANSWERED_WITHIN_S = 5  # a hostile request is answered
 HEALTH_WITHIN_S = 2  # /health during a hostile request
 RUN_TIMEOUT_S = 600
-
-_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @dataclass
@@ -188,6 +186,9 @@ def iteration_2_outputs(run_dir: Path) -> str:
 class Sweep:
     def __init__(self, work: Path):
         self.work = work
+        # the servers the sweep starts demand the run's token, as a run's do, and its requests carry it: one is
+        # made where none is given (every process the sweep starts inherits it)
+        auth.ensure_run_token()
         self.env = {**os.environ, "PREFECT_HOME": str(work / "prefect-home")}
         self.env.pop("PREFECT_API_URL", None)
         self.logs = work / "logs"
@@ -490,10 +491,9 @@ def post(address: str, path: str, data: Optional[bytes], content_type: Optional[
          timeout: float = 120) -> tuple[int, object]:
     """(status, reply as JSON or text) of one request; an HTTP error is a reply, a broken connection status 0."""
     headers = {} if content_type is None else {"Content-Type": content_type}
-    req = urllib.request.Request(f"http://{address}{path}", data=data, headers=headers,
-                                 method="GET" if data is None else "POST")
+    req = auth.request(address, path, data=data, headers=headers, method="GET" if data is None else "POST")
     try:
-        with _opener.open(req, timeout=timeout) as resp:
+        with auth.opener().open(req, timeout=timeout) as resp:
             status, raw = resp.status, resp.read()
     except urllib.error.HTTPError as e:
         status, raw = e.code, e.read()

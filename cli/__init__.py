@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pg-port", type=int, default=5433, help="PostgreSQL's port (127.0.0.1)")
     p.add_argument("--host", default="127.0.0.1", help="the address the Prefect server listens on: an address of "
                                                        "this host that other hosts reach, for a run across hosts")
+    p.add_argument("--auth-file", default=None, metavar="PATH",
+                   help="start: demand the auth string in PATH (one line, mode 0600) of every client (Prefect's "
+                        "basic auth; clients send PREFECT_API_AUTH_STRING). Default: $PREFECT_SERVER_API_AUTH_STRING, "
+                        "else the file $AREAL_PIPELINE_PREFECT_AUTH_FILE names, else no authentication")
     p.set_defaults(func=cmd_prefect_server)
 
     p = sub.add_parser("trainer-node", help="this node's part of a trainer on nodes of its own (torchrun under it), "
@@ -252,6 +256,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     from areal_pipeline import shutdown
 
     args = build_parser().parse_args(argv)
+    from areal_pipeline.prefect_server import PrefectAuthError, apply_prefect_auth_file
+
+    try:  # before anything reads Prefect's settings: this process and every one it starts send the string
+        apply_prefect_auth_file()
+    except PrefectAuthError as e:
+        sys.exit(f"{args.command}: {e}")
     # Ctrl-C and SIGTERM (`kill`, `timeout`, a cancelled deployment run) stop the run's processes at once, then
     # unwind; the process ends within seconds whatever happens next (see areal_pipeline/shutdown.py)
     shutdown.install_handlers()

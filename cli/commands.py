@@ -159,7 +159,10 @@ def cmd_config(args) -> None:
 
 
 def cmd_serve(args) -> None:
+    from flows.api_server import require_api_access
     from flows.serve import serve_deployments
+
+    require_api_access()  # a refused credential is said at once, naming the setting
 
     if args.recurring:
         from areal_pipeline.recurring.line import check_line_config
@@ -226,7 +229,7 @@ def cmd_prefect_server(args) -> None:
     from areal_pipeline.prefect_server import PrefectServerError, main as server_main
 
     try:
-        server_main(args.action, args.dir, args.port, args.pg_port, args.host)
+        server_main(args.action, args.dir, args.port, args.pg_port, args.host, args.auth_file)
     except PrefectServerError as e:
         sys.exit(f"prefect-server error: {e}")
 
@@ -273,7 +276,8 @@ def cmd_trainer_node(args) -> None:
 def cmd_cluster(args) -> None:
     import os
 
-    from areal_pipeline.cluster import (ClusterConfigError, as_json, as_shell, as_slurm, launch_plan,
+    from areal_pipeline.auth import CredentialError
+    from areal_pipeline.cluster import (ClusterConfigError, as_json, as_shell, as_slurm, credential_env, launch_plan,
                                         prefect_api_warning)
     from areal_pipeline.model import resolve_model_path
     from areal_pipeline.run_spec import load_config
@@ -284,8 +288,8 @@ def cmd_cluster(args) -> None:
     try:
         # the config by its absolute path: every host reads it from the shared file system
         plan = launch_plan(cfg, str(Path(args.config).resolve()), args.overrides, model_path,
-                           os.environ.get("PREFECT_API_URL", ""))
-    except ClusterConfigError as e:
+                           os.environ.get("PREFECT_API_URL", ""), credential_env(cfg))
+    except (ClusterConfigError, CredentialError) as e:
         sys.exit(f"cluster: {e}")
     warning = prefect_api_warning(os.environ.get("PREFECT_API_URL", ""))
     if warning:

@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator, Optional
 
+from areal_pipeline.prefect_server import SERVER_AUTH_ENV, PrefectAuthError, unauthorized_message
 from areal_pipeline.utils import PARENT_PID_ENV, exit_when_parent_dies, find_free_port, get_logger
 
 logger = get_logger(__name__)
@@ -44,6 +45,9 @@ class TemporaryAPIServer:
         self.startup_timeout = startup_timeout
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), "PREFECT_UI_ENABLED": "0"}
         env.pop("PREFECT_API_URL", None)
+        # an auth string meant for a standing server (`prefect-server start` from the same shell) is not this one's:
+        # the command's client might not send it
+        env.pop(SERVER_AUTH_ENV, None)
         fd, self.log_path = tempfile.mkstemp(prefix=f"prefect-api-{self.port}-", suffix=".log")
         with os.fdopen(fd, "w") as log:
             self.popen = subprocess.Popen(
@@ -115,10 +119,13 @@ def early_api_server() -> Optional[TemporaryAPIServer]:
 
 
 def needed_api_server(early: Optional[TemporaryAPIServer]) -> Optional[TemporaryAPIServer]:
-    """The temporary server to use (`early`, or one started now), or None where Prefect's settings name an API."""
-    if configured_api_url() is not None:
+    """The temporary server to use (`early`, or one started now), or None where Prefect's settings name an API
+    (which must take this command's credential: `require_api_access`)."""
+    url = configured_api_url()
+    if url is not None:
         if early is not None:
             early.stop()
+        require_api_access(url)
         return None
     return early or TemporaryAPIServer()
 
@@ -129,6 +136,47 @@ def configured_api_url() -> Optional[str]:
     return PREFECT_API_URL.value() or None
 
 
+ACCESS_CHECK_TIMEOUT_S = 10.0
+_access_checked: set[str] = set()
+
+
+def require_api_access(url: Optional[str] = None) -> None:
+    """A `PrefectAuthError` naming PREFECT_API_AUTH_STRING where the configured Prefect API (`url`, default
+    PREFECT_API_URL) refuses this process's credential (401/403), at once: Prefect's own error names neither the
+    setting nor what to do. One API call, made as Prefect's client makes it (its settings, headers, proxies, TLS),
+    without retries and within ACCESS_CHECK_TIMEOUT_S; once a process and URL. An API that does not answer is not
+    this check's to judge: Prefect's client retries and reports it as before. Nothing where no API is configured
+    (the temporary server is the command's own) or for Prefect Cloud (an API key, not an auth string)."""
+    url = url or configured_api_url()
+    if url is None or url in _access_checked:
+        return
+    from prefect.client.base import ServerType
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+    from prefect.settings import (PREFECT_API_AUTH_STRING, PREFECT_API_REQUEST_TIMEOUT, PREFECT_API_URL,
+                                  PREFECT_CLIENT_MAX_RETRIES, temporary_settings)
+
+    with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_CLIENT_MAX_RETRIES: 0,
+                                     PREFECT_API_REQUEST_TIMEOUT: ACCESS_CHECK_TIMEOUT_S}):
+        try:
+            with get_client(sync_client=True) as client:
+                if client.server_type == ServerType.CLOUD:
+                    _access_checked.add(url)
+                    return
+                client.api_version()
+        except PrefectHTTPStatusError as error:
+            status = error.response.status_code
+            if status in (401, 403):
+                raise PrefectAuthError(unauthorized_message(url, bool(PREFECT_API_AUTH_STRING.value()), status)) \
+                    from None
+            logger.debug("Prefect API access check of %s: HTTP %s", url, status)
+            return
+        except Exception as error:  # unreachable, slow: Prefect's client says so at the command's first call
+            logger.debug("Prefect API access check of %s: %s", url, error)
+            return
+    _access_checked.add(url)
+
+
 @contextlib.contextmanager
 def prefect_api(server: Optional[TemporaryAPIServer] = None) -> Iterator[str]:
     """Run the block against the configured Prefect API, else against `server` (started here if not given),
@@ -137,6 +185,7 @@ def prefect_api(server: Optional[TemporaryAPIServer] = None) -> Iterator[str]:
     if url is not None:
         if server is not None:
             server.stop()
+        require_api_access(url)
         yield url
         return
     from prefect.settings import PREFECT_API_URL, temporary_settings

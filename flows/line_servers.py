@@ -38,7 +38,7 @@ class LineServers:
             model, version = line.champion_model(ledger)
             inference = copy.deepcopy(cfg.inference)
             inference.num_servers, inference.host, inference.base_port = serve.num_servers, serve.host, serve.base_port
-            servers = launch_servers(model, inference, cfg.seed, line.dir / "logs" / "servers")
+            servers = launch_servers(model, inference, cfg.seed, line.dir / "logs" / "servers", experiment=cfg)
             try:
                 if version:
                     _label_version(servers, inference, version)

@@ -6,13 +6,18 @@ import json
 import os
 import sys
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from areal_pipeline import auth
 from areal_pipeline.processes import ServerProcess
 from areal_pipeline.utils import find_free_port
+
+# The session's credential, as a run has one: every service a test starts demands it (auth is on by default),
+# every client of the project sends it; the xdist workers and every process a test starts inherit it.
+if not auth.auth_disabled():
+    os.environ.setdefault(auth.TOKEN_ENV, auth.new_token())
 
 # The full data sets, where the checkout sits beside ../shared; tests/data holds small slices of the same data in
 # the same layouts, so that every test of real rows runs in every checkout (tests/data/README.md).
@@ -61,13 +66,25 @@ def prefect_api(tmp_path_factory):
         drain_prefect_workers()  # within a deadline: the harness's own drain has none
 
 
+SESSION_TEMP: list = []  # the folder every test's tmp_path of this session is under (every xdist worker's)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_temp(tmp_path_factory) -> Path:
+    base = tmp_path_factory.getbasetemp()
+    SESSION_TEMP[:] = [base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base]
+    return SESSION_TEMP[0]
+
+
 def start_cpu_server(model_dir: Path, log_dir: Path, *extra: str, deterministic: bool = True,
                      port: int = 0) -> ServerProcess:
     """`deterministic`: honour sampling_seed, as the project's launcher starts it (SGLang's flag); `port`: this one
-    (0: a free one)."""
+    (0: a free one). It loads weights from disk under the session's temp folder (every test's tmp_path) unless
+    `extra` names its own --weights-root."""
     port = port or find_free_port()
+    roots = [] if "--weights-root" in extra else ["--weights-root", str(SESSION_TEMP[0])]
     command = [sys.executable, "-m", "areal_pipeline.inference.server", "--model", str(model_dir),
-               "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *extra,
+               "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *roots, *extra,
                *(["--enable-deterministic-inference"] if deterministic else [])]
     server = ServerProcess(command, f"127.0.0.1:{port}", log_dir / f"server-{port}.log").start()
     server.wait_healthy(120)
@@ -85,10 +102,10 @@ def cpu_server(tiny_model_dir, tmp_path_factory):
 def http(address: str, path: str, body=None, method: str | None = None, timeout: float = 60):
     """(status, parsed JSON or text) of one HTTP call; errors are returned, not raised."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://{address}{path}", data=data, method=method or ("POST" if data else "GET"),
-                                 headers={"Content-Type": "application/json"})
+    req = auth.request(address, path, data=data, method=method or ("POST" if data else "GET"),
+                       headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with auth.opener().open(req, timeout=timeout) as resp:
             status, raw = resp.status, resp.read()
     except urllib.error.HTTPError as e:
         status, raw = e.code, e.read()

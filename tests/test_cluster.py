@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from areal_pipeline.cluster import ClusterConfigError, as_shell, as_slurm, launch_plan, prefect_api_warning
+from areal_pipeline.auth import CredentialError, read_token_file
+from areal_pipeline.cluster import (ClusterConfigError, as_shell, as_slurm, credential_env, launch_plan,
+                                    prefect_api_warning)
 from areal_pipeline.run_spec import load_config
 from areal_pipeline.training.nodes import (TrainerNodeError, address_toward, announce_path, is_local_address,
                                            node_address, settings_mismatch, torchrun_argv, training_settings,
@@ -46,6 +48,24 @@ def test_the_launch_plan_starts_each_server_on_its_host_and_a_trainer_node_per_n
     assert plan[-1].argv[:2] == ("areal-pipeline", "train") and plan[-1].env == {"PREFECT_API_URL": "http://head:4200/api"}
 
 
+def test_every_part_is_given_the_credential_environment_and_nothing_else_of_it(tmp_path, monkeypatch):
+    cfg = across(f"output_dir={tmp_path}")
+    monkeypatch.delenv("AREAL_PIPELINE_TOKEN", raising=False)
+    made = credential_env(cfg)  # no token given: a new one, in a file on the shared path
+    path = Path(made["AREAL_PIPELINE_TOKEN_FILE"])
+    assert path.parent == tmp_path / ".credentials" and len(read_token_file(path)) >= 32
+    assert credential_env(cfg) == made and read_token_file(path) == read_token_file(path)  # kept, not remade
+    plan = launch_plan(cfg, "/shared/run.yaml", ACROSS, "/shared/model", "http://head:4200/api", made)
+    assert all(p.env.items() >= made.items() for p in plan)
+    assert plan[-1].env == {**made, "PREFECT_API_URL": "http://head:4200/api"}
+    assert f"AREAL_PIPELINE_TOKEN_FILE={path}" in as_shell(plan)
+    path.chmod(0o644)  # readable by every user of the shared file system: refused, not used
+    with pytest.raises(CredentialError, match="chmod 600"):
+        credential_env(cfg)
+    monkeypatch.setenv("AREAL_PIPELINE_AUTH", "off")  # the laptop switch reaches every part as it is
+    assert credential_env(cfg) == {"AREAL_PIPELINE_AUTH": "off"}
+
+
 def test_a_run_on_one_host_has_nothing_to_launch_elsewhere():
     with pytest.raises(ClusterConfigError, match="nothing runs on other hosts"):
         launch_plan(load_config(REPO / "configs" / "tiny_cpu.yaml"), "c.yaml", [], "/m")
@@ -73,6 +93,13 @@ def test_the_cluster_command_prints_the_plan_with_the_config_s_absolute_path(tmp
     assert "cluster: warning: PREFECT_API_URL=http://127.0.0.1:4200/api names the head's loopback" in done.stderr
     plan = json.loads(done.stdout)
     assert plan[2]["argv"][3] == str(REPO / "configs" / "tiny_cpu.yaml")
+    # every part finds the run's token in one file on the shared path, made for the run, the owner's alone; the
+    # token itself is in no part's command or environment
+    token_file = tmp_path / ".credentials" / "token"
+    assert [part["env"].get("AREAL_PIPELINE_TOKEN_FILE") for part in plan] == [str(token_file)] * len(plan)
+    assert token_file.stat().st_mode & 0o777 == 0o600 and token_file.parent.stat().st_mode & 0o077 == 0
+    assert read_token_file(token_file) == os.environ["AREAL_PIPELINE_TOKEN"]
+    assert os.environ["AREAL_PIPELINE_TOKEN"] not in done.stdout + done.stderr
     refused = subprocess.run([sys.executable, "-m", "cli", "cluster", "--config", "configs/tiny_cpu.yaml",
                               "trainer.nnodes=2"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "trainer.nnodes=2: a trainer of several nodes runs on them" in refused.stderr

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from areal_pipeline import auth
 from areal_pipeline.errors import is_transient
 from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEngine
 from areal_pipeline.inference.server_args import DEFAULT_MAX_BODY_BYTES
@@ -242,6 +243,8 @@ def post_declaring(address: str, path: str, declared: int) -> tuple[int, dict]:
         connection.putrequest("POST", path)
         connection.putheader("Content-Type", "application/json")
         connection.putheader("Content-Length", str(declared))
+        for name, value in auth.auth_headers().items():
+            connection.putheader(name, value)
         connection.endheaders(b"{}")
         response = connection.getresponse()
         return response.status, json.loads(response.read())
@@ -266,7 +269,7 @@ def test_wrong_methods_and_routes_are_405_and_404(server):
         connection = http.client.HTTPConnection(host, int(port), timeout=60)
         try:
             connection.request(method, path, body=b"{}" if method == "POST" else None,
-                               headers={"Content-Type": "application/json"})
+                               headers={"Content-Type": "application/json", **auth.auth_headers()})
             assert connection.getresponse().status == status, (method, path)
         finally:
             connection.close()
@@ -304,7 +307,7 @@ def post_command(address: str, data: bytes, headers: dict[str, str]) -> tuple[in
     host, port = address.rsplit(":", 1)
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
-        connection.request("POST", "/command", body=data, headers=headers)
+        connection.request("POST", "/command", body=data, headers={**headers, **auth.auth_headers()})
         response = connection.getresponse()
         return response.status, json.loads(response.read())
     finally:
@@ -363,7 +366,7 @@ def test_trainer_routes_and_methods(trainer):
                                  ("GET", "/nowhere", 404)]:
         connection = http.client.HTTPConnection(host, int(port), timeout=60)
         try:
-            connection.request(method, path, body=b"{}" if method == "POST" else None)
+            connection.request(method, path, body=b"{}" if method == "POST" else None, headers=auth.auth_headers())
             response = connection.getresponse()
             assert response.status == status and path in json.loads(response.read())["error"]["message"]
         finally:

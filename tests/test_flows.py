@@ -183,6 +183,32 @@ def assert_found_by_run_id(run_id: str, iterations: list[str], *more_tags: str, 
             assert asyncio.run(_parent_flow_run_id(r)) == parent.id, r.name
 
 
+async def _artifacts_of(flow_run_ids) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    async with get_client() as client:
+        return await client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=list(flow_run_ids))))
+
+
+def assert_the_token_is_nowhere(run_dir: Path, run_id: str) -> None:
+    """The run's credential (the session's, which its services demanded) is in no file of the run's directory
+    (its config copies, logs, shards, checkpoints, the trainer's config), no parameter, artifact or log record of
+    its flow runs, and no command line of its services (their log's first line quotes it)."""
+    token = os.environ["AREAL_PIPELINE_TOKEN"]
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert len(files) > 20 and any(p.name == "config.yaml" for p in files), files
+    assert not [p for p in files if token.encode() in p.read_bytes()]
+    runs = asyncio.run(_flow_runs_tagged(f"run:{run_id}"))
+    assert runs and not [r.name for r in runs if token in json.dumps(r.parameters, default=str)]
+    artifacts = asyncio.run(_artifacts_of([r.id for r in runs]))
+    assert artifacts and not [a.key for a in artifacts if token in json.dumps(a.data, default=str)
+                              + str(a.description)]
+    logs = asyncio.run(_run_logs([r.id for r in runs]))
+    assert logs and not [log.message for log in logs if token in log.message]
+
+
 async def _task_runs(flow_run_id):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -290,6 +316,7 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     assert any("inference servers ready" in log.message for log in library_logs)
     left = [p for p in processes_of(os.getpid(), forkserver=False) if p.pid not in before]
     assert not left, [(p.pid, p.cmdline(), p.status()) for p in left]  # teardown left nothing behind
+    assert_the_token_is_nowhere(run_dir, "e2e")
 
     # a second call with the same run id finds every iteration finished: nothing is redone
     started = time.monotonic()

@@ -41,7 +41,8 @@ def _process_tree(pid: int) -> list[int]:
 def test_sglang_command_defaults():
     cmd = build_sglang_command("/models/qwen", "127.0.0.1", 30000, SGLangConfig(), seed=7)
     assert cmd == [
-        PY, "-m", "sglang.launch_server",
+        PY, "-m", "areal_pipeline.with_token", "--flag=--api-key",  # the run's token, never on the command line
+        "-m", "sglang.launch_server",
         "--model-path", "/models/qwen",
         "--host", "127.0.0.1",
         "--port", "30000",
@@ -63,7 +64,8 @@ def test_sglang_command_all_options():
     )  # fmt: skip
     cmd = build_sglang_command("Qwen/Qwen2.5-1.5B-Instruct", "0.0.0.0", 31001, cfg, seed=1)
     assert cmd == [
-        "/opt/sglang-env/bin/python", "-m", "sglang.launch_server",  # SGLang's own environment
+        "/opt/sglang-env/bin/python",  # SGLang's own environment
+        "-m", "areal_pipeline.with_token", "--flag=--api-key", "-m", "sglang.launch_server",
         "--model-path", "Qwen/Qwen2.5-1.5B-Instruct",
         "--host", "0.0.0.0",
         "--port", "31001",

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_pipeline import auth
 from areal_pipeline.config import ConfigError
 from areal_pipeline.run_spec import load_config
 from areal_pipeline.services import ServicesStoppedError
@@ -24,8 +25,9 @@ def ask(base_url: str) -> dict:
     """One chat completion of the judge at `base_url`, as the judge reward asks it."""
     body = json.dumps({"model": "local-judge", "max_tokens": 4, "temperature": 0,
                        "messages": [{"role": "user", "content": "Question:\nWhat is 1+1?"}]}).encode()
-    request = urllib.request.Request(base_url + "/chat/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as reply:
+    request = urllib.request.Request(base_url + "/chat/completions", body,
+                                     {"Content-Type": "application/json", **auth.auth_headers()})
+    with auth.opener().open(request, timeout=60) as reply:
         return json.loads(reply.read())
 
 

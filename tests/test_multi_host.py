@@ -8,6 +8,8 @@ commands `areal-pipeline cluster` generates from the run's config, each run on i
 
 No process binds an address another host needs to loopback: every host has a loopback of its own, so one would
 not be reached. The run directory is a shared path (the one file system the namespaces share stands for NFS).
+Every service demands the run's token, which `cluster` puts in a file on the shared path (the hosts are given no
+token of their own), and speaks TLS with a certificate made here for the hosts' names and addresses.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def tail(path: Path, chars: int = 4000) -> str:
 def prefect_server_on_head(hosts: SimulatedHosts, tmp_path: Path, request) -> dict[str, str]:
     """A standing Prefect server on PostgreSQL on `head`, listening on head's address; the environment of every
     host's commands, with PREFECT_API_URL naming it (nothing of the test session's own Prefect API)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PREFECT_") and k not in ("AREAL_PIPELINE_TOKEN", "AREAL_PIPELINE_TOKEN_FILE")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), NO_PROXY="*", no_proxy="*")
     # PostgreSQL runs as its own user, who must reach the data folder (pytest's temp folders are root's alone)
     pg = Path(tempfile.mkdtemp(prefix="areal-pg-", dir="/tmp"))
@@ -89,13 +92,64 @@ def prefect_server_on_head(hosts: SimulatedHosts, tmp_path: Path, request) -> di
     return {**env, "PREFECT_API_URL": "http://head:4200/api"}
 
 
+def tls_environment(hosts: SimulatedHosts, folder: Path) -> dict[str, str]:
+    """A CA made for the test, and a certificate it signed for every host's name and address: the services
+    serve with it, the clients trust the CA alone."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert(*HOSTS, *(hosts.address(h) for h in HOSTS))
+    folder.mkdir()
+    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(folder / "cert.pem"))
+    for more in cert.cert_chain_pems[1:]:
+        more.write_to_path(str(folder / "cert.pem"), append=True)
+    cert.private_key_pem.write_to_path(str(folder / "key.pem"))
+    return {"AREAL_PIPELINE_TLS_CERT": str(folder / "cert.pem"), "AREAL_PIPELINE_TLS_KEY": str(folder / "key.pem"),
+            "AREAL_PIPELINE_TLS_CA": str(folder / "ca.pem")}
+
+
+# From another host: the status of each request to a service (url, header or "" for none); the CA is the test's
+ASK_FROM_ELSEWHERE = """
+import json, ssl, sys, urllib.error, urllib.request
+context = ssl.create_default_context(cafile=sys.argv[1])
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
+statuses = []
+for url, method, header in json.loads(sys.argv[2]):
+    request = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None,
+                                     headers={"Authorization": header} if header else {})
+    try:
+        with opener.open(request, timeout=30) as reply:
+            statuses.append(reply.status)
+    except urllib.error.HTTPError as e:
+        statuses.append(e.code)
+print(json.dumps(statuses))
+"""
+
+
+def statuses_from(hosts: SimulatedHosts, host: str, env: dict, asks: list[tuple[str, str, str]]) -> list[int]:
+    done = hosts.run(host, [sys.executable, "-c", ASK_FROM_ELSEWHERE, env["AREAL_PIPELINE_TLS_CA"], json.dumps(asks)],
+                     timeout=120, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def refused_without_the_token(hosts: SimulatedHosts, env: dict, token: str, url: str, routes: list[tuple]) -> None:
+    """Each (method, path) of the service at `url`, asked from the head: 401 without the token, with a wrong one
+    and with another scheme; its bare liveness probe answers."""
+    asks = [(url + path, method, header) for method, path in routes
+            for header in ("", f"Bearer {token[:-1]}x", f"Basic {token}", "Bearer ")]
+    assert statuses_from(hosts, "head", env, asks) == [401] * len(asks), asks
+    assert statuses_from(hosts, "head", env, [(url + "/health", "GET", "")]) == [200]
+
+
 @pytest.mark.timeout(1500)
 def test_a_run_across_four_hosts_learns_and_survives_a_lost_trainer_node(model_cache, tmp_path, request):
     model = base_model("tiny_cpu.yaml", model_cache)
     shared, logs = tmp_path / "shared", tmp_path / "logs"
     logs.mkdir()
     with SimulatedHosts(HOSTS) as hosts:
-        env = prefect_server_on_head(hosts, tmp_path, request)
+        env = {**prefect_server_on_head(hosts, tmp_path, request), **tls_environment(hosts, tmp_path / "tls")}
 
         def run(run_id: str, *more: str) -> tuple[subprocess.Popen, dict[str, subprocess.Popen]]:
             config = ["--config", "configs/tiny_cpu.yaml", *overrides(shared, model, run_id, *more)]
@@ -108,7 +162,8 @@ def test_a_run_across_four_hosts_learns_and_survives_a_lost_trainer_node(model_c
             started = {host: start(hosts, host, node, env, logs / f"{host}-{run_id}.log")
                        for host, node in zip(("train-a", "train-b"), nodes)}
             (orchestrator,) = [p for p in plan if p["role"] == "run"]
-            assert orchestrator["env"] == {"PREFECT_API_URL": "http://head:4200/api"}
+            assert orchestrator["env"] == {"PREFECT_API_URL": "http://head:4200/api",
+                                           "AREAL_PIPELINE_TOKEN_FILE": str(shared / ".credentials" / "token")}
             return start(hosts, "head", orchestrator, env, logs / f"head-{run_id}.log"), started
 
         # A: uninterrupted, weights to gen by process group (gloo between train-a and gen)
@@ -121,6 +176,16 @@ def test_a_run_across_four_hosts_learns_and_survives_a_lost_trainer_node(model_c
         assert len(records) == ITERATIONS
         first, last = first_and_last(records)
         assert last > first + 0.1, [r["reward_mean"] for r in records]
+        # the server on gen and the trainer's endpoint (still up) take nothing from another host without the token
+        token = (shared / ".credentials" / "token").read_text().strip()
+        refused_without_the_token(hosts, env, token, "https://gen:30000", [
+            ("POST", "/generate"), ("POST", "/update_weights_from_disk"), ("GET", "/get_weights_by_name"),
+            ("POST", "/init_weights_update_group"), ("POST", "/pause_generation"), ("POST", "/v1/chat/completions"),
+            ("GET", "/v1/models"), ("GET", "/model_info")])
+        refused_without_the_token(hosts, env, token, f"https://{announced['address']}",
+                                  [("POST", "/command"), ("GET", "/status")])
+        for log in logs.glob("*.log"):
+            assert token not in log.read_text(errors="replace"), log
         hosts.kill_host("train-a"), hosts.kill_host("train-b")  # the scheduler ends the job's trainer steps
 
         # B: the same run with weights by disk; train-b is lost while iteration 3 is being updated, and its

@@ -8,7 +8,6 @@ import json
 import shutil
 import time
 import urllib.error
-import urllib.request
 
 import openai
 import pytest
@@ -16,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _openai_helpers import CALCULATOR, QUESTION, QWEN25_CHAT_TEMPLATE, taught_model
+from areal_pipeline import auth
 from areal_pipeline.inference.openai_requests import parse_messages
 from areal_pipeline.inference.openai_tools import chat_prompt_ids, parse_tool_calls, qwen_tool_messages, renders_tools
 from areal_pipeline.model import load_tokenizer
@@ -25,7 +25,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 def client(address: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0)
+    return openai.AsyncOpenAI(base_url=f"http://{address}/v1", api_key=auth.run_token(), max_retries=0)
 
 
 def run(coroutine):
@@ -165,10 +165,10 @@ def test_bad_requests_are_400_in_openai_error_shape(cpu_server, request_fields, 
 
 
 def test_malformed_bodies_and_completions_fields_are_400_too(cpu_server):
-    request = urllib.request.Request(f"http://{cpu_server}/v1/chat/completions", data=b"{not json",
-                                     headers={"Content-Type": "application/json"})
+    request = auth.request(cpu_server, "/v1/chat/completions", data=b"{not json",
+                           headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(request, timeout=60)
+        auth.opener().open(request, timeout=60)
     body = json.loads(refused.value.read())
     assert refused.value.code == 400 and body["error"]["type"] == "invalid_request_error"
     assert "not valid JSON" in body["error"]["message"]

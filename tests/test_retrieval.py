@@ -206,12 +206,14 @@ def test_http_errors(hotpotqa_server):
     assert status == 400 and body == {"error": {"message": "'topk' must be an integer in [1, 20], got 21"}}
     status, body = http(hotpotqa_server, "/retrieve", {"queries": ["x" * 2001]})
     assert status == 400 and "the limit is 2000" in body["error"]["message"]
-    import urllib.request
+    import urllib.error
 
-    req = urllib.request.Request(f"http://{hotpotqa_server}/retrieve", data=b"{not json", method="POST",
-                                 headers={"Content-Type": "application/json"})
+    from areal_pipeline import auth
+
+    req = auth.request(hotpotqa_server, "/retrieve", data=b"{not json", method="POST",
+                       headers={"Content-Type": "application/json"})
     try:
-        urllib.request.urlopen(req, timeout=10)
+        auth.opener().open(req, timeout=10)
         pytest.fail("invalid JSON was accepted")
     except urllib.error.HTTPError as e:
         assert e.code == 415 and "not valid JSON" in json.loads(e.read())["error"]["message"]

@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from areal_pipeline import auth
 from areal_pipeline.processes import ServerLaunchError, ServerProcess
 from areal_pipeline.utils import find_free_port
 from conftest import http, start_cpu_server
@@ -264,9 +264,9 @@ def test_control_endpoints_reject_wrong_types_with_400(cpu_server, path, body, f
 def post_raw(address: str, path: str, data: bytes, content_type: str | None) -> tuple[int, dict]:
     """(status, JSON reply) of a POST with exactly this body and Content-Type (None: urllib's form default)."""
     headers = {} if content_type is None else {"Content-Type": content_type}
-    req = urllib.request.Request(f"http://{address}{path}", data=data, method="POST", headers=headers)
+    req = auth.request(address, path, data=data, method="POST", headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
+        with auth.opener().open(req, timeout=60) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())

@@ -119,7 +119,8 @@ def test_launch_command_and_environment(tmp_path):
                              "inference.vllm.max_model_len=512", "inference.vllm.extra_args=[--block-size,32]",
                              "inference.vllm.env.VLLM_CPU_KVCACHE_SPACE=2", "inference.num_servers=2"])
     command = build_vllm_command("/m", "127.0.0.1", 8000, cfg.inference.vllm, seed=3)
-    assert command[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert command[:6] == [sys.executable, "-m", "areal_pipeline.with_token", "--env=VLLM_API_KEY",
+                           "-m", "vllm.entrypoints.openai.api_server"]  # the run's token, by environment
     joined = " ".join(command)
     for flag in ("--model /m", "--port 8000", "--seed 3", "--enable-scale-out", "--enforce-eager",
                  "--max-model-len 512", "--logprobs-mode processed_logprobs", "--block-size 32",

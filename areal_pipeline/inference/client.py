@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import aiohttp
 
-from areal_pipeline import shutdown
+from areal_pipeline import auth, shutdown
 from areal_pipeline.config import InferenceConfig
 from areal_pipeline.inference.types import ModelRequest, ModelResponse, SamplingParams
 from areal_pipeline.utils import PeerTimeout, get_logger
@@ -171,9 +171,10 @@ class RemoteSGLangEngine:
                 for other in [l for l in self._sessions if l.is_closed()]:
                     self._sessions.pop(other, None)
             # No connection limit: dozens of concurrent episodes must not queue inside the client.
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ssl=auth.client_ssl_context() or True)
             session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=self.request_timeout)
+                connector=connector, timeout=aiohttp.ClientTimeout(total=self.request_timeout),
+                headers=auth.auth_headers(),
             )
             self._sessions[loop] = session
         return session
@@ -196,7 +197,7 @@ class RemoteSGLangEngine:
         """One JSON call. Connection errors, timeouts and 5xx are retried with exponential backoff; 4xx are not."""
         retries = self.request_retries if retries is None else retries
         client_timeout = aiohttp.ClientTimeout(total=timeout or self.request_timeout)
-        url = f"http://{address}{endpoint}"
+        url = auth.url(address, endpoint)
         last_error, attempts = "", 0
         for attempt in range(retries + 1):
             if attempt and shutdown.requested_by() is not None:

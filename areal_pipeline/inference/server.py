@@ -22,10 +22,12 @@ import torch
 from aiohttp import web
 
 from areal_pipeline import __version__
+from areal_pipeline.auth import CredentialError, server_ssl_context, service_token
 from areal_pipeline.http_json import (
     check_bool,
     check_int,
     check_str,
+    bearer_auth,
     error_response,
     json_errors,
     read_json_object,
@@ -53,8 +55,10 @@ def _given(body: dict, key: str, default: Any) -> Any:
 
 
 class InferenceServer:
-    def __init__(self, engine: BatchEngine, server_args: dict[str, Any], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    def __init__(self, engine: BatchEngine, server_args: dict[str, Any], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 token: Optional[str] = None):
         self.engine = engine
+        self.token = token  # what every request but the liveness probe must carry (None: no credential asked)
         self.health_check_timeout = float(server_args.get("health_check_timeout", 20.0))
         self.server_args = server_args
         self.max_body_bytes = max_body_bytes
@@ -64,7 +68,7 @@ class InferenceServer:
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[json_errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[bearer_auth(self.token), json_errors])
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_get("/health", self.health)
@@ -331,6 +335,10 @@ def check_device(device: str, mem_fraction: Optional[float]) -> torch.device:
 
 def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # before the model loads: a server that would refuse its clients, or take anyone's, never starts
+        token, ssl_context = service_token("the inference server"), server_ssl_context()
+    except CredentialError as e:
+        raise SystemExit(str(e)) from None
     device = check_device(args.device, args.mem_fraction_static)
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
@@ -342,12 +350,13 @@ def serve(args: argparse.Namespace) -> None:
                          on_load_failure=lambda: os.kill(os.getpid(), signal.SIGTERM))
     # Listen at once (health says 503 while the model loads), as SGLang does.
     engine.start()
-    server = InferenceServer(engine, server_args=vars(args), max_body_bytes=args.max_body_bytes)
-    logger.info("CPU inference server on http://%s:%d (model %s)", args.host, args.port, args.model)
+    server = InferenceServer(engine, server_args=vars(args), max_body_bytes=args.max_body_bytes, token=token)
+    logger.info("CPU inference server on %s://%s:%d (model %s)%s", "https" if ssl_context else "http", args.host,
+                args.port, args.model, "" if token else ", taking requests without a credential")
     # A stop signal ends the requests in flight within a second: a stopped run does not wait for them (aiohttp's
     # default waits a minute, past the launcher's grace period, for e.g. a weight update that is loading).
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
-                handle_signals=True, shutdown_timeout=1.0)
+                handle_signals=True, shutdown_timeout=1.0, ssl_context=ssl_context)
     if engine.load_error is not None:
         sys.exit(f"could not load model {args.model}: {engine.load_error}")
 

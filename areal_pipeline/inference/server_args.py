@@ -33,6 +33,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-check-timeout", type=float, default=20.0,
                    help="seconds /health waits for a paused server to continue before answering 503 (as SGLang's "
                         "SGLANG_HEALTH_CHECK_TIMEOUT)")
+    p.add_argument("--weights-root", action="append", default=[], metavar="DIR",
+                   help="a directory /update_weights_from_disk may load from (repeatable): a model_path must resolve, "
+                        "symlinks followed, inside one; with none every disk load is refused")
+    p.add_argument("--weight-group-master", action="append", default=[], metavar="HOST",
+                   help="the only master addresses /init_weights_update_group joins (repeatable; the trainer's); "
+                        "default: any")
     return p
 
 

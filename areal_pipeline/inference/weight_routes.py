@@ -1,15 +1,22 @@
 """The CPU server's weight routes: `/update_weights_from_disk`, `/get_weights_by_name` and the weight-update group's
 (`/init_weights_update_group`, `/update_weights_from_distributed`, `/destroy_weights_update_group`), as SGLang has
-them. The group is joined as SGLang joins it (areal_pipeline/training/weight_group.py)."""
+them. The group is joined as SGLang joins it (areal_pipeline/training/weight_group.py).
+
+Unlike SGLang, a server takes weights only from its trainer (issue #48): a disk load only from inside a
+--weights-root (confined_paths.py), a group only with a --weight-group-master where any is given, and never a
+second group while it holds one (a server serves one trainer: a group from elsewhere would let another process
+overwrite the weights the run is sampling from)."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from typing import Any, Optional
 
 from aiohttp import web
 
+from areal_pipeline.confined_paths import OutsideRoots, confine, resolve_roots
 from areal_pipeline.http_json import check_bool, check_int, check_str, read_json_object, shown
 from areal_pipeline.inference.engine import RequestError
 
@@ -25,6 +32,10 @@ class WeightRoutes:
         """`server`: the InferenceServer (its `engine` and `_require_ready`)."""
         self.server = server
         self.weight_groups: dict[str, Any] = {}  # group_name -> (process group, its backend)
+        self.group_masters: dict[str, str] = {}  # group_name -> master address, of groups held or being joined
+        args = getattr(server, "server_args", None) or {}
+        self.weights_roots: list[str] = list(args.get("weights_root") or [])
+        self.masters: list[str] = [_bare(m) for m in args.get("weight_group_master") or []]
 
     def register(self, r: web.UrlDispatcher) -> None:
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
@@ -45,6 +56,10 @@ class WeightRoutes:
         version = _weight_version(body)
         abort_all = check_bool("abort_all_requests", _given(body, "abort_all_requests", False))
         check_bool("flush_cache", _given(body, "flush_cache", True))
+        # after the fields' checks (their 400s come first, as on SGLang), before anything at the path is read
+        refusal = await asyncio.to_thread(self._disk_refusal, path)
+        if refusal is not None:
+            return web.json_response({"success": False, "message": refusal, "num_paused_requests": 0}, status=403)
         started = time.perf_counter()
         try:  # read and checked before any weight is swapped in, off the engine thread: generation goes on meanwhile
             state = await asyncio.to_thread(self.server.engine.read_weights, path)
@@ -85,10 +100,20 @@ class WeightRoutes:
         # As SGLang: this server's one TP rank joins as rank_offset + 0, through torch's tcp:// rendezvous; a name
         # it already holds is refused by torch, as on SGLang (/destroy_weights_update_group frees it)
         backend, address, port, rank, world_size, name = args
+        if self.masters and not await asyncio.to_thread(_among, address, self.masters):
+            return web.json_response({"success": False, "message": (
+                f"refused to join weight-update group {name} at master_address {address!r}: this server joins groups "
+                f"only with its trainer at {', '.join(self.masters)} (--weight-group-master)")}, status=403)
+        if (held := self._held_refusal(name, address)) is not None:
+            return web.json_response({"success": False, "message": held}, status=409)
+        fresh = name not in self.group_masters
+        self.group_masters.setdefault(name, address)  # claimed before the join's wait: a second caller sees it
         try:  # joining blocks until every member is there: keep it off the event loop and the engine
             group = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: join_weight_group(backend, address, port, rank, world_size, name))
         except Exception as e:
+            if fresh and name not in self.weight_groups:
+                self.group_masters.pop(name, None)
             return web.json_response({"success": False,
                                       "message": f"Failed to initialize custom process group: {e}."}, status=400)
         self.weight_groups[name] = (group, backend)
@@ -141,8 +166,36 @@ class WeightRoutes:
         if removed is None:  # SGLang's words and status
             return web.json_response({"success": False, "message": "The group to be destroyed does not exist."},
                                      status=400)
+        self.group_masters.pop(_group_name(body), None)  # left: any group may be joined now
         await asyncio.get_running_loop().run_in_executor(None, destroy_weight_group, removed[0])
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    def _disk_refusal(self, path: str) -> Optional[str]:
+        """Why `path` may not be loaded (None: it may): it, and every weight file the load reads there, must resolve
+        inside a --weights-root (a file linked out of one is refused as the path would be)."""
+        if not self.weights_roots:
+            return (f"refused to load weights from {path!r}: this server loads weights from disk only inside a "
+                    "directory it is given with --weights-root DIR, and was started with none")
+        roots = resolve_roots(self.weights_roots)
+        try:
+            where = confine(path, roots, "model_path")
+            for file in sorted(where.glob("*.safetensors")) if where.is_dir() else []:
+                confine(file, roots, f"the weight file {str(file)!r} of model_path {path!r}")
+        except OutsideRoots as e:
+            return f"refused to load weights: {e} (--weights-root)"
+        return None
+
+    def _held_refusal(self, name: str, address: str) -> Optional[str]:
+        """Why a join of group `name` at `address` is refused while this server holds (or joins) a group: it serves
+        one trainer. The same group from the same master goes on to the join (torch refuses a name still held);
+        after /destroy_weights_update_group any group may be joined."""
+        if name in self.group_masters and name not in self.weight_groups:
+            return f"refused to join weight-update group {name}: a join of it is under way"
+        if not self.group_masters or self.group_masters.get(name) == address:
+            return None
+        held = ", ".join(f"{n} (master {m})" for n, m in sorted(self.group_masters.items()))
+        return (f"refused to join weight-update group {name} at master {address}: this server is already in "
+                f"weight-update group {held}, and joins no other until it is left (/destroy_weights_update_group)")
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await read_json_object(request) if request.method == "POST" else dict(request.query)
@@ -189,6 +242,25 @@ def _weight_version(body: dict) -> Optional[str]:
     if version is not None and type(version) not in (str, int):
         raise RequestError(f"'weight_version' must be a string, got {shown(version)}")
     return None if version is None else str(version)
+
+
+def _bare(host: str) -> str:
+    return host.strip().strip("[]").lower()
+
+
+def _among(address: str, masters: list[str]) -> bool:
+    """Whether `address` names one of `masters`: the same name, or a name for one of their addresses."""
+    if _bare(address) in masters:
+        return True
+    wanted = set().union(*(_addresses(m) for m in masters))
+    return bool(wanted & _addresses(_bare(address)))
+
+
+def _addresses(host: str) -> set[str]:
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return set()
 
 
 def _group_name(body: dict) -> str:

@@ -6,7 +6,8 @@ in [0, 1] as JSON, the answers scored relative to each other.
     judge: {base_url: https://api.example.com/v1, model: some-judge, api_key_env: JUDGE_API_KEY}
 
 Any OpenAI-compatible endpoint serves: the project's server, vLLM, a hosted API (its key read from the environment
-variable `judge.api_key_env` names). Each call
+variable `judge.api_key_env` names). A judge the run serves itself (`judge.serve`, rewards/local_judge.py) is one of
+the run's services: it is sent the run's token (areal_pipeline/auth.py) instead. Each call
 
 - is looked up first in a cache on disk keyed by a content hash (the model, the messages, the sampling settings):
   a rerun, a retried rollout node or `areal-pipeline rescore` asks again for nothing it already asked;
@@ -28,6 +29,7 @@ import json
 import math
 import os
 import re
+import ssl
 import threading
 import weakref
 from pathlib import Path
@@ -162,12 +164,15 @@ class Judge:
     """The judge group reward (GroupReward, rewards/group.py) of a `judge` config section."""
 
     def __init__(self, judge_cfg: Any, cache_dir: Path, *, api_key: Optional[str] = None,
-                 limiter: Optional[LimiterFactory] = None):
+                 limiter: Optional[LimiterFactory] = None, ssl_context: Optional[ssl.SSLContext] = None):
+        """`api_key`: sent as `Authorization: Bearer` (None: nothing sent); `ssl_context`: what an https endpoint's
+        certificate is checked against (None: the system's CAs)."""
         self.cfg = judge_cfg
         if not judge_cfg.base_url or not judge_cfg.model:
             raise ValueError("judge.base_url and judge.model: the judge needs both (areal_pipeline/rewards/judge.py)")
         self.url = judge_cfg.base_url.rstrip("/") + "/chat/completions"
         self.api_key = api_key
+        self.ssl_context = ssl_context
         self.cache = JudgeCache(cache_dir)
         self.limit_name = judge_cfg.limit_name or default_limit_name(judge_cfg.base_url)
         self._limiter = limiter or _installed_limiter or self._local_limiter
@@ -245,7 +250,9 @@ class Judge:
         timeout = aiohttp.ClientTimeout(total=self.cfg.timeout)
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session:
-                async with session.post(self.url, json=body, headers=headers) as response:
+                async with session.post(self.url, json=body, headers=headers,
+                                        **({"ssl": self.ssl_context} if self.ssl_context is not None else {})
+                                        ) as response:
                     text = await response.text()
                     if response.status >= 400:
                         raise JudgeHTTPError(response.status, text, _retry_after(response.headers.get("Retry-After")))
@@ -298,7 +305,13 @@ def judge_cache_dir(cfg: Any) -> Path:
 
 
 def judge(cfg: Any) -> Judge:
-    """The `rollout.group_reward: judge` builder: the judge of the run's config `cfg` (its `judge` section)."""
+    """The `rollout.group_reward: judge` builder: the judge of the run's config `cfg` (its `judge` section). A judge
+    the run serves (judge.serve) demands the run's token, as every service of the run does; an external one is sent
+    the key in the environment variable judge.api_key_env names, or nothing."""
+    if cfg.judge.serve:
+        from areal_pipeline import auth
+
+        return Judge(cfg.judge, judge_cache_dir(cfg), api_key=auth.run_token(), ssl_context=auth.client_ssl_context())
     name = cfg.judge.api_key_env
     api_key = None
     if name:

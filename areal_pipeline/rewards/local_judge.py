@@ -5,6 +5,8 @@ with the run's other services and stopped with them, asked through the same Open
     judge: {serve: true, model_path: /models/qwen2.5-1.5b-instruct}   # a Hugging Face directory or hub id
 
 It runs on the CPU beside a CPU run; a judge on GPUs is served by vLLM or SGLang and named by `judge.base_url`.
+Like every service of the run it demands the run's token (areal_pipeline/auth.py), which the judge reward sends
+(rewards/judge.py `judge`).
 No judge is built in code: grading needs a model that reads instructions, which a few minutes of CPU training
 do not make.
 """
@@ -22,6 +24,7 @@ SERVED_MODEL_NAME = "local-judge"  # the requests' `model` where judge.model is 
 def start_judge_server(cfg: Any, log_dir: Path, address: Optional[str] = None):
     """The judge's server, started and healthy (within inference.setup_timeout), serving `judge.model_path`
     on the CPU at `address` (host:port; None: a free port of inference.host)."""
+    from areal_pipeline import auth
     from areal_pipeline.config import InferenceConfig
     from areal_pipeline.inference.launcher import LIVENESS_PATH, build_cpu_server_command
     from areal_pipeline.processes import ServerProcess
@@ -30,6 +33,7 @@ def start_judge_server(cfg: Any, log_dir: Path, address: Optional[str] = None):
     server_cfg = InferenceConfig(backend="cpu", num_servers=1, host=cfg.inference.host, device="cpu",
                                  num_threads=1, max_batch_size=cfg.judge.max_concurrency,
                                  setup_timeout=cfg.inference.setup_timeout, context_length=cfg.judge.context_length)
+    auth.ensure_run_token()  # `areal-pipeline rescore` starts it outside a run's services: the server needs one
     port = int(address.rsplit(":", 1)[1]) if address else find_free_port(server_cfg.host)
     command = build_cpu_server_command(cfg.judge.model_path, server_cfg.host, port, server_cfg, cfg.seed)
     server = ServerProcess(command, f"{server_cfg.host}:{port}", Path(log_dir) / "judge-server.log",
@@ -44,8 +48,12 @@ def start_judge_server(cfg: Any, log_dir: Path, address: Optional[str] = None):
 
 
 def served_judge_config(cfg: Any, address: str) -> Any:
-    """The run's config with its judge section pointing at the judge server at `address` (host:port)."""
-    judge = dataclasses.replace(cfg.judge, base_url=f"http://{address}/v1", model=cfg.judge.model or SERVED_MODEL_NAME)
+    """The run's config with its judge section pointing at the judge server at `address` (host:port), over https
+    where the run's services speak TLS; the judge built from it sends the run's token (rewards/judge.py `judge`)."""
+    from areal_pipeline import auth
+
+    judge = dataclasses.replace(cfg.judge, base_url=auth.url(address, "/v1"),
+                                model=cfg.judge.model or SERVED_MODEL_NAME)
     return dataclasses.replace(cfg, judge=judge)
 
 

@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import aiohttp
 
+from areal_pipeline import auth
+
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -33,7 +35,7 @@ class RetrievalClient:
         self.address, self.retries, self.retry_delay, self.timeout = address, retries, retry_delay, timeout
 
     async def retrieve(self, queries: list[str], topk: int) -> list[list[dict[str, Any]]]:
-        url = f"http://{self.address}/retrieve"
+        url = auth.url(self.address, "/retrieve")
         payload = {"queries": queries, "topk": topk, "return_scores": False}
         last_error, status = "", None
         for attempt in range(self.retries + 1):
@@ -44,8 +46,9 @@ class RetrievalClient:
             try:
                 # A session per call: searches are rare next to generations, and the workflow has no
                 # close hook in which to end a long-lived session.
-                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as session:
-                    async with session.post(url, json=payload) as resp:
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
+                                                 headers=auth.auth_headers()) as session:
+                    async with session.post(url, json=payload, ssl=auth.client_ssl_context() or True) as resp:
                         body = await resp.json(content_type=None)
                         if resp.status < 400:
                             return _results(body, len(queries))

@@ -31,9 +31,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
-from aiohttp import web
+from aiohttp import hdrs, web
 
-from areal_pipeline.http_json import RequestRejected, check_bool, check_int, json_errors, read_json, shown
+from areal_pipeline.auth import CredentialError, authorized, server_ssl_context, service_token
+from areal_pipeline.http_json import (
+    RequestRejected,
+    bearer_auth,
+    check_bool,
+    check_int,
+    json_errors,
+    read_json,
+    shown,
+)
 from areal_pipeline.processes import ServerProcess
 from areal_pipeline.tools.retrieval_args import (
     DEFAULT_MAX_BODY_BYTES,
@@ -248,7 +257,8 @@ class RetrievalService:
         return {"result": [[self.rows[d] for d, _ in found] for found in hits]}
 
 
-def make_app(service: RetrievalService, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+def make_app(service: RetrievalService, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+             token: Optional[str] = None) -> web.Application:
     # One retrieval at a time: the work is CPU-bound, and a dense encoder is not safe to share across threads.
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieve")
 
@@ -260,12 +270,14 @@ def make_app(service: RetrievalService, max_body_bytes: int = DEFAULT_MAX_BODY_B
         return web.json_response(reply)
 
     async def health(request: web.Request) -> web.Response:
+        if not authorized(request.headers.get(hdrs.AUTHORIZATION), token):  # the bare probe: up, and no more
+            return web.json_response({"status": "ok"})
         return web.json_response({"status": "ok", "retriever": service.retriever.name, "num_docs": len(service.rows)})
 
     async def shutdown(app: web.Application) -> None:
         executor.shutdown(wait=False, cancel_futures=True)
 
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[bearer_auth(token), json_errors])
     app.router.add_post("/retrieve", retrieve)
     app.router.add_get("/health", health)
     app.on_shutdown.append(shutdown)
@@ -276,16 +288,20 @@ def make_app(service: RetrievalService, max_body_bytes: int = DEFAULT_MAX_BODY_B
 
 
 def serve(args: argparse.Namespace) -> None:
+    try:
+        token, ssl_context = service_token("the retrieval server"), server_ssl_context()
+    except CredentialError as e:
+        raise SystemExit(str(e)) from None
     exit_when_parent_dies()
     rows, digest = load_corpus(args.corpus)
     retriever = build_retriever(rows, digest, args.retriever, Path(args.index_dir or default_index_dir()),
                                 args.embedding_model)
     service = RetrievalService(rows, retriever, topk=args.topk, max_topk=args.max_topk,
                                max_query_chars=args.max_query_chars, max_queries=args.max_queries)
-    logger.info("retrieval server on http://%s:%d (%s over %d documents)", args.host, args.port, retriever.name,
-                len(rows))
-    web.run_app(make_app(service, args.max_body_bytes), host=args.host, port=args.port, print=None,
-                access_log=None, shutdown_timeout=1.0)  # a stopped run does not wait for the requests in flight
+    logger.info("retrieval server on %s://%s:%d (%s over %d documents)", "https" if ssl_context else "http",
+                args.host, args.port, retriever.name, len(rows))
+    web.run_app(make_app(service, args.max_body_bytes, token), host=args.host, port=args.port, print=None,
+                access_log=None, shutdown_timeout=1.0, ssl_context=ssl_context)  # a stopped run does not wait for the requests in flight
 
 
 def retrieval_server_command(cfg, port: int) -> list[str]:

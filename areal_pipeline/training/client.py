@@ -6,16 +6,15 @@ import json
 import os
 import sys
 import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+from areal_pipeline import auth
 from areal_pipeline.config import ExperimentConfig, save_config
 from areal_pipeline.processes import ServerProcess
 from areal_pipeline.utils import find_free_port, raise_if_deadline_passed, time_left
 
-_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes through a proxy
 # The process group's init method of a trainer started without torchrun (default: env://, torchrun's variables)
 TRAINER_INIT_METHOD_ENV = "AREAL_TRAINER_INIT_METHOD"
 
@@ -43,11 +42,11 @@ class TrainerClient:
 
     def call(self, cmd: str, timeout: Optional[float] = None, **args: Any) -> dict:
         data = json.dumps({"cmd": cmd, **args}).encode()
-        req = urllib.request.Request(f"http://{self.address}/command", data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = auth.request(self.address, "/command", data=data, method="POST",
+                           headers={"Content-Type": "application/json"})
         self.version = None  # a call that fails may have left the trainer anywhere
         try:
-            with _opener.open(req, timeout=time_left(timeout or self.timeout)) as resp:
+            with auth.opener().open(req, timeout=time_left(timeout or self.timeout)) as resp:
                 reply = json.loads(resp.read())
             if isinstance(reply, dict) and isinstance(reply.get("version"), int):
                 self.version = reply["version"]
@@ -66,7 +65,7 @@ class TrainerClient:
             raise TrainerError(f"trainer {self.address} unreachable during {cmd}: {e}", "unreachable", 0) from e
 
     def health(self) -> dict:
-        with _opener.open(f"http://{self.address}/health", timeout=10) as resp:
+        with auth.opener().open(auth.request(self.address, "/health"), timeout=10) as resp:
             return json.loads(resp.read())
 
 

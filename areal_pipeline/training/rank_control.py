@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import ssl
 import threading
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,6 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from areal_pipeline.auth import LIVENESS_PATH, UNAUTHORIZED_MESSAGE, authorized
 from areal_pipeline.training.command_input import BODY_READ_TIMEOUT_S, read_command
 from areal_pipeline.utils import PeerTimeout, get_logger
 
@@ -50,7 +52,10 @@ def broadcast_json(obj: Optional[dict], group, timeout: Optional[timedelta] = No
 class Endpoint:
     """Rank 0's HTTP front: requests queue up and are answered when the rank loop has run them."""
 
-    def __init__(self, host: str, port: int, trainer: Any):
+    def __init__(self, host: str, port: int, trainer: Any, token: Optional[str] = None,
+                 ssl_context: Optional[ssl.SSLContext] = None):
+        """`token`: what every request but the bare liveness probe must carry (None: no credential asked);
+        `ssl_context`: serve HTTPS with it."""
         self.inbox: queue.Queue = queue.Queue()
         self.busy_with: Optional[str] = None
         self.trainer = trainer
@@ -70,13 +75,34 @@ class Endpoint:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _refused(self) -> bool:
+                """Whether the request lacks the credential (answered 401, its body unread and the connection
+                closed)."""
+                if authorized(self.headers.get("Authorization"), token):
+                    return False
+                self.close_connection = True
+                data = json.dumps({"error": {"message": UNAUTHORIZED_MESSAGE, "code": "unauthorized"}}).encode()
+                self.send_response(401)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("WWW-Authenticate", "Bearer")
+                self.end_headers()
+                self.wfile.write(data)
+                return True
+
             def do_GET(self):
+                if self.path == LIVENESS_PATH and not authorized(self.headers.get("Authorization"), token):
+                    return self._reply(200, {"status": "ok"})  # the bare probe: up, and nothing of the run
+                if self._refused():
+                    return None
                 if self.path != "/health":
                     status = 405 if self.path == "/command" else 404
                     return self._reply(status, {"error": {"message": f"no route GET {self.path}"}})
                 self._reply(200, {"status": "ok", "busy_with": endpoint.busy_with, **endpoint.trainer.status()})
 
             def do_POST(self):
+                if self._refused():
+                    return None
                 if self.path != "/command":
                     status = 405 if self.path == "/health" else 404
                     return self._reply(status, {"error": {"message": f"no route POST {self.path}"}})
@@ -94,6 +120,11 @@ class Endpoint:
                     slot["replied"].set()
 
         self.server = ThreadingHTTPServer((host, port), Handler)
+        if ssl_context is not None:
+            # the handshake on the connection's own thread (its first read), not in the loop that accepts: a caller
+            # that connects and never speaks would otherwise hold up every other one
+            self.server.socket = ssl_context.wrap_socket(self.server.socket, server_side=True,
+                                                         do_handshake_on_connect=False)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def start(self) -> None:

@@ -23,7 +23,8 @@ A body that is no command, or arguments that do not fit the handler's signature 
 with a 4xx naming what is wrong, before any rank starts: the pipeline retries a 5xx, never a 4xx.
 Every file a command reads is checked against its manifest first (a checkpoint's checksums.json, the shards'
 manifest.json): one that fails is refused with code "corrupt_file" (409; details: the file and what failed),
-before the trainer's state changes.
+before the trainer's state changes. A path argument that resolves (symlinks followed) outside the run's output_dir
+and trainer.weights_dir is refused with code "forbidden_path" (403) before anything is read or written.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
+from areal_pipeline.auth import CredentialError, server_ssl_context, service_token
 from areal_pipeline.checksums import IntegrityError
+from areal_pipeline.confined_paths import OutsideRoots, confine, resolve_roots, run_roots
 from areal_pipeline.config import UNCHECKED_AGENT, ExperimentConfig, load
 from areal_pipeline.data.shards import read_table
 from areal_pipeline.placement import gpu_uuid
@@ -72,6 +75,13 @@ class CommandError(Exception):
     def __init__(self, message: str, code: str = "error", status: int = 500, **details):
         super().__init__(message)
         self.code, self.status, self.details = code, status, details
+
+
+# Each command's path arguments, and whether it writes there (then never a whole root): every one must resolve inside
+# the run's output_dir or trainer.weights_dir (confined_paths.py), else the command is refused before it runs.
+PATH_ARGUMENTS = {"compute_logp": {"shard_dir": False, "out_path": True},
+                  "train": {"batch_dir": False, "policy_logprobs": False},
+                  "save": {"path": True}, "load": {"path": False}, "save_weights": {"path": True}}
 
 
 class Trainer:
@@ -272,11 +282,28 @@ class Trainer:
         return {"version": self.actor.version if self.actor else None, "world_size": self.world_size,
                 "initialized": self.actor is not None, "settings": self.settings}
 
+    def handlers(self) -> dict[str, Any]:
+        return {"initialize": self.initialize, "reinitialize": self.reinitialize, "compute_logp": self.compute_logp,
+                "train": self.train, "probe_logp": self.probe_logp,
+                "save": self.save, "load": self.load, "save_weights": self.save_weights,
+                "update_weights_distributed": self.update_weights_distributed, "status": self.status}
+
+    def check_paths(self, name: str, args: dict) -> None:
+        """Refuse (403) a command naming a path outside the run's roots. Every rank decides alike: each resolves the
+        same paths, and a multi-node trainer needs them to mean the same files on every node anyway (each rank reads
+        the shards itself)."""
+        roots = resolve_roots(run_roots(self.cfg.output_dir, self.cfg.trainer.weights_dir))
+        for key, writes in PATH_ARGUMENTS.get(name, {}).items():
+            if args.get(key) is None:
+                continue
+            try:
+                confine(args[key], roots, f"{name}'s '{key}'", allow_root=not writes)
+            except OutsideRoots as e:
+                raise CommandError(str(e), "forbidden_path", 403, argument=key, path=e.path, resolved=e.resolved,
+                                   roots=e.roots) from e
+
     def run(self, command: dict) -> Any:
-        handlers = {"initialize": self.initialize, "reinitialize": self.reinitialize, "compute_logp": self.compute_logp, "train": self.train,
-                    "probe_logp": self.probe_logp,
-                    "save": self.save, "load": self.load, "save_weights": self.save_weights,
-                    "update_weights_distributed": self.update_weights_distributed, "status": self.status}
+        handlers = self.handlers()
         name = command.get("cmd")
         if type(name) is not str or name not in handlers:
             raise CommandError(f"unknown command '{name}'; valid: {', '.join(sorted(handlers))}, shutdown",
@@ -286,6 +313,7 @@ class Trainer:
             check_arguments(name, handlers[name], args)
         except ValueError as e:  # on every rank alike: the command is refused everywhere before it starts
             raise CommandError(f"bad arguments for '{name}': {e}", "bad_arguments", 400) from e
+        self.check_paths(name, args)  # before the handler: nothing is read or written at a refused path
         try:
             return handlers[name](**args)
         except IntegrityError as e:
@@ -306,7 +334,9 @@ def trainer_threads(cfg: ExperimentConfig, device: torch.device, cores: Optional
     return max(1, (cores - serving) // cfg.trainer.nproc)
 
 
-def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int, announce: Optional[str] = None) -> None:
+def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int, announce: Optional[str] = None,
+          credentials: Optional[tuple] = None) -> None:
+    """`credentials`: (token, TLS context) of rank 0's endpoint (auth.py; None: neither)."""
     device = resolve_device(cfg.trainer.device, cfg.trainer.backend)
     backend = cfg.trainer.backend if cfg.trainer.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
@@ -325,15 +355,17 @@ def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int, announce
     # every collective of the default group (barriers, FSDP's gathers) errors out past trainer.collective_timeout
     dist.init_process_group(backend=backend, init_method=os.environ.get(TRAINER_INIT_METHOD_ENV), timeout=collective)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    token, ssl_context = credentials if credentials is not None else (None, None)
     torch.manual_seed(cfg.seed)
     trainer = Trainer(cfg, model_path)
     endpoint = None
     if dist.get_rank() == 0:
-        endpoint = Endpoint(host, port, trainer)
+        endpoint = Endpoint(host, port, trainer, token, ssl_context)
         endpoint.start()
         port = endpoint.server.server_address[1]
-        logger.info("trainer (world size %d, %s, %s) listening on http://%s:%d", dist.get_world_size(),
-                    backend, device, host, port)
+        logger.info("trainer (world size %d, %s, %s) listening on %s://%s:%d%s", dist.get_world_size(),
+                    backend, device, "https" if ssl_context else "http", host, port,
+                    "" if token else ", taking commands without a credential")
         if announce:  # a trainer on nodes of its own: the run finds rank 0 here (trainer.address=auto)
             write_announcement(Path(announce), f"{host}:{port}", cfg.run_id, dist.get_world_size())
     while True:
@@ -399,10 +431,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+    try:  # before any rank joins a group: a trainer that would take anyone's commands never starts
+        credentials = (service_token("the trainer's control endpoint"), server_ssl_context()) if rank == 0 else None
+    except CredentialError as e:
+        raise SystemExit(str(e)) from None
     exit_when_parent_dies()
     # the run's saved config, its workflow's section kept as written: the trainer never reads it, and parsing it
     # would import the workflow's (the user's agent's) module in every rank
-    serve(load(args.config, chosen=UNCHECKED_AGENT), args.model, args.host, args.port, args.announce)
+    serve(load(args.config, chosen=UNCHECKED_AGENT), args.model, args.host, args.port, args.announce, credentials)
 
 
 if __name__ == "__main__":

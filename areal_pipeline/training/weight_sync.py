@@ -19,12 +19,12 @@ import json
 import threading
 import time
 import urllib.error
-import urllib.request
 from datetime import timedelta
 from typing import Any, Iterator, Optional
 
 import torch
 
+from areal_pipeline import auth
 from areal_pipeline.training.weight_group import (  # noqa: F401  (bind_stores_to_named_address: used by client.py)
     GROUP_TIMEOUT,
     NamedAddressTCPStore,
@@ -37,7 +37,6 @@ from areal_pipeline.utils import PeerTimeout, get_logger
 
 logger = get_logger(__name__)
 
-_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 # SGLang's --dtype names that are other names of a wire dtype
@@ -99,10 +98,10 @@ class WeightGroup:
 def _post_all(servers: list[str], path: str, bodies: list[dict], results: list,
               timeout: float = GROUP_TIMEOUT.total_seconds()) -> list[threading.Thread]:
     def post(i: int, server: str) -> None:
-        req = urllib.request.Request(f"http://{server}{path}", data=json.dumps(bodies[i]).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        req = auth.request(server, path, data=json.dumps(bodies[i]).encode(),
+                           headers={"Content-Type": "application/json"}, method="POST")
         try:
-            with _opener.open(req, timeout=timeout) as resp:
+            with auth.opener().open(req, timeout=timeout) as resp:
                 results[i] = json.loads(resp.read())
         except urllib.error.HTTPError as e:
             results[i] = {"success": False, "message": f"HTTP {e.code}: {e.read().decode(errors='replace')}"}
