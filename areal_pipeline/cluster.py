@@ -121,7 +121,8 @@ def prefect_api_warning(url: str) -> Optional[str]:
     return None
 
 
-def _line(launch: Launch) -> str:
+def command_line(launch: Launch) -> str:
+    """The launch as one shell line: its environment, then its command."""
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items())
     return (env + " " if env else "") + shlex.join(launch.argv)
 
@@ -132,7 +133,7 @@ def as_shell(plan: list[Launch]) -> str:
     for launch in plan:
         where = {"inference-server": f"on {launch.host}", "run": "on the head (where the Prefect server is reached)",
                  "trainer-node": f"on {launch.host} (the rendezvous host)" if launch.host else "on another trainer node"}
-        lines += [f"# {launch.role} {where[launch.role]}", _line(launch), ""]
+        lines += [f"# {launch.role} {where[launch.role]}", command_line(launch), ""]
     return "\n".join(lines)
 
 
@@ -153,9 +154,9 @@ def as_slurm(plan: list[Launch], cfg: ExperimentConfig, partition: str = "") -> 
               f"#SBATCH --partition={partition}" if partition else "",
               "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive"]
     body = ["set -euo pipefail", "# the batch step runs on the allocation's first node: the head (the run)"]
-    body += [f"srun --nodes=1 --ntasks=1 --nodelist={launch.host} --overlap {_line(launch)} &" for launch in servers]
+    body += [f"srun --nodes=1 --ntasks=1 --nodelist={launch.host} --overlap {command_line(launch)} &" for launch in servers]
     if nodes:
         first = f" --nodelist={nodes[0].host}" if nodes[0].host else ""
-        body.append(f"srun --nodes={len(nodes)} --ntasks-per-node=1{first} --overlap {_line(nodes[0])} &")
-    body.append(_line(run))
+        body.append(f"srun --nodes={len(nodes)} --ntasks-per-node=1{first} --overlap {command_line(nodes[0])} &")
+    body.append(command_line(run))
     return "\n".join([line for line in header if line] + [""] + body) + "\n"

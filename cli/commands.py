@@ -239,6 +239,7 @@ def _submit_parts(plan, trainer_hosts: list[str]) -> None:
     import asyncio
     from dataclasses import asdict
 
+    from areal_pipeline.cluster import command_line
     from flows.node import submit
 
     parts = [asdict(launch) for launch in plan if launch.role != "run"]
@@ -256,7 +257,7 @@ def _submit_parts(plan, trainer_hosts: list[str]) -> None:
     for part, run_id in zip(parts, asyncio.run(submit(parts))):
         print(f"{part['role']} on {part['host']}: flow run {run_id}")
     run = next(launch for launch in plan if launch.role == "run")
-    print(f"\nthen, on the head: {' '.join(run.argv)}")
+    print(f"\nthen, on the head: {command_line(run)}")
 
 
 def cmd_trainer_node(args) -> None:

@@ -13,7 +13,9 @@ from areal_pipeline.config import GenerationConfig, InferenceConfig
 from areal_pipeline.inference.client import RID_CACHE_SIZE, InferenceServerError, RemoteSGLangEngine
 from areal_pipeline.inference.launcher import launch_servers
 from areal_pipeline.inference.types import ModelRequest, SamplingParams
+from areal_pipeline.run_spec import load_config
 from areal_pipeline.utils import find_free_port
+from conftest import SESSION_TEMP
 from _http_helpers import serve_on_loopback
 
 CONTEXT = 1024
@@ -49,7 +51,9 @@ def perturbed_model(tiny_model, tmp_path_factory) -> Path:
 def _launch(model: Path, log_dir: Path, num_servers: int):
     cfg = InferenceConfig(num_servers=num_servers, num_threads=1, context_length=CONTEXT, max_batch_size=32,
                           setup_timeout=180)
-    return launch_servers(str(model), cfg, seed=1, log_dir=log_dir)
+    # the weights they load come from the session's temp folder (the perturbed model), as a run's from its own
+    run = load_config(None, [f"output_dir={SESSION_TEMP[0]}"])
+    return launch_servers(str(model), cfg, seed=1, log_dir=log_dir, experiment=run)
 
 
 @pytest.fixture(scope="session")

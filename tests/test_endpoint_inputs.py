@@ -299,8 +299,13 @@ def trainer(tiny_model_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("endpoint-inputs-trainer")
     cfg = load_config(None, [f"output_dir={run_dir}", "total_iterations=2"])
     process, client = launch_trainer(cfg, str(tiny_model_dir), run_dir)
+    client.output_dir = str(run_dir)  # where its commands' paths may lie (confined_paths.py)
     yield client
     process.stop()
+
+
+def trainer_run_dir(trainer) -> str:
+    return trainer.output_dir
 
 
 def post_command(address: str, data: bytes, headers: dict[str, str]) -> tuple[int, dict]:
@@ -323,8 +328,10 @@ def post_command(address: str, data: bytes, headers: dict[str, str]) -> tuple[in
     ({"cmd": "probe_logp", "input_ids": "1 2 3"}, 400, "'input_ids' must be a list of integers, got '1 2 3'"),
     ({"cmd": "probe_logp", "input_ids": [1]}, 400, "'input_ids' must be a list of at least 2 token ids"),
     ({"cmd": "save", "path": "/nowhere", "extra": [1]}, 400, "'extra' must be an object or null"),
-    ({"cmd": "compute_logp", "shard_dir": "/a", "out_path": "/b", "model": "critic"}, 400, "unknown model 'critic'"),
-    ({"cmd": "load", "path": "/nowhere/at/all"}, 404, "no checkpoint at /nowhere/at/all"),
+    ({"cmd": "compute_logp", "shard_dir": "{run}/a", "out_path": "{run}/b", "model": "critic"}, 400,
+     "unknown model 'critic'"),
+    ({"cmd": "load", "path": "{run}/nowhere/at/all"}, 404, "no checkpoint at {run}/nowhere/at/all"),
+    ({"cmd": "load", "path": "/nowhere/at/all"}, 403, "load's 'path' '/nowhere/at/all' is outside the allowed"),
     ({"cmd": "update_weights_distributed", "servers": ["127.0.0.1:1"], "master_address": "127.0.0.1",
       "master_port": 29500, "tp_sizes": [1, 1]}, 400, "'tp_sizes' must hold one size >= 1 per server"),
     ({"cmd": "update_weights_distributed", "servers": ["127.0.0.1:1"], "master_address": "127.0.0.1",
@@ -336,6 +343,9 @@ def post_command(address: str, data: bytes, headers: dict[str, str]) -> tuple[in
     ({"cmd": ["status"]}, 400, "unknown command '['status']'"),
 ])
 def test_trainer_refuses_bad_commands_as_permanent(trainer, command, status, fragment):
+    run = trainer_run_dir(trainer)
+    command = {k: v.replace("{run}", run) if isinstance(v, str) else v for k, v in command.items()}
+    fragment = fragment.replace("{run}", run)
     with pytest.raises(TrainerError, match=re.escape(fragment)) as refused:
         trainer.call(command["cmd"], **{k: v for k, v in command.items() if k != "cmd"})
     assert refused.value.status == status, str(refused.value)

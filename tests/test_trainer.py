@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,12 @@ def batches(tiny_model_dir, tmp_path_factory):
                        completion_lengths=(1, 12)) for k in range(4)]
 
 
+def config(tmp_path: Path, batches: list[Path], *overrides: str):
+    """The trainer's config for a test: its output_dir the test's own, and the module's batches (made once, outside
+    it) in a second directory the trainer may read, as trainer.weights_dir is (confined_paths.py)."""
+    return trainer_config(tmp_path, f"trainer.weights_dir={os.path.commonpath(batches)}", *overrides)
+
+
 def run_updates(cfg, model_dir, batch_dirs, first_iteration, out: Path, load=None, save_at=None, nproc=1):
     cfg.trainer.nproc = nproc
     process, client = launch_trainer(cfg, str(model_dir), out / f"logs-{nproc}")
@@ -55,7 +62,7 @@ def run_updates(cfg, model_dir, batch_dirs, first_iteration, out: Path, load=Non
 
 
 def test_two_ranks_give_the_same_update_as_one(tiny_model_dir, batches, tmp_path):
-    cfg = trainer_config(tmp_path, "ppo.ppo_n_minibatches=2")
+    cfg = config(tmp_path, batches, "ppo.ppo_n_minibatches=2")
     one = run_updates(cfg, tiny_model_dir, batches[:2], 1, tmp_path / "one", nproc=1)
     two = run_updates(cfg, tiny_model_dir, batches[:2], 1, tmp_path / "two", nproc=2)
     # The pre-clip gradient norm is what a weighting bug would change (Adam normalises a uniform scale away).
@@ -73,7 +80,7 @@ def test_two_ranks_give_the_same_update_as_one(tiny_model_dir, batches, tmp_path
 
 
 def test_resume_from_checkpoint_is_bitwise_exact(tiny_model_dir, batches, tmp_path):
-    cfg = trainer_config(tmp_path, "trainer.optimizer.lr_scheduler_type=cosine",
+    cfg = config(tmp_path, batches, "trainer.optimizer.lr_scheduler_type=cosine",
                          "trainer.optimizer.warmup_steps_proportion=0.25")
     straight = run_updates(cfg, tiny_model_dir, batches, 1, tmp_path / "straight", save_at=2)
     resumed = run_updates(cfg, tiny_model_dir, batches[2:], 3, tmp_path / "resumed",
@@ -90,7 +97,7 @@ def test_resume_from_checkpoint_is_bitwise_exact(tiny_model_dir, batches, tmp_pa
 
 
 def test_version_guard_and_command_errors(tiny_model_dir, batches, tmp_path, monkeypatch):
-    cfg = trainer_config(tmp_path)
+    cfg = config(tmp_path, batches)
     # and the profiler tables of chosen updates (AREAL_TRAINER_PROFILE), here iteration 1's only
     monkeypatch.setenv("AREAL_TRAINER_PROFILE", str(tmp_path / "profile"))
     monkeypatch.setenv("AREAL_TRAINER_PROFILE_ITERATIONS", "1,7")
@@ -130,7 +137,7 @@ def local_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:
 
 def test_weight_broadcast_from_disk_and_distributed(tiny_model_dir, batches, tmp_path):
     server = start_cpu_server(tiny_model_dir, tmp_path)
-    cfg = trainer_config(tmp_path)
+    cfg = config(tmp_path, batches)
     process, client = launch_trainer(cfg, str(tiny_model_dir), tmp_path / "logs")
     ids = list(range(60, 100))
     try:

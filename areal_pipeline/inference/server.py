@@ -22,7 +22,7 @@ import torch
 from aiohttp import web
 
 from areal_pipeline import __version__
-from areal_pipeline.auth import CredentialError, server_ssl_context, service_token
+from areal_pipeline.auth import CredentialError, authorized, server_ssl_context, service_token
 from areal_pipeline.http_json import (
     check_bool,
     check_int,
@@ -230,7 +230,14 @@ class InferenceServer:
     # ----- health and info -------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         """As SGLang's: 200 once a generation could run; while paused that waits for /continue_generation, and after
-        its timeout the answer is 503 (a client that restarts servers on it must not probe paused ones)."""
+        its timeout the answer is 503 (a client that restarts servers on it must not probe paused ones). Asked
+        without the credential (the bare liveness probe), a 503 says why to no one: a load error names paths."""
+        answer = await self._health()
+        if answer.status != 200 and not authorized(request.headers.get("Authorization"), self.token):
+            return error_response("the server is not ready", answer.status)
+        return answer
+
+    async def _health(self) -> web.Response:
         if (not_ready := self._require_ready()) is not None:
             return not_ready
         deadline = time.monotonic() + self.health_check_timeout

@@ -213,6 +213,12 @@ def connect_trainer(cfg: ExperimentConfig):
     from areal_pipeline.training.client import TrainerClient
 
     address, health = wait_for_trainer(cfg, cfg.trainer.setup_timeout)
+    if "settings" not in health:  # its bare liveness answer: this run's credential is not the trainer's
+        from areal_pipeline.auth import TOKEN_FILE_ENV
+
+        raise TrainerNodeError(f"the trainer at {address} refuses this run's credential: give the run the token its "
+                               f"nodes were started with ({TOKEN_FILE_ENV}, as `areal-pipeline cluster` prints it "
+                               "for the run), docs/security.md")
     differ = settings_mismatch(training_settings(cfg), health.get("settings") or {})
     if differ:
         raise TrainerNodeError(f"the trainer at {address} was started with other settings than this run's: "
