@@ -30,7 +30,7 @@ How each fault is judged:
   unchanged after a refused weight update, and a normal request answered afterwards.
 An unclear error is a failure whose last line (or reply) does not name the file, key or cause.
 
-The full sweep (43 faults) takes ~9 minutes on 2 busy cores, --quick ~1.5 (one kill, one corruption, a few bad
+The full sweep (50 faults) takes ~9 minutes on 2 busy cores, --quick ~1.5 (one kill, one corruption, a few bad
 values and requests). A run's logs are kept under the work directory when a fault does not survive (or --keep). Exit status 1 if data was lost or an error was unclear. The last line is one JSON object of the figures.
 """
 
@@ -451,7 +451,8 @@ class Sweep:
             port = find_free_port()
             self._inference = ServerProcess(
                 [sys.executable, "-m", "areal_pipeline.inference.server", "--model", str(self.model), "--host",
-                 "127.0.0.1", "--port", str(port), "--seed", "0"], f"127.0.0.1:{port}",
+                 "127.0.0.1", "--port", str(port), "--seed", "0", "--weights-root", str(self.work / "weights")],
+                f"127.0.0.1:{port}",
                 self.logs / "inference-server.log").start()
             self._inference.wait_healthy(180)
         return self._inference.address
@@ -474,6 +475,14 @@ class Sweep:
             if server is not None:
                 server.stop()
 
+    def link_out(self, name: str, target: Path) -> Path:
+        """A symlink inside the run's weights directory (`name/out`) pointing at `target`, outside it."""
+        link = self.work / "weights" / name / "out"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to(target)
+        return link
+
     def weights_dir(self, name: str, change: Callable[[dict], dict], cut: bool = False) -> Path:
         """A model directory whose weights are the tiny model's, changed by `change` (cut: file truncated)."""
         from safetensors.torch import load_file, save_file
@@ -488,10 +497,15 @@ class Sweep:
 
 # ----- hostile requests --------------------------------------------------------------------------------------
 def post(address: str, path: str, data: Optional[bytes], content_type: Optional[str] = "application/json",
-         timeout: float = 120) -> tuple[int, object]:
-    """(status, reply as JSON or text) of one request; an HTTP error is a reply, a broken connection status 0."""
+         timeout: float = 120, authorization: Optional[str] = None) -> tuple[int, object]:
+    """(status, reply as JSON or text) of one request; an HTTP error is a reply, a broken connection status 0.
+    `authorization`: the header sent instead of the run's credential ("": none)."""
     headers = {} if content_type is None else {"Content-Type": content_type}
     req = auth.request(address, path, data=data, headers=headers, method="GET" if data is None else "POST")
+    if authorization is not None:
+        req.remove_header("Authorization")
+        if authorization:
+            req.add_header("Authorization", authorization)
     try:
         with auth.opener().open(req, timeout=timeout) as resp:
             status, raw = resp.status, resp.read()
@@ -547,14 +561,16 @@ def normal_request(server: str, address: str) -> bool:
 
 
 def request_fault(server: str, path: str, body: Callable[["Sweep"], Optional[bytes]], expected: set[int],
-                  content_type: Optional[str] = "application/json", fragment: str = "") -> Callable[["Sweep"], Outcome]:
+                  content_type: Optional[str] = "application/json", fragment: str = "",
+                  authorization: Optional[str] = None) -> Callable[["Sweep"], Outcome]:
     """A request judged by its status (in `expected`), a message (containing `fragment`), the time to answer,
-    /health meanwhile and a normal request afterwards."""
+    /health meanwhile and a normal request afterwards. `authorization`: sent instead of the run's credential."""
     def inject(sweep: Sweep) -> Outcome:
         address = sweep.inference() if server == "inference" else sweep.retrieval()
         data = body(sweep)
         version = post(address, "/get_model_info", None)[1] if server == "inference" else None
-        status, reply, took, health = while_polling_health(address, lambda: post(address, path, data, content_type))
+        status, reply, took, health = while_polling_health(
+            address, lambda: post(address, path, data, content_type, authorization=authorization))
         slowest = max(health, default=math.inf)
         message = message_of(reply) if status != 200 else f"{len(reply) if isinstance(reply, dict) else 0} fields"
         still = normal_request(server, address)
@@ -632,12 +648,28 @@ def faults() -> list[Fault]:
         request("update weights holding NaN", "inference", "/update_weights_from_disk",
                 lambda s: json.dumps({"model_path": str(s.weights_dir("nan", nan_last))}).encode(), {400},
                 fragment="NaN"),
+        request("update weights from outside the run", "inference", "/update_weights_from_disk",
+                lambda s: json.dumps({"model_path": str(s.model)}).encode(), {403}, fragment="--weights-root"),
+        request("update weights through a symlink out of the run", "inference", "/update_weights_from_disk",
+                lambda s: json.dumps({"model_path": str(s.link_out("weights", s.model))}).encode(), {403}),
+        request("generate without the credential", "inference", "/generate", lambda s: json.dumps(
+            {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}).encode(), {401}, authorization="",
+                quick=True, fragment="credential"),
+        request("weights without the credential", "inference", "/get_weights_by_name",
+                lambda s: json.dumps({"name": "lm_head.weight"}).encode(), {401}, authorization="Bearer guess",
+                fragment="credential"),
+        request("update weights without the credential", "inference", "/update_weights_from_disk",
+                lambda s: json.dumps({"model_path": str(s.weights_dir("unasked", dict))}).encode(), {401},
+                authorization="", fragment="credential"),
         request("/get_server_info", "inference", "/get_server_info", lambda s: None, {200}),
         request("50,000 queries", "retrieval", "/retrieve",
                 lambda s: json.dumps({"queries": ["capital"] * 50_000, "topk": 3}).encode(), {413}, quick=True),
         request("2 MB body", "retrieval", "/retrieve",
                 lambda s: json.dumps({"queries": ["capital of " * 200_000]}).encode(), {413}),
         request("body not JSON", "retrieval", "/retrieve", lambda s: b'{"queries": ["capital"]', {415}),
+        request("retrieve with a wrong credential", "retrieval", "/retrieve",
+                lambda s: json.dumps({"queries": ["capital"]}).encode(), {401}, authorization="Basic x",
+                fragment="credential"),
         request("JSON nested 50,000 deep", "retrieval", "/retrieve", lambda s: nested(50_000), {400}),
         request("queries of the wrong type", "retrieval", "/retrieve",
                 lambda s: json.dumps({"queries": [["capital"]]}).encode(), {400}, fragment="queries"),
