@@ -9,7 +9,9 @@ probe. The token travels by environment or file, never on a command line, in a l
     AREAL_PIPELINE_TOKEN_FILE   a file holding it, readable by its owner alone (mode 0600)
     AREAL_PIPELINE_AUTH=off     no credential, for every process that has it (a laptop, nothing on a network)
 
-A run that starts its own services and is given no token makes one (`ensure_run_token`); its children inherit it.
+A run that starts its own services and is given no token uses its output directory's, `<output_dir>/.credentials/
+token`, made (0600) on first use (`ensure_run_token`): every command on the same output directory (a rerun, `serve`,
+a line's firings and its servers, `cluster`) then shares it, and the processes it starts inherit it.
 
 TLS: a service given a certificate and key serves HTTPS; a client given a CA bundle speaks HTTPS and checks
 the services' certificates against it.
@@ -69,17 +71,22 @@ def read_token_file(path: str | Path) -> str:
 
 def write_token_file(path: str | Path, token: Optional[str] = None) -> Path:
     """A new token (or `token`) in `path`, created 0600 (its folder 0700 where this makes it), never readable by
-    others even for an instant; an existing file is kept as it is."""
+    others even for an instant; an existing file is kept as it is (two commands making it at once agree on one:
+    the first link wins)."""
     path = Path(path)
-    if path.exists():
-        read_token_file(path)  # a file others may read is refused, not reused
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write((token or new_token()) + "\n")
-    os.replace(temporary, path)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write((token or new_token()) + "\n")
+        try:
+            os.link(temporary, path)  # never replaces a file another command made meanwhile
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(temporary)
+    read_token_file(path)  # a file others may read is refused, not used
     return path
 
 
@@ -112,14 +119,25 @@ def service_token(service: str) -> Optional[str]:
     return token
 
 
-def ensure_run_token() -> Optional[str]:
-    """For a run that starts services of its own: the token given, else a new one put in this process's
-    environment, which every service and client it starts inherits. None when auth is off."""
+def output_dir_token_file(output_dir: str | Path) -> Path:
+    """The token file of the runs of an output directory, where none is given."""
+    return Path(output_dir).expanduser().resolve() / ".credentials" / "token"
+
+
+def ensure_run_token(output_dir: Optional[str | Path] = None) -> Optional[str]:
+    """For a command that starts services of its own: the token given, else that of `output_dir` (made there if
+    it has none yet), else a new one; put in this process's environment, which every service and client it starts
+    inherits. None when auth is off."""
     if auth_disabled():
         return None
     token = run_token()
-    if token is None:
-        token = os.environ[TOKEN_ENV] = new_token()
+    if token is not None:
+        return token
+    if output_dir is not None:
+        path = write_token_file(output_dir_token_file(output_dir))
+        os.environ[TOKEN_FILE_ENV] = str(path)
+        return read_token_file(path)
+    token = os.environ[TOKEN_ENV] = new_token()
     return token
 
 

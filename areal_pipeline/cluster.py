@@ -73,7 +73,7 @@ def credential_env(cfg: ExperimentConfig) -> dict[str, str]:
     if given:
         auth.read_token_file(given)
         return {auth.TOKEN_FILE_ENV: str(Path(given).resolve()), **prefect}
-    path = Path(cfg.output_dir) / ".credentials" / "token"
+    path = auth.output_dir_token_file(cfg.output_dir)
     auth.write_token_file(path, os.environ.get(auth.TOKEN_ENV, "").strip() or None)
     return {auth.TOKEN_FILE_ENV: str(path), **prefect}
 

@@ -51,8 +51,9 @@ class Services:
     def __init__(self, cfg: ExperimentConfig, model_path: str, log_dir: Path, *,
                  tools: Optional[tuple[str, ...]] = None):
         self.cfg = cfg
-        # the services it starts demand the run's token, and its clients send it: one is made if none is given
-        auth.ensure_run_token()
+        # the services it starts demand the run's token, and its clients send it: the output directory's if none
+        # is given (auth.py)
+        auth.ensure_run_token(cfg.output_dir)
         self.required_tools = tools  # the workflow's (RunSpec.tools); None: looked up from cfg when needed
         self.model_path = model_path
         self.log_dir = log_dir

@@ -10,6 +10,7 @@ import copy
 import os
 from typing import Optional
 
+from areal_pipeline import auth
 from areal_pipeline.processes import ServerProcess
 from areal_pipeline.recurring.line import Line
 from areal_pipeline.run_dir import write_json
@@ -29,6 +30,7 @@ class LineServers:
         from areal_pipeline.run_spec import load_config
 
         cfg = load_config(config_path, overrides)
+        auth.ensure_run_token(cfg.output_dir)  # the output directory's: the line's firings, in other processes too
         line = Line(cfg)
         serve = cfg.recurring.serve
         if serve.num_servers == 0:

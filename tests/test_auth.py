@@ -381,6 +381,27 @@ def test_the_token_from_the_environment_or_its_file(tmp_path, monkeypatch):
     assert auth.run_token() == "from-the-env"
 
 
+def test_commands_on_one_output_directory_share_its_token_made_once(tmp_path, monkeypatch):
+    for name in CREDENTIAL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    made = auth.ensure_run_token(tmp_path / "runs")  # no token given: the output directory's, made on first use
+    path = tmp_path / "runs" / ".credentials" / "token"
+    assert os.environ[auth.TOKEN_FILE_ENV] == str(path) and auth.read_token_file(path) == made and len(made) >= 32
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    monkeypatch.delenv(auth.TOKEN_FILE_ENV)  # another command (a rerun, `recurring fire`) on the same directory
+    assert auth.ensure_run_token(tmp_path / "runs") == made
+    assert not [p for p in path.parent.iterdir() if p != path]  # no temporary file left beside it
+    monkeypatch.delenv(auth.TOKEN_FILE_ENV)
+    monkeypatch.setenv(auth.TOKEN_ENV, "given")  # a token given wins, and no file is made for it
+    assert auth.ensure_run_token(tmp_path / "elsewhere") == "given" and not (tmp_path / "elsewhere").exists()
+    monkeypatch.delenv(auth.TOKEN_ENV)
+    path.chmod(0o640)
+    with pytest.raises(auth.CredentialError, match="chmod 600"):
+        auth.ensure_run_token(tmp_path / "runs")
+    monkeypatch.setenv(auth.AUTH_ENV, "off")
+    assert auth.ensure_run_token(tmp_path / "off") is None and not (tmp_path / "off").exists()
+
+
 @pytest.mark.parametrize("header, token, expected", [
     ("Bearer tok-123", "tok-123", True),
     ("bearer tok-123", "tok-123", True),

@@ -123,6 +123,8 @@ for url, method, header in json.loads(sys.argv[2]):
             statuses.append(reply.status)
     except urllib.error.HTTPError as e:
         statuses.append(e.code)
+    except OSError:  # not listening (yet)
+        statuses.append(0)
 print(json.dumps(statuses))
 """
 
@@ -134,13 +136,17 @@ def statuses_from(hosts: SimulatedHosts, host: str, env: dict, asks: list[tuple[
     return json.loads(done.stdout)
 
 
-def refused_without_the_token(hosts: SimulatedHosts, env: dict, token: str, url: str, routes: list[tuple]) -> None:
+def refused_without_the_token(hosts: SimulatedHosts, env: dict, token: str, url: str, routes: list[tuple],
+                              admitted: tuple[str, str, int]) -> None:
     """Each (method, path) of the service at `url`, asked from the head: 401 without the token, with a wrong one
-    and with another scheme; its bare liveness probe answers."""
+    and with another scheme; its bare liveness probe answers; with the token, `admitted` (method, path) gets past
+    the credential to its status (a body of {} may be a 400: the route's own answer)."""
     asks = [(url + path, method, header) for method, path in routes
             for header in ("", f"Bearer {token[:-1]}x", f"Basic {token}", "Bearer ")]
     assert statuses_from(hosts, "head", env, asks) == [401] * len(asks), asks
-    assert statuses_from(hosts, "head", env, [(url + "/health", "GET", "")]) == [200]
+    method, path, status = admitted
+    assert statuses_from(hosts, "head", env, [(url + "/health", "GET", ""),
+                                              (url + path, method, f"Bearer {token}")]) == [200, status]
 
 
 @pytest.mark.timeout(1500)
@@ -181,9 +187,22 @@ def test_a_run_across_four_hosts_learns_and_survives_a_lost_trainer_node(model_c
         refused_without_the_token(hosts, env, token, "https://gen:30000", [
             ("POST", "/generate"), ("POST", "/update_weights_from_disk"), ("GET", "/get_weights_by_name"),
             ("POST", "/init_weights_update_group"), ("POST", "/pause_generation"), ("POST", "/v1/chat/completions"),
-            ("GET", "/v1/models"), ("GET", "/model_info")])
+            ("GET", "/v1/models"), ("GET", "/model_info")], admitted=("GET", "/v1/models", 200))
         refused_without_the_token(hosts, env, token, f"https://{announced['address']}",
-                                  [("POST", "/command"), ("GET", "/status")])
+                                  [("POST", "/command"), ("GET", "/status")], admitted=("POST", "/command", 400))
+        # and a retrieval server on gen, started as a cluster starts one, with the run's token file
+        from areal_pipeline.data.knowledge_base import knowledge_base
+
+        corpus = shared / "corpus.jsonl"
+        corpus.write_text("".join(json.dumps(row) + "\n" for row in knowledge_base().corpus))
+        start(hosts, "gen", {"argv": [CLI, "retrieval-server", "--corpus", str(corpus), "--host", "gen", "--port",
+                                      "8000", "--index-dir", str(shared / "indexes")],
+                             "env": {"AREAL_PIPELINE_TOKEN_FILE": str(shared / ".credentials" / "token")}},
+              env, logs / "retrieval.log")
+        wait_for(lambda: statuses_from(hosts, "head", env, [("https://gen:8000/health", "GET", "")]) == [200]
+                 if "retrieval server on" in tail(logs / "retrieval.log") else None, 120, "the retrieval server")
+        refused_without_the_token(hosts, env, token, "https://gen:8000", [("POST", "/retrieve")],
+                                  admitted=("POST", "/retrieve", 400))
         for log in logs.glob("*.log"):
             assert token not in log.read_text(errors="replace"), log
         hosts.kill_host("train-a"), hosts.kill_host("train-b")  # the scheduler ends the job's trainer steps

@@ -33,7 +33,7 @@ def start_judge_server(cfg: Any, log_dir: Path, address: Optional[str] = None):
     server_cfg = InferenceConfig(backend="cpu", num_servers=1, host=cfg.inference.host, device="cpu",
                                  num_threads=1, max_batch_size=cfg.judge.max_concurrency,
                                  setup_timeout=cfg.inference.setup_timeout, context_length=cfg.judge.context_length)
-    auth.ensure_run_token()  # `areal-pipeline rescore` starts it outside a run's services: the server needs one
+    auth.ensure_run_token(cfg.output_dir)  # `areal-pipeline rescore` starts it outside a run's services: the server needs one
     port = int(address.rsplit(":", 1)[1]) if address else find_free_port(server_cfg.host)
     command = build_cpu_server_command(cfg.judge.model_path, server_cfg.host, port, server_cfg, cfg.seed)
     server = ServerProcess(command, f"{server_cfg.host}:{port}", Path(log_dir) / "judge-server.log",
