@@ -62,7 +62,7 @@ def credential_env(cfg: ExperimentConfig) -> dict[str, str]:
     `<output_dir>/.credentials/token`, on the shared path every host reads: one for the runs of an output
     directory, which may share servers (a line's firings do). Only the file's path travels: a launch's environment
     is printed, and passed as a worker flow run's parameters. With auth off, that it is off."""
-    from areal_pipeline.prefect_server import AUTH_FILE_ENV as PREFECT_AUTH_FILE_ENV
+    from areal_pipeline.prefect_auth import AUTH_FILE_ENV as PREFECT_AUTH_FILE_ENV
 
     # the Prefect API's basic-auth string, by its file alone (prefect_server.py)
     prefect = {name: str(Path(os.environ[name]).resolve()) for name in (PREFECT_AUTH_FILE_ENV,)

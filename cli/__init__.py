@@ -256,7 +256,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from areal_pipeline import shutdown
 
     args = build_parser().parse_args(argv)
-    from areal_pipeline.prefect_server import PrefectAuthError, apply_prefect_auth_file
+    from areal_pipeline.prefect_auth import PrefectAuthError, apply_prefect_auth_file
 
     try:  # before anything reads Prefect's settings: this process and every one it starts send the string
         apply_prefect_auth_file()

@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator, Optional
 
-from areal_pipeline.prefect_server import SERVER_AUTH_ENV, PrefectAuthError, unauthorized_message
+from areal_pipeline.prefect_auth import SERVER_AUTH_ENV, PrefectAuthError, unauthorized_message
 from areal_pipeline.utils import PARENT_PID_ENV, exit_when_parent_dies, find_free_port, get_logger
 
 logger = get_logger(__name__)

@@ -20,9 +20,9 @@ import psutil
 import pytest
 
 from _prefect_server import SERVER_ENV, client_env, drain_prefect_workers
-from areal_pipeline.prefect_server import (AUTH_FILE_ENV, CLIENT_AUTH_ENV, SERVER_AUTH_ENV, SERVER_DEFAULTS,
-                                          LocalPrefectServer, PrefectAuthError, PrefectServerError, api_answers,
-                                          apply_prefect_auth_file, postgres_binaries)
+from areal_pipeline.prefect_auth import (AUTH_FILE_ENV, CLIENT_AUTH_ENV, SERVER_AUTH_ENV, PrefectAuthError,
+                                        PrefectServerError, api_answers, apply_prefect_auth_file)
+from areal_pipeline.prefect_server import SERVER_DEFAULTS, LocalPrefectServer, postgres_binaries
 from areal_pipeline.utils import find_free_port
 
 
@@ -146,7 +146,7 @@ def test_the_auth_string_reaches_the_server_by_environment_alone(auth_server):
 
 FLOW = textwrap.dedent("""
     import sys
-    from areal_pipeline.prefect_server import apply_prefect_auth_file
+    from areal_pipeline.prefect_auth import apply_prefect_auth_file
     apply_prefect_auth_file()  # before Prefect reads its settings, as the command line does
     from prefect import flow, get_client
 
