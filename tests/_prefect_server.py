@@ -100,3 +100,42 @@ def stop_group(process: subprocess.Popen, timeout: float = 30) -> None:
 def client_env(api_url: str, home: Path) -> dict[str, str]:
     """The environment of a command run against the server (CLI, worker, a train run)."""
     return {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_HOME": str(home)}
+
+
+def no_postgres() -> str:
+    """Why the project's standing server cannot run here ("" where it can)."""
+    from areal_pipeline.prefect_server import PrefectServerError, postgres_binaries
+
+    try:
+        postgres_binaries()
+    except PrefectServerError as e:
+        return str(e)
+    return ""
+
+
+@contextlib.contextmanager
+def standing_postgres_server(cli, directory: Path, env: dict, *start_args: str) -> Iterator[tuple[str, str]]:
+    """`areal-pipeline prefect-server start` (PostgreSQL and a Prefect server) in `directory`, run by `cli(*args,
+    env=)` (its stdout; it fails the test on a non-zero exit), with `start_args`: (the API's URL, what `start`
+    printed). At the end `prefect-server stop`, checked to have stopped both, and whatever a failed test left
+    running is stopped."""
+    import psutil
+
+    from areal_pipeline.prefect_server import LocalPrefectServer
+
+    port, pg_port = find_free_port(), find_free_port()
+    try:
+        out = cli("prefect-server", "start", "--dir", str(directory), "--port", str(port), "--pg-port", str(pg_port),
+                  *start_args, env=env)
+        yield f"http://127.0.0.1:{port}/api", out
+        if "prefect" in sys.modules:
+            drain_prefect_workers()  # what this process sent there, before the server goes
+        out = cli("prefect-server", "stop", "--dir", str(directory), env=env)
+        assert "Prefect server" in out and "PostgreSQL stopped" in out, out
+        assert "stopped" in cli("prefect-server", "status", "--dir", str(directory), env=env)
+    finally:
+        server = LocalPrefectServer(directory)
+        pid = server.server_pid()
+        server.stop()
+        assert pid is None or not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert not (directory / "postgres" / "data" / "postmaster.pid").exists()

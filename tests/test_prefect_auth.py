@@ -19,22 +19,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from _prefect_server import SERVER_ENV, client_env, drain_prefect_workers
+from _prefect_server import SERVER_ENV, client_env, no_postgres, standing_postgres_server
 from areal_pipeline.prefect_auth import (AUTH_FILE_ENV, CLIENT_AUTH_ENV, SERVER_AUTH_ENV, PrefectAuthError,
-                                        PrefectServerError, api_answers, apply_prefect_auth_file)
-from areal_pipeline.prefect_server import SERVER_DEFAULTS, LocalPrefectServer, postgres_binaries
+                                        api_answers, apply_prefect_auth_file)
+from areal_pipeline.prefect_server import SERVER_DEFAULTS, LocalPrefectServer
 from areal_pipeline.utils import find_free_port
 
 
-def _no_postgres() -> str:
-    try:
-        postgres_binaries()
-    except PrefectServerError as e:
-        return str(e)
-    return ""
 
-
-pytestmark = [pytest.mark.skipif(bool(_no_postgres()), reason=f"no PostgreSQL here: {_no_postgres()}"),
+pytestmark = [pytest.mark.skipif(bool(no_postgres()), reason=f"no PostgreSQL here: {no_postgres()}"),
               pytest.mark.timeout(300)]  # the first test's includes the server's start (initdb, Prefect's tables)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,26 +76,14 @@ def auth_server():
     directory = top / "server"
     auth_file = _write_secret(top / "prefect-auth", AUTH)
     env = _server_env()
-    port, pg_port = find_free_port(), find_free_port()
     try:
         started = time.monotonic()
-        out = _ok("prefect-server", "start", "--dir", str(directory), "--port", str(port), "--pg-port", str(pg_port),
-                  "--auth-file", str(auth_file), env=env)
-        print(f"prefect-server start with auth: {time.monotonic() - started:.1f} s")
-        url = f"http://127.0.0.1:{port}/api"
-        assert out.strip().splitlines()[-2:] == [f"export PREFECT_API_URL={url}",
-                                                 f"export {AUTH_FILE_ENV}={auth_file}"], out
-        yield {"url": url, "dir": directory, "env": env, "auth_file": auth_file, "top": top, "start_output": out}
-        if "prefect" in sys.modules:
-            drain_prefect_workers()  # what this process sent there, before the server goes
-        out = _ok("prefect-server", "stop", "--dir", str(directory), env=env)
-        assert "Prefect server" in out and "PostgreSQL stopped" in out, out
-        assert "stopped" in _ok("prefect-server", "status", "--dir", str(directory), env=env)
+        with standing_postgres_server(_ok, directory, env, "--auth-file", str(auth_file)) as (url, out):
+            print(f"prefect-server start with auth: {time.monotonic() - started:.1f} s")
+            assert out.strip().splitlines()[-2:] == [f"export PREFECT_API_URL={url}",
+                                                     f"export {AUTH_FILE_ENV}={auth_file}"], out
+            yield {"url": url, "dir": directory, "env": env, "auth_file": auth_file, "top": top, "start_output": out}
     finally:
-        server = LocalPrefectServer(directory)
-        pid = server.server_pid()
-        server.stop()  # whatever a failed test left running
-        assert pid is None or not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         shutil.rmtree(top, ignore_errors=True)
 
 

@@ -19,25 +19,16 @@ import psutil
 import pytest
 import yaml
 
-from _prefect_server import SERVER_ENV, client_env, drain_prefect_workers
-from areal_pipeline.prefect_server import (SERVER_DEFAULTS, LocalPrefectServer, PrefectServerError, postgres_binaries,
-                                          server_env)
-from areal_pipeline.utils import find_free_port
+from _prefect_server import SERVER_ENV, client_env, no_postgres, standing_postgres_server
+from areal_pipeline.prefect_server import SERVER_DEFAULTS, LocalPrefectServer, server_env
 from flows.artifacts import artifact_key
 from areal_pipeline.forkserver import processes_of
 from test_flows import (REPO, cli, fast_overrides, stop_serve, wait_for_deployment,
                         wait_until)
 
 
-def _no_postgres() -> str:
-    try:
-        postgres_binaries()
-    except PrefectServerError as e:
-        return str(e)
-    return ""
 
-
-pytestmark = pytest.mark.skipif(bool(_no_postgres()), reason=f"no PostgreSQL here: {_no_postgres()}")
+pytestmark = pytest.mark.skipif(bool(no_postgres()), reason=f"no PostgreSQL here: {no_postgres()}")
 
 AREAL = str(Path(sys.executable).parent / "areal-pipeline")
 ITERATIONS = 2
@@ -61,23 +52,11 @@ def pg_server():
     env = {k: v for k, v in os.environ.items()
            if k not in SERVER_DEFAULTS and k not in ("PREFECT_API_URL", "PREFECT_UI_API_URL", "PREFECT_SERVER_UI_API_URL")}
     env.update(SERVER_ENV)
-    port, pg_port = find_free_port(), find_free_port()
     try:
-        out = _command("prefect-server", "start", "--dir", str(directory), "--port", str(port), "--pg-port",
-                       str(pg_port), env=env)
-        url = f"http://127.0.0.1:{port}/api"
-        assert out.strip().splitlines()[-1] == f"export PREFECT_API_URL={url}", out
-        yield url, directory, env
-        drain_prefect_workers()  # what this process sent there, before the server goes
-        out = _command("prefect-server", "stop", "--dir", str(directory), env=env)
-        assert "Prefect server" in out and "PostgreSQL stopped" in out, out
-        assert "stopped" in _command("prefect-server", "status", "--dir", str(directory), env=env)
+        with standing_postgres_server(_command, directory, env) as (url, out):
+            assert out.strip().splitlines()[-1] == f"export PREFECT_API_URL={url}", out
+            yield url, directory, env
     finally:
-        server = LocalPrefectServer(directory)
-        pid = server.server_pid()
-        server.stop()  # whatever a failed test left running
-        assert pid is None or not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        assert not (directory / "postgres" / "data" / "postmaster.pid").exists()
         shutil.rmtree(top, ignore_errors=True)
 
 
