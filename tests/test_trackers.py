@@ -219,6 +219,87 @@ def test_wandb_and_mlflow_get_every_iteration_the_config_and_the_prefect_link_ac
     assert not [p for p in psutil.Process().children(recursive=True) if p.name().startswith("wandb")]
 
 
+def wandb_exit_code(wandb_dir: Path, wandb_id: str) -> int:
+    """The exit code W&B recorded when the (last) offline run of `wandb_id` finished."""
+    (path, *_) = sorted((wandb_dir / "wandb").glob(f"offline-run-*-{wandb_id}*/run-{wandb_id}.wandb"), reverse=True)
+    exits = [record.exit for record in wandb_records(path) if record.WhichOneof("record_type") == "exit"]
+    assert len(exits) == 1, path
+    return exits[0].exit_code
+
+
+def test_a_failed_run_ends_its_tracker_runs_as_failed_with_what_it_logged(prefect_api, tiny_model_dir, tmp_path,
+                                                                          mlflow_server, monkeypatch):
+    """Iteration 2's update refused for good (a 4xx: not retried): the train flow fails, and the trackers' runs end
+    FAILED (MLflow) and with exit code 1 (W&B), holding iteration 1 and nothing of iteration 2."""
+    from mlflow import MlflowClient
+
+    from areal_pipeline.trackers.mlflow_run import RUN_ID_TAG
+    from areal_pipeline.trackers.wandb_run import wandb_run_id
+    from areal_pipeline.training.client import TrainerClient, TrainerError
+
+    wandb_dir = tmp_path / "wandb-files"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+    real_call = TrainerClient.call
+
+    def call(self, cmd, *args, **kwargs):
+        if cmd == "train" and kwargs.get("iteration") == 2:
+            raise TrainerError("refused for this test", "bad_arguments", 400)
+        return real_call(self, cmd, *args, **kwargs)
+
+    monkeypatch.setattr(TrainerClient, "call", call)
+    with pytest.raises(TrainerError, match="refused for this test"):
+        _train(tmp_path, tiny_model_dir, "fails", 3, "trackers.wandb.enabled=true", "trackers.wandb.mode=offline",
+               "trackers.mlflow.enabled=true", f"trackers.mlflow.tracking_uri={mlflow_server}",
+               "trackers.mlflow.experiment=tracker-failures")
+    records = [json.loads(line) for line in (tmp_path / "fails" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1]
+
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("tracker-failures")
+    (found,) = client.search_runs([experiment.experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = 'fails'")
+    assert found.info.status == "FAILED" and found.info.end_time is not None
+    history = client.get_metric_history(found.info.run_id, "reward_mean")
+    assert [(m.step, m.value) for m in history] == [(1, pytest.approx(records[0]["reward_mean"]))]
+
+    wandb_id = wandb_run_id("fails", tmp_path / "fails")
+    steps = [row["_step"] for row in wandb_offline_run(wandb_dir, wandb_id)[0]]
+    assert 1 in steps and 2 not in steps
+    assert wandb_exit_code(wandb_dir, wandb_id) == 1
+
+
+def test_a_cancelled_run_ends_as_killed_in_mlflow_and_with_w_b_s_cancel_code(tmp_path, mlflow_server, monkeypatch):
+    """The end a cancelled train flow gives its trackers (flows/train.py: `tracking.finish(run, "cancelled")`), on
+    the real MLflow server and an offline W&B run; a failed run's end is the test above."""
+    from mlflow import MlflowClient
+
+    from areal_pipeline.run_spec import load_config
+    from areal_pipeline.trackers import Trackers
+    from areal_pipeline.trackers.mlflow_run import RUN_ID_TAG
+    from areal_pipeline.trackers.wandb_run import wandb_run_id
+
+    wandb_dir = tmp_path / "wandb-files"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+    cfg = load_config(REPO / "configs/tiny_cpu.yaml", [
+        f"output_dir={tmp_path}", "run_id=stopped", "trackers.wandb.enabled=true", "trackers.wandb.mode=offline",
+        "trackers.mlflow.enabled=true", f"trackers.mlflow.tracking_uri={mlflow_server}",
+        "trackers.mlflow.experiment=tracker-cancelled"])
+    run_dir = tmp_path / "stopped"
+    run_dir.mkdir()
+    trackers = Trackers.of(cfg)
+    trackers.start("stopped", {"run_id": "stopped"}, {})
+    trackers.log({"iteration": 1, "reward_mean": 0.25})
+    trackers.finish("cancelled")
+
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("tracker-cancelled")
+    (found,) = client.search_runs([experiment.experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = 'stopped'")
+    assert found.info.status == "KILLED"
+    assert [(m.step, m.value) for m in client.get_metric_history(found.info.run_id, "reward_mean")] == [(1, 0.25)]
+    assert wandb_exit_code(wandb_dir, wandb_run_id("stopped", run_dir)) == 255
+
+
 def test_a_tracking_server_that_is_down_is_warned_about_and_the_run_completes(prefect_api, tiny_model_dir, tmp_path,
                                                                                caplog):
     with socket.socket() as listening:  # takes connections into its backlog, never answers: a hung server
