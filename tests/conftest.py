@@ -77,12 +77,12 @@ def session_temp(tmp_path_factory) -> Path:
 
 
 def start_cpu_server(model_dir: Path, log_dir: Path, *extra: str, deterministic: bool = True,
-                     port: int = 0) -> ServerProcess:
+                     port: int = 0, session_root: bool = True) -> ServerProcess:
     """`deterministic`: honour sampling_seed, as the project's launcher starts it (SGLang's flag); `port`: this one
     (0: a free one). It loads weights from disk under the session's temp folder (every test's tmp_path) unless
-    `extra` names its own --weights-root."""
+    `extra` names its own --weights-root, or `session_root` is False."""
     port = port or find_free_port()
-    roots = [] if "--weights-root" in extra else ["--weights-root", str(SESSION_TEMP[0])]
+    roots = [] if "--weights-root" in extra or not session_root else ["--weights-root", str(SESSION_TEMP[0])]
     command = [sys.executable, "-m", "areal_pipeline.inference.server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *roots, *extra,
                *(["--enable-deterministic-inference"] if deterministic else [])]

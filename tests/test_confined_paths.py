@@ -170,11 +170,15 @@ def test_the_server_loads_only_inside_its_roots(roots):
     assert status == 200 and reply["success"] and weight_version(address) == "1", reply
 
 
-def test_a_server_without_roots_loads_nothing_from_disk(cpu_server, tiny_model_dir):
-    before = weight_version(cpu_server)
-    status, reply = http(cpu_server, "/update_weights_from_disk", {"model_path": str(tiny_model_dir)})
-    assert status == 403 and reply["success"] is False and "--weights-root DIR" in reply["message"], reply
-    assert str(tiny_model_dir) in reply["message"] and weight_version(cpu_server) == before
+def test_a_server_without_roots_loads_nothing_from_disk(tiny_model_dir, tmp_path):
+    server = start_cpu_server(tiny_model_dir, tmp_path, session_root=False)
+    try:
+        before = weight_version(server.address)
+        status, reply = http(server.address, "/update_weights_from_disk", {"model_path": str(tiny_model_dir)})
+        assert status == 403 and reply["success"] is False and "--weights-root DIR" in reply["message"], reply
+        assert str(tiny_model_dir) in reply["message"] and weight_version(server.address) == before
+    finally:
+        server.stop()
 
 
 def join(address: str, master: str = "127.0.0.1", group: str = GROUP, port: int = 0):

@@ -100,7 +100,8 @@ def trained_run(tiny_model_dir, tmp_path_factory):
             pipeline.start()
             pipeline.run_iterations(1, 3)
             assert pipeline.paths.saved_checkpoints() == [2]
-            run = Run(pipeline, root / "reference", root / "backup")
+            # beside the run, in its output_dir: where the trainer may write (confined_paths.py)
+            run = Run(pipeline, root / "out" / "reference", root / "out" / "backup")
             run.trainer.call("save_weights", path=str(run.reference))
             for name in ("iter_1", "iter_2", "iter_3", "checkpoints"):
                 shutil.copytree(cfg.run_dir / name, run.backup / name)
@@ -129,11 +130,13 @@ def test_a_checkpoint_lists_every_file_in_its_manifest_and_loads_when_intact(run
     assert run.trainer.call("load", path=str(checkpoint))["version"] == 2
 
 
-def test_a_corrupt_checkpoint_is_refused_by_the_trainer_naming_the_file(run, tmp_path):
+def test_a_corrupt_checkpoint_is_refused_by_the_trainer_naming_the_file(run):
     run.trainer.call("reinitialize")
+    copies = run.backup.parent / "corrupt-copies"  # in the run's output_dir: where the trainer may read
+    copies.mkdir(exist_ok=True)
 
     def refused(corrupt, expected: str) -> None:
-        copy = tmp_path / f"copy-{len(list(tmp_path.iterdir()))}"
+        copy = copies / f"copy-{len(list(copies.iterdir()))}"
         shutil.copytree(run.paths.checkpoint(2), copy)
         corrupt(copy)
         with pytest.raises(TrainerError, match=expected) as error:

@@ -297,13 +297,15 @@ def test_a_prefect_worker_on_each_host_runs_its_part(tiny_model_dir, tmp_path, r
         token_file = shared / ".credentials" / "token"
         assert f"then, on the head: AREAL_PIPELINE_TOKEN_FILE={token_file} " in submitted.stdout, submitted.stdout
 
-        # the run without the parts' token is refused by the trainer, and says so (then, given it, it trains)
-        intruder = hosts.run("head", [CLI, "train", *config], timeout=600, env=env, cwd=REPO,
-                             capture_output=True, text=True)
+        # a run with another token is refused by the trainer, and says so (then, given the parts', it trains)
+        intruder = hosts.run("head", [CLI, "train", *config], timeout=600, env={**env, "AREAL_PIPELINE_TOKEN": "x"},
+                             cwd=REPO, capture_output=True, text=True)
         assert intruder.returncode != 0 and "refuses this run's credential" in intruder.stdout + intruder.stderr, (
             intruder.stdout[-3000:] + intruder.stderr[-3000:])
         trained = hosts.run("head", [CLI, "train", *config], timeout=600, cwd=REPO, capture_output=True, text=True,
                             env={**env, "AREAL_PIPELINE_TOKEN_FILE": str(token_file)})
+        # the output directory's token, which `cluster` made, is the one a run there finds by itself
+        assert token_file == shared / ".credentials" / "token"
         assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:] + "".join(
             tail(logs / f"worker-{h}.log", 1500) for h in workers)
         assert len((shared / "pooled" / "metrics.jsonl").read_text().splitlines()) == 3

@@ -350,8 +350,8 @@ def test_a_line_publishes_its_champion_to_vllm_without_dropping_requests(server,
     flight (none fails) and checked with the probe; a champion whose probe does not match is refused and the
     previous weights are given back."""
     import threading
-    import urllib.request
 
+    from areal_pipeline import auth
     from areal_pipeline.recurring.publish import PublishError, publish
 
     cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [HEADS, *VLLM_OVERRIDES, "recurring.serve.backend=vllm"])
