@@ -451,3 +451,40 @@ def test_the_token_is_in_no_log_and_on_no_command_line(cpu_server, retrieval, tr
         except (FileNotFoundError, ProcessLookupError):  # ended since
             continue
         assert TOKEN.encode() not in cmdline, cmdline
+
+
+# ----- SGLang's own check, from its wheels: the header the clients send passes it where the project needs it to ---
+@pytest.mark.parametrize("version", ["0.5.10.post1", "0.5.23"])
+def test_sglang_s_own_key_check_takes_the_clients_header_on_every_route_the_pipeline_calls(version, monkeypatch):
+    """SGLang is launched with the run's token as its --api-key (areal_pipeline/with_token.py); its middleware's
+    decision, run as SGLang wrote it, admits what the project's clients send on the routes they call (the weight
+    routes are SGLang's admin-optional ones: the api key opens them while no admin key is set), and refuses
+    what a caller without the token sends. Its health probes are open, as the project's /health is."""
+    import dataclasses
+    import enum
+    import secrets
+    import typing
+
+    from _sglang_reference import definitions, source
+
+    found = definitions(source(version, "sglang/srt/utils/auth.py"), ["AuthLevel", "decide_request_auth"],
+                        {"dataclass": dataclasses.dataclass, "Enum": enum.Enum, "Optional": typing.Optional,
+                         "Any": typing.Any, "secrets": secrets})
+    level, decide = found["AuthLevel"], found["decide_request_auth"]
+    monkeypatch.delenv(auth.TOKEN_FILE_ENV, raising=False)
+    monkeypatch.setenv(auth.TOKEN_ENV, "the-run-token")
+    sent = auth.auth_headers()["Authorization"]
+
+    def allowed(path: str, header, route_level) -> bool:
+        return decide(method="POST", path=path, authorization_header=header, api_key="the-run-token",
+                      admin_api_key=None, auth_level=route_level).allowed
+
+    routes = [("/generate", level.NORMAL), ("/model_info", level.NORMAL), ("/pause_generation", level.NORMAL),
+              ("/v1/chat/completions", level.NORMAL), ("/update_weights_from_disk", level.ADMIN_OPTIONAL),
+              ("/init_weights_update_group", level.ADMIN_OPTIONAL), ("/flush_cache", level.ADMIN_OPTIONAL),
+              ("/update_weights_from_distributed", level.ADMIN_OPTIONAL)]
+    for path, route_level in routes:
+        assert allowed(path, sent, route_level), (version, path)
+        for header in (None, "", "Bearer the-run-tokeN", "Basic the-run-token", "the-run-token"):
+            assert not allowed(path, header, route_level), (version, path, header)
+    assert allowed("/health", None, level.NORMAL) and allowed("/health_generate", None, level.NORMAL)
