@@ -117,7 +117,8 @@ opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.req
 statuses = []
 for url, method, header in json.loads(sys.argv[2]):
     request = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None,
-                                     headers={"Authorization": header} if header else {})
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": header} if header else {})})
     try:
         with opener.open(request, timeout=30) as reply:
             statuses.append(reply.status)

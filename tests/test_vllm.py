@@ -363,10 +363,10 @@ def test_a_line_publishes_its_champion_to_vllm_without_dropping_requests(server,
         body = json.dumps({"model": "default", "prompt": "What is 3+4?", "max_tokens": 32, "temperature": 1.0,
                            "ignore_eos": True}).encode()
         while not stop.is_set():
-            request = urllib.request.Request(f"http://{server}/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
+            # vLLM demands the run's key (VLLM_API_KEY, given by areal_pipeline.with_token) on /v1
+            request = auth.request(server, "/v1/completions", data=body, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=120) as reply:
+                with auth.opener().open(request, timeout=120) as reply:
                     replies.append((reply.status, json.loads(reply.read())["choices"][0]["finish_reason"]))
             except Exception as error:  # recorded: the assertion below names it
                 replies.append((None, repr(error)))
