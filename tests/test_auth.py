@@ -382,8 +382,9 @@ def test_the_token_from_the_environment_or_its_file(tmp_path, monkeypatch):
 
 
 def test_commands_on_one_output_directory_share_its_token_made_once(tmp_path, monkeypatch):
-    for name in CREDENTIAL_ENV:
-        monkeypatch.delenv(name, raising=False)
+    for name in CREDENTIAL_ENV:  # recorded as they were, then cleared: ensure_run_token sets one itself
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     made = auth.ensure_run_token(tmp_path / "runs")  # no token given: the output directory's, made on first use
     path = tmp_path / "runs" / ".credentials" / "token"
     assert os.environ[auth.TOKEN_FILE_ENV] == str(path) and auth.read_token_file(path) == made and len(made) >= 32
