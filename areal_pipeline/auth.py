@@ -24,6 +24,7 @@ This module is the clients' and the services' shared half and imports nothing bu
 
 from __future__ import annotations
 
+import functools
 import hmac
 import os
 import urllib.request
@@ -102,7 +103,23 @@ def run_token() -> Optional[str]:
     if token:
         return token
     path = os.environ.get(TOKEN_FILE_ENV, "").strip()
-    return read_token_file(path) if path else None
+    return _file_token(path) if path else None
+
+
+_read_tokens: dict[str, tuple[tuple[int, int, int], str]] = {}  # path -> ((mtime, size, mode), its token)
+
+
+def _file_token(path: str) -> str:
+    """read_token_file(path), read again only when the file changed: every request of a client asks for it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return read_token_file(path)  # its error, naming the path
+    key = (st.st_mtime_ns, st.st_size, st.st_mode)
+    cached = _read_tokens.get(path)
+    if cached is None or cached[0] != key:
+        cached = _read_tokens[path] = (key, read_token_file(path))
+    return cached[1]
 
 
 def service_token(service: str) -> Optional[str]:
@@ -183,10 +200,15 @@ def url(address: str, path: str = "") -> str:
 
 
 def client_ssl_context() -> Optional[ssl.SSLContext]:
-    """What a client checks the services' certificates against (None: plain HTTP)."""
+    """What a client checks the services' certificates against (None: plain HTTP); one per CA bundle, made once."""
     if scheme() != "https":
         return None
-    return ssl.create_default_context(cafile=_tls_file(TLS_CA_ENV))
+    return _client_context(_tls_file(TLS_CA_ENV))
+
+
+@functools.lru_cache(maxsize=8)
+def _client_context(cafile: Optional[str]) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=cafile)
 
 
 def server_ssl_context() -> Optional[ssl.SSLContext]:
@@ -209,8 +231,12 @@ def server_ssl_context() -> Optional[ssl.SSLContext]:
 def opener() -> urllib.request.OpenerDirector:
     """urllib's opener for the run's services: straight to them (never through an http_proxy of the environment),
     over TLS with the CA bundle where one is given."""
-    return urllib.request.build_opener(urllib.request.ProxyHandler({}),
-                                       urllib.request.HTTPSHandler(context=client_ssl_context()))
+    return _opener(client_ssl_context())
+
+
+@functools.lru_cache(maxsize=8)
+def _opener(context: Optional[ssl.SSLContext]) -> urllib.request.OpenerDirector:
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
 
 
 def request(address: str, path: str, data: Optional[bytes] = None, method: Optional[str] = None,

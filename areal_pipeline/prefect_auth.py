@@ -141,3 +141,50 @@ def api_answers(url: str, auth_string: Optional[str], timeout: float = 10) -> Op
         return e.code
     except OSError:
         return None
+
+
+def auth_not_enforced(url: str, auth_string: Optional[str]) -> Optional[str]:
+    """Why a server just started with `auth_string` does not enforce it (None: it does, or has none). /health
+    answers anyone: the API itself must refuse a client without the string."""
+    if not auth_string:
+        return None
+    without, with_it = api_answers(url, None), api_answers(url, auth_string)
+    if without != 401 or with_it != 200:
+        return (f"did not enforce its auth string (an API call answered {without} without it and {with_it} with "
+                "it; expected 401 and 200)")
+    return None
+
+
+def check_running_auth(url: str, auth_string: Optional[str], directory: Path) -> None:
+    """A server running already (that of `directory`) is kept only where it demands the auth string asked for."""
+    if not auth_string:
+        return
+    if api_answers(url, auth_string) == 401:
+        raise PrefectAuthError(f"the Prefect server of {directory} runs already with another auth string: stop it "
+                               "first (`prefect-server stop`), or give the auth string it was started with")
+    if api_answers(url, None) == 200:
+        raise PrefectAuthError(f"the Prefect server of {directory} runs already without authentication: stop it "
+                               "first (`prefect-server stop`), then start it with the auth string")
+
+
+def auth_status(url: str, client_auth_string: Optional[str]) -> str:
+    """Whether the API at `url` demands an auth string, and whether it takes `client_auth_string`."""
+    without = api_answers(url, None)
+    if without == 200:
+        return "none (the API answers every client)"
+    if without != 401:
+        return f"unknown (the API answered {without})"
+    if not client_auth_string:
+        return f"basic ({CLIENT_AUTH_ENV} is not set here: this shell's clients are refused)"
+    accepted = api_answers(url, client_auth_string) == 200
+    return f"basic ({CLIENT_AUTH_ENV} here: {'accepted' if accepted else 'refused'})"
+
+
+def client_auth_advice(auth_file: Optional[str]) -> tuple[str, Optional[str]]:
+    """What `prefect-server start` tells the clients of a server with an auth string (never the string itself):
+    a line of advice, and the `export` line of the auth file where the string came from one."""
+    path = auth_file or os.environ.get(AUTH_FILE_ENV)
+    if not path:
+        return f"clients send the auth string: set {CLIENT_AUTH_ENV} to the value of {SERVER_AUTH_ENV}", None
+    return (f"clients send the auth string: {CLIENT_AUTH_ENV}, or {AUTH_FILE_ENV} naming its file",
+            f"export {AUTH_FILE_ENV}={Path(path).expanduser().absolute()}")

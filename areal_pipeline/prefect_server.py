@@ -15,12 +15,7 @@ task-run recorder then wait on "database is locked" (docs/prefect.md, "A standin
 PostgreSQL refuses to run as root; run as root, its commands run as the `postgres` user, who owns DIR/postgres.
 The database password is generated at `initdb` and kept in DIR/db-password (mode 0600).
 
-Authentication: Prefect's basic auth. `start` gives the server an auth string where one is given, from
-PREFECT_SERVER_API_AUTH_STRING in its environment or from a file (`--auth-file PATH`, else
-AREAL_PIPELINE_PREFECT_AUTH_FILE; mode 0600, one line), by environment only: never on a command line, in a log or in
-DIR. Every client then sends it as PREFECT_API_AUTH_STRING; `apply_prefect_auth_file` sets that from the file named
-by AREAL_PIPELINE_PREFECT_AUTH_FILE, so that hosts are given the file's path, not the string. A client refused
-(401) gets a `PrefectAuthError` naming PREFECT_API_AUTH_STRING (prefect_auth.py).
+Authentication: Prefect's basic auth, the string given to the server by environment alone (prefect_auth.py).
 
 Prefect runs as a subprocess (the `prefect` next to this Python, else on PATH): the library never imports it.
 """
@@ -48,10 +43,12 @@ from areal_pipeline.prefect_auth import (
     AUTH_FILE_ENV,
     CLIENT_AUTH_ENV,
     SERVER_AUTH_ENV,
-    PrefectAuthError,
     PrefectServerError,
-    api_answers,
     apply_prefect_auth_file,
+    auth_not_enforced,
+    auth_status,
+    check_running_auth,
+    client_auth_advice,
     server_auth_string,
 )
 
@@ -342,7 +339,7 @@ class LocalPrefectServer:
         if self.server_pid() is not None:
             running = self.state()
             if _healthy(running["url"]):
-                self._check_running_auth(running["url"], auth_string)
+                check_running_auth(running["url"], auth_string, self.dir)
                 say(f"the Prefect server of {self.dir} is running already (pid {running['pid']})")
                 return running["url"]
             raise PrefectServerError(f"the Prefect server of {self.dir} (pid {running['pid']}) runs but does not "
@@ -383,26 +380,11 @@ class LocalPrefectServer:
                 raise fail(f"exited with {server.returncode}" if server.poll() is not None
                            else f"did not answer within {timeout:.0f} s")
             time.sleep(0.3)
-        if auth_string:  # /health answers anyone: the API itself must refuse a client without the string
-            without, with_it = api_answers(url, None), api_answers(url, auth_string)
-            if without != 401 or with_it != 200:
-                raise fail(f"did not enforce its auth string (an API call answered {without} without it and "
-                           f"{with_it} with it; expected 401 and 200)")
+        if (not_enforced := auth_not_enforced(url, auth_string)) is not None:
+            raise fail(not_enforced)
         say(f"Prefect server: {url} (UI http://{host}:{port}, pid {server.pid}, log {self.server_log}"
             f"{', basic authentication' if auth_string else ''})")
         return url
-
-    def _check_running_auth(self, url: str, auth_string: Optional[str]) -> None:
-        """A server running already is kept only where it demands the auth string asked for (or none is)."""
-        if not auth_string:
-            return
-        with_it = api_answers(url, auth_string)
-        if with_it == 401:
-            raise PrefectAuthError(f"the Prefect server of {self.dir} runs already with another auth string: stop "
-                                   f"it first (`prefect-server stop`), or give the auth string it was started with")
-        if api_answers(url, None) == 200:
-            raise PrefectAuthError(f"the Prefect server of {self.dir} runs already without authentication: stop it "
-                                   f"first (`prefect-server stop`), then start it with the auth string")
 
     def stop(self, timeout: float = 30, say: Callable[[str], None] = lambda line: None) -> None:
         """The Prefect server first (it holds connections to the database), then PostgreSQL."""
@@ -427,20 +409,8 @@ class LocalPrefectServer:
                   "prefect_server": ("healthy" if healthy else "not answering") if pid else "stopped",
                   "pid": pid, "url": state.get("url") if pid else None}
         if healthy:
-            status["auth"] = self._auth_status(state["url"], client_auth_string)
+            status["auth"] = auth_status(state["url"], client_auth_string)
         return status
-
-    @staticmethod
-    def _auth_status(url: str, client_auth_string: Optional[str]) -> str:
-        without = api_answers(url, None)
-        if without == 200:
-            return "none (the API answers every client)"
-        if without != 401:
-            return f"unknown (the API answered {without})"
-        if not client_auth_string:
-            return f"basic ({CLIENT_AUTH_ENV} is not set here: this shell's clients are refused)"
-        accepted = api_answers(url, client_auth_string) == 200
-        return f"basic ({CLIENT_AUTH_ENV} here: {'accepted' if accepted else 'refused'})"
 
 
 def _stop_group(pid: int, timeout: float) -> None:
@@ -479,15 +449,11 @@ def main(action: str, directory: Optional[str], port: int, pg_port: int, host: s
     if action == "start":
         auth_string = server_auth_string(auth_file)
         url = server.start(port, pg_port, say=print, host=host, auth_string=auth_string)
-        # what clients export; the auth string itself is never printed
         exports = [f"export PREFECT_API_URL={url}"]
         if auth_string:
-            path = auth_file or os.environ.get(AUTH_FILE_ENV)
-            if path:
-                exports.append(f"export {AUTH_FILE_ENV}={Path(path).expanduser().absolute()}")
-                print(f"clients send the auth string: {CLIENT_AUTH_ENV}, or {AUTH_FILE_ENV} naming its file")
-            else:
-                print(f"clients send the auth string: set {CLIENT_AUTH_ENV} to the value of {SERVER_AUTH_ENV}")
+            advice, export = client_auth_advice(auth_file)
+            print(advice)
+            exports += [export] if export else []
         print("\n" + "\n".join(exports))
     elif action == "stop":
         if server.server_pid() is None and not server.postgres_running():
