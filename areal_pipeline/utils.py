@@ -124,10 +124,47 @@ def _ephemeral_ports() -> tuple[int, int]:
         return 49152, 65535
 
 
+# A chosen port stays reserved for this long, for every process of this user on this machine: long enough for the
+# service it was chosen for to start and bind it (or for a test to use it as an address where nothing listens)
+PORT_RESERVATION_SECONDS = 120.0
+
+
+def _port_reservations() -> Path:
+    import tempfile
+
+    directory = Path(tempfile.gettempdir()) / f"areal-pipeline-ports-{os.getuid()}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    return directory
+
+
+def _reserve_port(port: int) -> bool:
+    """Claim `port` for PORT_RESERVATION_SECONDS against every other caller of find_free_port on this machine (a
+    file per port, checked and touched under one lock): two processes that each found the port free before either
+    bound it would otherwise start two services on it."""
+    import fcntl
+
+    try:
+        directory = _port_reservations()
+        with open(directory / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            path = directory / str(port)
+            try:
+                if time.time() - path.stat().st_mtime < PORT_RESERVATION_SECONDS:
+                    return False
+            except FileNotFoundError:
+                pass
+            path.touch()
+            os.utime(path)
+            return True
+    except OSError:
+        return True  # no shared folder to coordinate through: the bind check alone
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A port free now on `host` for a service about to be started, chosen below the ephemeral range: a port the
     kernel hands out (bind to 0) lies in that range, where any process's outgoing connection may take it before the
-    service binds it (a trainer died of EADDRINUSE so under parallel tests). Falls back to the kernel's choice."""
+    service binds it (a trainer died of EADDRINUSE so under parallel tests). Reserved for a while against every
+    other caller on the machine (parallel test workers, two runs). Falls back to the kernel's choice."""
     low, _ = _ephemeral_ports()
     chooser = random.SystemRandom()
     for _ in range(64 if low > LOWEST_CHOSEN_PORT + 1000 else 0):
@@ -137,6 +174,7 @@ def find_free_port(host: str = "127.0.0.1") -> int:
                 s.bind((host, port))
             except OSError:
                 continue
+        if _reserve_port(port):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

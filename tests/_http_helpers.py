@@ -2,8 +2,6 @@
 
 from aiohttp import web
 
-from areal_pipeline.utils import find_free_port
-
 
 async def serve_on_loopback(path: str, handler) -> tuple[web.AppRunner, str]:
     """Serve POST `path` with `handler` on 127.0.0.1; returns the runner (`await runner.cleanup()` stops it)
@@ -12,6 +10,6 @@ async def serve_on_loopback(path: str, handler) -> tuple[web.AppRunner, str]:
     app.router.add_post(path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = find_free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()  # the kernel's port, bound at once: no one can take it first
+    port = runner.addresses[0][1]
     return runner, f"127.0.0.1:{port}"

@@ -501,6 +501,14 @@ def cli(*args: str, env: dict, **kwargs) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
+def serve_cli(log: Path, *args: str, env: dict) -> subprocess.Popen:
+    """`areal-pipeline serve ARGS`, its output (its runner relays every deployment run's) into the file `log`: a
+    pipe no one reads until the end fills, and then serve, and the run whose output it relays, block on a write."""
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "cli", "serve", *args], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
 def test_killed_run_reruns_to_bitwise_equal_weights(prefect_api, tiny_model_dir, tmp_path):
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     config = ["--config", "configs/tiny_cpu.yaml"]
@@ -612,8 +620,8 @@ def test_scheduled_deployment_registers_and_a_triggered_run_completes(prefect_ap
     from prefect.client.schemas.objects import StateType
 
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
-    serve = cli("serve", "--config", "configs/tiny_cpu.yaml", "--iterations", "1", "--interval", "86400",
-                *fast_overrides(tmp_path, tiny_model_dir, run_id="served"), env=env, start_new_session=True)
+    serve = serve_cli(tmp_path / "serve.log", "--config", "configs/tiny_cpu.yaml", "--iterations", "1",
+                      "--interval", "86400", *fast_overrides(tmp_path, tiny_model_dir, run_id="served"), env=env)
 
     async def scenario():
         async with get_client() as client:
@@ -721,8 +729,8 @@ def test_a_sweep_started_from_its_served_deployment_runs_every_combination(prefe
     from flows.artifacts import artifact_key
 
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
-    serve = cli("serve", "--config", "configs/tiny_cpu.yaml", "--iterations", "1",
-                *fast_overrides(tmp_path, tiny_model_dir, run_id="uisweep"), env=env, start_new_session=True)
+    serve = serve_cli(tmp_path / "serve.log", "--config", "configs/tiny_cpu.yaml", "--iterations", "1",
+                      *fast_overrides(tmp_path, tiny_model_dir, run_id="uisweep"), env=env)
 
     async def scenario():
         async with get_client() as client:

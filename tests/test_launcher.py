@@ -1,6 +1,7 @@
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -340,3 +341,20 @@ def test_service_ports_are_chosen_below_the_ephemeral_range():
     assert len(set(ports)) > 1  # drawn, not one fixed port
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[0]))
+
+
+def test_two_processes_choosing_ports_at_once_never_get_the_same_one(tmp_path):
+    """Parallel test workers (or two runs) choose ports at the same moments: each port chosen is reserved for every
+    other caller on the machine until its service has had time to bind it. 800 draws from 1100 ports by two
+    processes would repeat ports without the reservation (a birthday collision is certain)."""
+    script = ("import sys, areal_pipeline.utils as u\n"
+              "u.LOWEST_CHOSEN_PORT = 30000\n"
+              "u._ephemeral_ports = lambda: (31100, 60999)\n"
+              "print(' '.join(str(u.find_free_port()) for _ in range(400)))\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # a reservation folder of its own, not the session's
+    pickers = [subprocess.Popen([PY, "-c", script], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    chosen = [[int(p) for p in picker.communicate(timeout=120)[0].split()] for picker in pickers]
+    assert [len(ports) for ports in chosen] == [400, 400]
+    everything = chosen[0] + chosen[1]
+    assert all(30000 <= p < 31100 for p in everything)
+    assert len(set(everything)) == len(everything), sorted(p for p in everything if everything.count(p) > 1)

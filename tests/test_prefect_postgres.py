@@ -23,7 +23,7 @@ from _prefect_server import SERVER_ENV, client_env, no_postgres, standing_postgr
 from areal_pipeline.prefect_server import SERVER_DEFAULTS, LocalPrefectServer, server_env
 from flows.artifacts import artifact_key
 from areal_pipeline.forkserver import processes_of
-from test_flows import (REPO, cli, fast_overrides, stop_serve, wait_for_deployment,
+from test_flows import (REPO, cli, fast_overrides, serve_cli, stop_serve, wait_for_deployment,
                         wait_until)
 
 
@@ -168,9 +168,8 @@ def test_a_train_run_and_a_deployment_run_complete(pg_server, tiny_model_dir, tm
     train = cli("train", "--config", "configs/tiny_cpu.yaml",
                 *fast_overrides(tmp_path, tiny_model_dir, run_id="pg-train", iterations=ITERATIONS), env=env,
                 start_new_session=True)
-    serve = cli("serve", "--config", "configs/tiny_cpu.yaml",
-                *fast_overrides(tmp_path, tiny_model_dir, run_id="pg-deployed", iterations=ITERATIONS), env=env,
-                start_new_session=True)
+    serve = serve_cli(tmp_path / "serve.log", "--config", "configs/tiny_cpu.yaml",
+                      *fast_overrides(tmp_path, tiny_model_dir, run_id="pg-deployed", iterations=ITERATIONS), env=env)
     try:
         async def run_deployment():
             async with get_client() as client:

@@ -356,13 +356,13 @@ def test_serve_recurring_fires_the_line_from_its_deployment_one_at_a_time_and_le
     from prefect.client.schemas.objects import StateType
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from test_flows import stop_serve, wait_for_deployment
+    from test_flows import serve_cli, stop_serve, wait_for_deployment
 
     overrides = line_overrides(tmp_path, base, "recurring.serve.num_servers=1")
     new_data(overrides)
     env = client_env(server, tmp_path / "home")
-    serve = cli("serve", "--config", str(CONFIG), "--recurring", "--cron", "0 0 1 1 *", *overrides, env=env,
-                start_new_session=True)
+    serve = serve_cli(tmp_path / "serve.log", "--config", str(CONFIG), "--recurring", "--cron", "0 0 1 1 *",
+                      *overrides, env=env)
     line = line_of(overrides)
     try:
         announced = wait_until(lambda: line.announced_servers(), 300, "the line's own server")
@@ -385,7 +385,7 @@ def test_serve_recurring_fires_the_line_from_its_deployment_one_at_a_time_and_le
                 return deployment, states, histories
         with temporary_settings(updates={PREFECT_API_URL: server}):
             deployment, states, histories = asyncio.run(fire_twice())
-        assert all(s.is_completed() for s in states), (states, serve.stdout)
+        assert all(s.is_completed() for s in states), (states, (tmp_path / "serve.log").read_text()[-3000:])
         assert any("AwaitingConcurrencySlot" in history for history in histories), histories
         assert sorted(f["decision"] for f in status(overrides)["firings"]) == ["no_data", "promoted"]
         champion = status(overrides)["champion"]
@@ -397,7 +397,7 @@ def test_serve_recurring_fires_the_line_from_its_deployment_one_at_a_time_and_le
         assert code == 200 and reply["choices"][0]["message"]["content"], reply
     finally:
         stop_serve(serve)
-    out = serve.stdout.read()
+    out = (tmp_path / "serve.log").read_text()
     assert "removed 1 schedule(s) of recurring/arith-line" in out, out[-3000:]
     assert line.announced_servers() == [] and not (line.dir / "servers.json").exists()
 

@@ -275,13 +275,13 @@ def test_oversized_requests_are_413_at_once_while_health_answers(kb_server):
         (status, reply), took, latencies = while_polling_health(
             address, lambda: post_raw(address, "/retrieve", data, "application/json"))
         assert status == 413 and fragment in reply["error"]["message"], reply
-        # refused at once, health answering meanwhile: far from the minutes it took (bounds a loaded machine meets)
-        assert took < 30 and latencies and max(latencies) < 10, (took, latencies)
+        # refused at once, health answering meanwhile: half the minutes it took, the bound a loaded machine meets
+        assert took < 60 and latencies and max(latencies) < 20, (took, latencies)
     # the largest request taken holds the search worker for moments, not minutes
     largest = {"queries": [" ".join(["capital", "born", "river"] * 300)[:2000]] * 256, "topk": 50}
     (status, reply), took, latencies = while_polling_health(address, lambda: http(address, "/retrieve", largest))
-    assert status == 200 and len(reply["result"]) == 256 and took < 30, took
-    assert max(latencies) < 10, latencies
+    assert status == 200 and len(reply["result"]) == 256 and took < 60, took
+    assert max(latencies) < 20, latencies
 
 
 @pytest.mark.parametrize("body, message", [

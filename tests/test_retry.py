@@ -10,12 +10,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import httpx
 import pytest
 import torch
 
-from test_flows import REPO, cli, fast_overrides, final_weights, stop_serve, wait_for_deployment, wait_until
+from test_flows import (REPO, cli, fast_overrides, final_weights, serve_cli, stop_serve, wait_for_deployment,
+                        wait_until)
 
 ITERATIONS = 3
 # A schedule that decays: a retry that laid it over other iterations than the first attempt would update with
@@ -59,9 +61,17 @@ async def _iteration_runs(run_id: str):
     return sorted(((r.name, r.state.type.value) for r in runs), key=lambda pair: pair)
 
 
-def wait_final(flow_run_id, timeout: float = 600):
-    return wait_until(lambda: (lambda r: r if r.state.is_final() else None)(asyncio.run(_read_flow_run(flow_run_id))),
-                      timeout, f"flow run {flow_run_id} to finish", interval=0.5)
+def wait_final(flow_run_id, timeout: float = 420, serve_log: Optional[Path] = None):
+    """The flow run once in a final state; past `timeout` (below the test's own time-out, so that this message is
+    the one reported) an error with its last state and the tail of serve's output."""
+    try:
+        return wait_until(lambda: (lambda r: r if r.state.is_final() else None)(
+            asyncio.run(_read_flow_run(flow_run_id))), timeout, f"flow run {flow_run_id} to finish", interval=0.5)
+    except AssertionError as e:
+        state = asyncio.run(_read_flow_run(flow_run_id)).state
+        tail = serve_log.read_text()[-4000:] if serve_log is not None and serve_log.exists() else ""
+        raise AssertionError(f"{e}; its state: {state.type.value} ({state.name}: {state.message}); "
+                             f"serve's output ends:\n{tail}") from None
 
 
 def assert_resumed(run_id: str, tmp_path: Path, reference: dict,
@@ -103,8 +113,8 @@ def test_the_ui_retry_button_resumes_a_failed_deployment_run(prefect_api, tiny_m
 
     blocker = block_iteration_2(tmp_path / "ui")
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
-    serve = cli("serve", "--config", "configs/tiny_cpu.yaml", "--iterations", str(ITERATIONS),
-                *fast_overrides(tmp_path, tiny_model_dir, run_id="ui"), *LINEAR, env=env, start_new_session=True)
+    serve = serve_cli(tmp_path / "serve.log", "--config", "configs/tiny_cpu.yaml", "--iterations", str(ITERATIONS),
+                      *fast_overrides(tmp_path, tiny_model_dir, run_id="ui"), *LINEAR, env=env)
     try:
         async def start_run():
             async with get_client() as client:
@@ -112,13 +122,13 @@ def test_the_ui_retry_button_resumes_a_failed_deployment_run(prefect_api, tiny_m
                 return (await client.create_flow_run_from_deployment(deployment.id)).id
 
         flow_run_id = asyncio.run(start_run())
-        failed = wait_final(flow_run_id)
+        failed = wait_final(flow_run_id, serve_log=tmp_path / "serve.log")
         assert failed.state.is_failed(), failed.state
         blocker.unlink()
         reply = httpx.post(f"{prefect_api}/flow_runs/{flow_run_id}/set_state",
                            json={"state": {"type": "SCHEDULED", "name": "AwaitingRetry"}})
         assert reply.status_code in (200, 201) and reply.json()["status"] == "ACCEPT", reply.text
-        retried = wait_final(flow_run_id)
+        retried = wait_final(flow_run_id, serve_log=tmp_path / "serve.log")
         assert retried.state.is_completed() and retried.run_count == 2, retried.state
     finally:
         stop_serve(serve)
