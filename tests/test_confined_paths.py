@@ -50,6 +50,19 @@ def test_a_path_counts_where_it_resolves(tmp_path):
     assert run_roots("runs", "") == [os.path.abspath("runs")]
 
 
+def test_a_root_that_resolves_nowhere_is_dropped_and_a_root_given_twice_counts_once(tmp_path):
+    """A root in a symlink loop (or with a NUL byte) allows nothing, and leaves the others working (found by mutation
+    testing: `and` for `or` kept such a root as None, and every later check raised TypeError instead of refusing)."""
+    root = tmp_path / "runs"
+    root.mkdir()
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    roots = resolve_roots([tmp_path / "loop", "a\0b", root, tmp_path / "runs" / ".", ""])
+    assert roots == [root.resolve()]
+    assert confine(root / "x", roots) == (root / "x").resolve()
+    with pytest.raises(OutsideRoots, match="is outside the allowed directories"):
+        confine(tmp_path / "elsewhere", roots)
+
+
 def test_every_path_argument_of_a_trainer_command_is_checked():
     """A handler's parameter that names a file or directory is in PATH_ARGUMENTS (else a new one would go
     unchecked)."""
