@@ -381,6 +381,25 @@ def test_the_token_from_the_environment_or_its_file(tmp_path, monkeypatch):
     assert auth.run_token() == "from-the-env"
 
 
+def test_a_token_file_rewritten_is_read_again_and_one_made_unreadable_is_refused(tmp_path, monkeypatch):
+    """A client reads the token file again only when it changed: a rotated token (same length, or another) is the
+    one its next request sends, and a file someone opened to others is refused at once (a cache kept by mistake
+    would go on sending the old one)."""
+    for name in CREDENTIAL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    path = auth.write_token_file(tmp_path / "token", "first-token")
+    monkeypatch.setenv(auth.TOKEN_FILE_ENV, str(path))
+    assert auth.run_token() == auth.run_token() == "first-token"
+    for rotated in ("other-token", "a-longer-rotated-token"):
+        before = path.stat().st_mtime_ns
+        path.write_text(rotated + "\n")  # rotated in place, still 0600
+        os.utime(path, ns=(before + 10**9, before + 10**9))  # a later write, whatever the clock's resolution
+        assert auth.auth_headers() == {"Authorization": f"Bearer {rotated}"}
+    path.chmod(0o644)
+    with pytest.raises(auth.CredentialError, match="lets others read or change it"):
+        auth.run_token()
+
+
 def test_commands_on_one_output_directory_share_its_token_made_once(tmp_path, monkeypatch):
     for name in CREDENTIAL_ENV:  # recorded as they were, then cleared: ensure_run_token sets one itself
         monkeypatch.setenv(name, "")
