@@ -63,7 +63,7 @@ def test_prefect_deploy_and_a_process_worker_run_train_and_evaluate(server, tiny
             assert evaluated.state.is_completed(), (evaluated.state, (tmp_path / "worker.log").read_text()[-3000:])
     finally:
         running_until_stopped = worker.poll() is None
-        stop_group(worker)
+        stop_group(worker, timeout=120)  # a loaded machine took over 30 s to stop it cleanly
     assert running_until_stopped, (tmp_path / "worker.log").read_text()[-3000:]
     # Ctrl-C ended the worker cleanly (a worker stopped by it exits 0): neither a crash nor stop_group's SIGKILL
     worker_log = (tmp_path / "worker.log").read_text()
