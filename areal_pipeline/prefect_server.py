@@ -41,14 +41,11 @@ from typing import Callable, Optional
 
 from areal_pipeline.prefect_auth import (
     AUTH_FILE_ENV,
-    CLIENT_AUTH_ENV,
     SERVER_AUTH_ENV,
     PrefectServerError,
-    apply_prefect_auth_file,
     auth_not_enforced,
     auth_status,
     check_running_auth,
-    client_auth_advice,
     server_auth_string,
 )
 
@@ -441,25 +438,3 @@ def _reap(pid: int) -> None:
     except ChildProcessError:
         pass
 
-
-def main(action: str, directory: Optional[str], port: int, pg_port: int, host: str = "127.0.0.1",
-         auth_file: Optional[str] = None) -> None:
-    """What `areal-pipeline prefect-server` runs. `auth_file`: --auth-file (see `server_auth_string`)."""
-    server = LocalPrefectServer(directory)
-    if action == "start":
-        auth_string = server_auth_string(auth_file)
-        url = server.start(port, pg_port, say=print, host=host, auth_string=auth_string)
-        exports = [f"export PREFECT_API_URL={url}"]
-        if auth_string:
-            advice, export = client_auth_advice(auth_file)
-            print(advice)
-            exports += [export] if export else []
-        print("\n" + "\n".join(exports))
-    elif action == "stop":
-        if server.server_pid() is None and not server.postgres_running():
-            print(f"nothing of {server.dir} is running")
-        server.stop(say=print)
-    else:
-        apply_prefect_auth_file()  # where the command line has not yet
-        for key, value in server.status(os.environ.get(CLIENT_AUTH_ENV)).items():
-            print(f"{key + ':':16}{value}")

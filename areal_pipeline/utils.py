@@ -153,8 +153,7 @@ def _reserve_port(port: int) -> bool:
                     return False
             except FileNotFoundError:
                 pass
-            path.touch()
-            os.utime(path)
+            path.touch()  # an existing file's time too
             return True
     except OSError:
         return True  # no shared folder to coordinate through: the bind check alone

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -226,12 +227,36 @@ def cmd_rescore(args) -> None:
 
 
 def cmd_prefect_server(args) -> None:
-    from areal_pipeline.prefect_server import PrefectServerError, main as server_main
+    from areal_pipeline.prefect_server import LocalPrefectServer, PrefectServerError
 
     try:
-        server_main(args.action, args.dir, args.port, args.pg_port, args.host, args.auth_file)
+        _prefect_server(LocalPrefectServer(args.dir), args)
     except PrefectServerError as e:
         sys.exit(f"prefect-server error: {e}")
+
+
+def _prefect_server(server, args) -> None:
+    """start | stop | status of a standing Prefect server on PostgreSQL. --auth-file: see `server_auth_string`."""
+    from areal_pipeline.prefect_auth import (CLIENT_AUTH_ENV, apply_prefect_auth_file, client_auth_advice,
+                                             server_auth_string)
+
+    if args.action == "start":
+        auth_string = server_auth_string(args.auth_file)
+        url = server.start(args.port, args.pg_port, say=print, host=args.host, auth_string=auth_string)
+        exports = [f"export PREFECT_API_URL={url}"]
+        if auth_string:
+            advice, export = client_auth_advice(args.auth_file)
+            print(advice)
+            exports += [export] if export else []
+        print("\n" + "\n".join(exports))
+    elif args.action == "stop":
+        if server.server_pid() is None and not server.postgres_running():
+            print(f"nothing of {server.dir} is running")
+        server.stop(say=print)
+    else:
+        apply_prefect_auth_file()  # where the command line has not yet
+        for key, value in server.status(os.environ.get(CLIENT_AUTH_ENV)).items():
+            print(f"{key + ':':16}{value}")
 
 
 def _submit_parts(plan, trainer_hosts: list[str]) -> None:

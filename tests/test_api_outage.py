@@ -166,7 +166,6 @@ def test_a_bad_api_grace_is_refused_before_anything_starts(tmp_path):
 def test_sigterm_ends_a_run_within_seconds_with_the_api_gone(api, tiny_model_dir, tmp_path):
     """Prefect's SIGTERM handler, installed for the whole flow run, would report the crash to the dead API first
     (minutes of retries): the project's stop still starts at the signal, and the forced exit ends the process."""
-
     env = client_env(api.url, api.home)
     run = _train(tmp_path, tiny_model_dir, "term", env, "--api-grace", "600")
     _kill_api_at_iteration_2(api, run, tmp_path / "term")

@@ -496,17 +496,20 @@ def test_ppo_update_failing_on_first_attempt_succeeds_on_retry(prefect_api, tiny
     assert {log.name for log in logs} >= {"prefect.task_runs", "prefect.flow_runs"}
 
 
-def cli(*args: str, env: dict, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+def cli(*args: str, env: dict, log: Optional[Path] = None, **kwargs) -> subprocess.Popen:
+    """`areal-pipeline ARGS`, its output on a pipe (read it: `communicate`), or into the file `log`."""
+    if log is None:
+        return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **kwargs)
 
 
 def serve_cli(log: Path, *args: str, env: dict) -> subprocess.Popen:
     """`areal-pipeline serve ARGS`, its output (its runner relays every deployment run's) into the file `log`: a
     pipe no one reads until the end fills, and then serve, and the run whose output it relays, block on a write."""
-    with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "cli", "serve", *args], cwd=REPO, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    return cli("serve", *args, env=env, log=log, start_new_session=True)
 
 
 def test_killed_run_reruns_to_bitwise_equal_weights(prefect_api, tiny_model_dir, tmp_path):

@@ -347,7 +347,7 @@ def test_two_processes_choosing_ports_at_once_never_get_the_same_one(tmp_path):
     """Parallel test workers (or two runs) choose ports at the same moments: each port chosen is reserved for every
     other caller on the machine until its service has had time to bind it. 800 draws from 1100 ports by two
     processes would repeat ports without the reservation (a birthday collision is certain)."""
-    script = ("import sys, areal_pipeline.utils as u\n"
+    script = ("import areal_pipeline.utils as u\n"
               "u.LOWEST_CHOSEN_PORT = 30000\n"
               "u._ephemeral_ports = lambda: (31100, 60999)\n"
               "print(' '.join(str(u.find_free_port()) for _ in range(400)))\n")
