@@ -251,8 +251,7 @@ def test_cli_train_rejects_a_bad_value_before_starting_anything(tmp_path, overri
     assert done.returncode != 0
     assert last_line.startswith(f"config error: {key}="), last_line
     # ~4 s (imports) on an idle machine; the model build and the flow it used to reach first took 40-80 s
-    assert cpu_s < 10, f"took {cpu_s:.1f} s of CPU ({wall_s:.1f} s wall)"
-    assert wall_s < 30, f"took {wall_s:.1f} s wall ({cpu_s:.1f} s of CPU)"
+    assert cpu_s < 10, f"took {cpu_s:.1f} s of CPU ({wall_s:.1f} s wall)"  # CPU, not wall: a busy machine waits
     assert not any(tmp_path.iterdir())  # nothing made: no model, no dataset, no run directory
 
 
@@ -266,7 +265,7 @@ def test_cli_train_names_a_malformed_data_row_before_starting_anything(tmp_path)
     last_line = (done.stdout + done.stderr).strip().splitlines()[-1]
     assert done.returncode != 0
     assert last_line.startswith(f"data error: {data}, line 2: invalid JSON"), last_line
-    assert cpu_s < 10 and wall_s < 30, (cpu_s, wall_s)
+    assert cpu_s < 10, (cpu_s, wall_s)
     assert not any(out.iterdir())
 
 

@@ -38,7 +38,7 @@ def test_async_work_is_cancelled_at_the_deadline():
     with deadline(0.3, "rollout of iteration 3"), pytest.raises(DeadlineExceeded,
                                                                 match="rollout of iteration 3 ran past its 0.3 s"):
         run_async(stuck())
-    assert time.monotonic() - started < 3 and cancelled == [True]
+    assert time.monotonic() - started < 20 and cancelled == [True]  # not the 30 s sleep it cancelled
     with pytest.raises(DeadlineExceeded):  # once past, the next blocking call fails at once
         with deadline(0.01, "late"):
             time.sleep(0.02)
@@ -86,7 +86,7 @@ def test_a_hung_trainer_command_ends_at_the_deadline(silent_endpoint):
     started = time.monotonic()
     with deadline(0.5, "ppo_update of iteration 7"), pytest.raises(DeadlineExceeded, match="ppo_update of iteration 7"):
         client.call("train", batch_dir="x", iteration=7)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 60  # not the client's hour
     # without a deadline the command's own timeout still applies, reported as the trainer's error
     with pytest.raises(TrainerError, match="unreachable during status"):
         TrainerClient(silent_endpoint, timeout=0.3).call("status")
@@ -117,7 +117,7 @@ def test_a_server_paused_and_never_resumed_fails_the_request_naming_it(tmp_path)
                     await engine.agenerate(req)
                 return time.monotonic() - started
 
-        assert 1.5 <= asyncio.run(main()) < 10
+        assert 1.5 <= asyncio.run(main()) < 60  # it does not spin for good
     finally:
         server.stop()
     with pytest.raises(ValueError, match="pause_timeout must be positive"):
@@ -148,7 +148,7 @@ def test_a_stopped_trainer_rank_fails_the_command_at_the_collective_timeout_nami
         with pytest.raises(TrainerError, match=r"trainer rank\(s\) 1 \(one or more\): no receipt of command "
                                                r"'save_weights' within 3 s") as raised:
             client.call("save_weights", path=str(tmp_path / "w"))
-        assert raised.value.code == "peer_timeout" and time.monotonic() - started < 15
+        assert raised.value.code == "peer_timeout" and time.monotonic() - started < 90  # not the 120 s command timeout
         rank1.send_signal(signal.SIGCONT)
         assert "the trainer stops" in (tmp_path / "logs" / "trainer.log").read_text()
     finally:

@@ -85,4 +85,4 @@ def test_servers_that_do_not_answer_are_named(tmp_path):
             services.start_inference()
     finally:
         services.stop()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 60  # its 1 s setup timeout, not the default's minutes

@@ -319,11 +319,9 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     assert_the_token_is_nowhere(run_dir, "e2e")
 
     # a second call with the same run id finds every iteration finished: nothing is redone
-    started = time.monotonic()
     again = train(config_path=str(REPO / "configs/tiny_cpu.yaml"),
                   overrides=fast_overrides(tmp_path, tiny_model_dir, run_id="e2e"))
     assert again["iterations"] == 3 and len(asyncio.run(_flow_runs("e2e/iter-"))) == 3
-    assert time.monotonic() - started < 120
     # ... nor the initial evaluation: its node (in each run's set-up) finds its output made
     assert (run_dir / "iter_0" / "eval.json").stat().st_mtime_ns == evaluated_at
     evaluations = wait_until(lambda: (lambda found: found if len(found) == 2 and all(r.state.is_final() for r in found)

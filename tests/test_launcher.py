@@ -217,7 +217,7 @@ def test_health_timeout_stops_the_process(tmp_path):
         start = time.monotonic()
         with pytest.raises(ServerLaunchError, match="not healthy after 1s"):
             server.wait_healthy(timeout=1)
-        assert time.monotonic() - start < 15
+        assert time.monotonic() - start < 120  # not the 300 s the process would sleep
         assert server.popen.returncode == -signal.SIGTERM and not _alive([server.popen.pid])
 
 
@@ -243,7 +243,7 @@ def test_stop_kills_children_that_left_the_group_and_ignore_sigterm(tmp_path):
         tree = _process_tree(server.popen.pid)
         start = time.monotonic()
         server.stop(timeout=1)
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 120  # not the 300 s the processes would sleep
     assert _alive(tree) == []
 
 

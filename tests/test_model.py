@@ -85,3 +85,34 @@ def test_warm_start_answers_in_format_and_leaves_room_for_rl(tmp_path):
     assert 0.1 <= mean(right) <= 0.5, right  # sampled pass@1
     assert mean(right) + mean(habit) >= 0.5, habit
     assert mean(greedy) <= 0.5
+
+
+def test_length_sorted_micro_batches_give_one_padded_batchs_loss_and_gradients():
+    """`pretrain_micro_batches`: rows of very different lengths, run in groups of similar length with gradients
+    accumulated, give the loss and gradients of the whole batch padded to its longest row."""
+    import random
+
+    from transformers import Qwen2ForCausalLM
+
+    from areal_pipeline.model import build_byte_tokenizer, tiny_qwen2_config
+    from areal_pipeline.warm_start import IGNORE, _accumulate_by_length, _padded
+
+    tokenizer = build_byte_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(tiny_qwen2_config(tokenizer, TinyModelConfig(hidden_size=32, intermediate_size=64,
+                                                                          num_hidden_layers=2)))
+    rng = random.Random(0)
+    rows = [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 60, 7, 41, 12, 33, 9)]
+    # the first tokens unlabelled (a prompt), and one row labelled from its first token on
+    targets = [[IGNORE] * (len(r) // 2) + r[len(r) // 2:] for r in rows[:-1]] + [list(rows[-1])]
+
+    whole = model(**_padded(tokenizer, rows, targets)).loss
+    whole.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for micro_batches in (2, 3, 7):
+        accumulated = _accumulate_by_length(model, tokenizer, rows, targets, micro_batches)
+        assert abs(accumulated.item() - whole.item()) < 1e-5, micro_batches
+        for name, parameter in model.named_parameters():
+            torch.testing.assert_close(parameter.grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+        model.zero_grad()

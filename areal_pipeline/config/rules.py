@@ -142,7 +142,7 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
     ModelConfig: {"path": _local_path_or_hub_id("Qwen/Qwen2.5-1.5B-Instruct"), "dtype": one_of(*_DTYPES)},
     TinyModelConfig: {"hidden_size": _COUNT, "intermediate_size": _COUNT, "num_hidden_layers": _COUNT,
                       "num_attention_heads": _COUNT, "num_key_value_heads": _COUNT, "max_position_embeddings": _COUNT,
-                      "pretrain_steps": _NON_NEGATIVE, "pretrain_batch_size": _COUNT, "pretrain_lr": _POSITIVE,
+                      "pretrain_steps": _NON_NEGATIVE, "pretrain_batch_size": _COUNT, "pretrain_micro_batches": _COUNT, "pretrain_lr": _POSITIVE,
                       "pretrain_off_by_one": _FRACTION},
     DatasetConfig: {"path": (_local_path_or_hub_id("openai/gsm8k"), _NOT_EMPTY), "max_train_size": _COUNT,
                     "max_test_size": _NON_NEGATIVE, "arithmetic_train_size": _COUNT,

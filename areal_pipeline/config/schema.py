@@ -40,6 +40,9 @@ class TinyModelConfig:
     # The warm start's curriculum (areal_pipeline/warm_start/): each task's own format and habits.
     pretrain_task: str = "arithmetic"
     pretrain_batch_size: int = 32  # sequences per warm-start step
+    # Rows of a step run in this many micro-batches of similar length, gradients accumulated: the same loss (the
+    # mean over the batch's labelled tokens) with less padding where lengths vary widely (the search episodes)
+    pretrain_micro_batches: int = 1
     pretrain_lr: float = 3e-3  # the warm start's learning rate (AdamW)
     # Share of pretraining answers written one too high: a habit the base model picks up (greedy answers
     # are mostly wrong, sampled ones right about 1 - this share of the time) and RL has to unlearn.

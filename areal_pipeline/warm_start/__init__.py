@@ -66,16 +66,15 @@ def warm_start(model, tokenizer, tiny: Any, seed: int) -> None:
         for _ in range(tiny.pretrain_steps):
             rows, targets = zip(*sample(rng, tiny.pretrain_batch_size))
             shared = _shared_unlabelled_prefix(rows, targets)
+            optimizer.zero_grad()
             if shared >= SHARED_PREFIX_MIN_TOKENS:
                 loss = _loss_with_shared_prefix(model, tokenizer, rows, targets, shared)
+                loss.backward()
+            elif tiny.pretrain_micro_batches > 1:
+                loss = _accumulate_by_length(model, tokenizer, rows, targets, tiny.pretrain_micro_batches)
             else:
-                width = max(map(len, rows))
-                ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
-                attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-                labels = torch.tensor([t + [IGNORE] * (width - len(t)) for t in targets])
-                loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-            optimizer.zero_grad()
-            loss.backward()
+                loss = model(**_padded(tokenizer, rows, targets)).loss
+                loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             schedule.step()
@@ -84,6 +83,40 @@ def warm_start(model, tokenizer, tiny: Any, seed: int) -> None:
     model.eval()
     logger.info("warm-started the tiny model: %d steps of the '%s' curriculum, final loss %.3f",
                 tiny.pretrain_steps, tiny.pretrain_task, loss.item())
+
+
+def _padded(tokenizer, rows, targets) -> dict:
+    """The rows right-padded to the longest, as `model(**...)` takes them (its loss: the mean over labelled tokens)."""
+    import torch
+
+    width = max(map(len, rows))
+    return {"input_ids": torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows]),
+            "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
+            "labels": torch.tensor([list(t) + [IGNORE] * (width - len(t)) for t in targets])}
+
+
+def _accumulate_by_length(model, tokenizer, rows, targets, micro_batches: int):
+    """The gradient of the batch's loss (the mean over all its labelled tokens, as one padded batch computes it),
+    accumulated over `micro_batches` groups of rows of similar length, each padded only to its own longest row.
+    Returns the loss (detached)."""
+    import torch
+    import torch.nn.functional as F
+
+    # a token's label is predicted at the position before it: the first token of a row is never a target
+    labelled = sum(sum(1 for label in t[1:] if label != IGNORE) for t in targets)
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    size = -(-len(rows) // micro_batches)
+    total = 0.0
+    for start in range(0, len(order), size):
+        chosen = order[start:start + size]
+        batch = _padded(tokenizer, [rows[i] for i in chosen], [targets[i] for i in chosen])
+        labels = batch.pop("labels")
+        logits = model(**batch).logits[:, :-1].float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE,
+                               reduction="sum") / max(labelled, 1)
+        loss.backward()
+        total += loss.item()
+    return torch.tensor(total)
 
 
 def _shared_unlabelled_prefix(rows, targets) -> int:
