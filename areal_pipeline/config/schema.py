@@ -41,7 +41,8 @@ class TinyModelConfig:
     pretrain_task: str = "arithmetic"
     pretrain_batch_size: int = 32  # sequences per warm-start step
     # Rows of a step run in this many micro-batches of similar length, gradients accumulated: the same loss (the
-    # mean over the batch's labelled tokens) with less padding where lengths vary widely (the search episodes)
+    # mean over the batch's labelled tokens) with less padding where lengths vary widely (the search episodes).
+    # A batch with a long shared prompt runs it once instead (warm_start.SHARED_PREFIX_MIN_TOKENS), in one piece.
     pretrain_micro_batches: int = 1
     pretrain_lr: float = 3e-3  # the warm start's learning rate (AdamW)
     # Share of pretraining answers written one too high: a habit the base model picks up (greedy answers

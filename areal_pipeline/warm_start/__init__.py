@@ -82,7 +82,7 @@ def warm_start(model, tokenizer, tiny: Any, seed: int) -> None:
         torch.set_num_threads(threads)
     model.eval()
     logger.info("warm-started the tiny model: %d steps of the '%s' curriculum, final loss %.3f",
-                tiny.pretrain_steps, tiny.pretrain_task, loss.item())
+                tiny.pretrain_steps, tiny.pretrain_task, float(loss))
 
 
 def _padded(tokenizer, rows, targets) -> dict:
@@ -98,8 +98,7 @@ def _padded(tokenizer, rows, targets) -> dict:
 def _accumulate_by_length(model, tokenizer, rows, targets, micro_batches: int):
     """The gradient of the batch's loss (the mean over all its labelled tokens, as one padded batch computes it),
     accumulated over `micro_batches` groups of rows of similar length, each padded only to its own longest row.
-    Returns the loss (detached)."""
-    import torch
+    Returns the loss's value."""
     import torch.nn.functional as F
 
     # a token's label is predicted at the position before it: the first token of a row is never a target
@@ -116,7 +115,7 @@ def _accumulate_by_length(model, tokenizer, rows, targets, micro_batches: int):
                                reduction="sum") / max(labelled, 1)
         loss.backward()
         total += loss.item()
-    return torch.tensor(total)
+    return total
 
 
 def _shared_unlabelled_prefix(rows, targets) -> int:
