@@ -19,6 +19,13 @@ from areal_pipeline.utils import find_free_port
 if not auth.auth_disabled():
     os.environ.setdefault(auth.TOKEN_ENV, auth.new_token())
 
+# The xdist workers share the machine's cores: each worker, and every process it starts, gets its share as torch's
+# default thread count (OMP_NUM_THREADS, read when torch loads). Without it every trainer of every worker runs one
+# thread a core, and on 2 cores with both workers busy their threads spin waiting on each other. A setting the
+# environment already has, or a config's own num_threads, is kept.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+
 # The full data sets, where the checkout sits beside ../shared; tests/data holds small slices of the same data in
 # the same layouts, so that every test of real rows runs in every checkout (tests/data/README.md).
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

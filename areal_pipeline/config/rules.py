@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from areal_pipeline.config.recurring import LineServeConfig, RecurringConfig
 from areal_pipeline.config.schema import (DatasetConfig, ExperimentConfig, GenerationConfig, InferenceConfig,
-                                          JudgeConfig,
+                                          JudgeConfig, LoRAConfig,
                                           ModelConfig, NormConfig, OptimizerConfig, PPOConfig, RetrievalConfig,
                                           MlflowConfig, RolloutConfig, SGLangConfig, TinyModelConfig, TrackersConfig,
                                           TrainerConfig, VLLMConfig, WandbConfig)
@@ -113,6 +113,9 @@ _FRACTION = within(0, 1)
 _PORT = within(0, 65535)  # 0: a free port
 _HOST_PORT = Rule("empty or host:port", lambda value: not value or bool(_ADDRESS.fullmatch(value)))
 _ADAM_BETA = within(0, 1, open_high=True)
+# the linear layers of a Qwen2/Llama-style decoder an adapter may sit on (the output head is not one: tied to the
+# embedding in the embedded model, and vLLM and SGLang serve no adapter on it)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _GPU_LIST = Rule("a list of distinct GPU indices >= 0",
                  lambda ids: all(type(i) is int and i >= 0 for i in ids) and len(set(ids)) == len(ids))
 _ADDRESSES = Rule("a list of distinct host:port addresses",
@@ -209,6 +212,11 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                     "address": Rule("empty, auto or host:port",
                                     lambda value: value in ("", "auto") or bool(_ADDRESS.fullmatch(value))),
                     "rdzv_endpoint": _HOST_PORT, "port": _PORT, "max_restarts": _NON_NEGATIVE},
+    LoRAConfig: {"rank": _COUNT, "alpha": _POSITIVE, "dropout": within(0, 1, open_high=True),
+                 "target_modules": Rule(f"[all-linear] or names among {', '.join(LORA_TARGETS)}",
+                                        lambda names: list(names) == ["all-linear"]
+                                        or (bool(names) and all(n in LORA_TARGETS for n in names))),
+                 "init": one_of("kaiming", "gaussian")},
     TrackersConfig: {"timeout": _POSITIVE},
     RecurringConfig: {"line": Rule("empty or a name of letters, digits, '.', '_' and '-' (a directory and a "
                                    "deployment are named after it)",

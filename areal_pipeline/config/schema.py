@@ -301,6 +301,21 @@ class OptimizerConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (peft's LoRA) trained over a frozen base (docs/lora.md): off by default."""
+    enabled: bool = False
+    rank: int = 8  # r: the adapters' inner dimension
+    alpha: float = 16.0  # the update is scaled by alpha / rank (alpha / sqrt(rank) with use_rslora)
+    dropout: float = 0.0  # dropout on the adapters' input, in training only
+    # the base's linear layers that get adapters: peft's "all-linear" (every one but the output head) or names
+    # among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # how A is drawn (B starts at 0 either way, so version 0 is the base): "kaiming" (peft's default) or "gaussian"
+    init: str = "kaiming"
+    use_rslora: bool = False
+
+
+@dataclass
 class TrainerConfig:
     nproc: int = 1  # ranks per node (torchrun --nproc-per-node)
     # nodes (torchrun --nnodes); more than 1: each node runs `areal-pipeline trainer-node` (started by a scheduler,
@@ -341,6 +356,7 @@ class TrainerConfig:
     # new shape, until the compiler treats lengths as dynamic)
     compile_layers: Optional[bool] = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # AdamW and its learning-rate schedule
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # train adapters only, over the frozen base
     # how new weights reach the servers: disk (a Hugging Face directory they load) | distributed (a broadcast
     # over a process group they join: NCCL where trainer and servers are on CUDA, gloo otherwise)
     weight_sync: str = "disk"

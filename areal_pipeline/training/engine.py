@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from areal_pipeline.checksums import verify_checksums, write_checksums
 from areal_pipeline.model import DTYPES
+from areal_pipeline.training import lora
 from areal_pipeline.training.checkpoint_io import (MODEL_SUBDIR, flatten_optimizer_state, read_hf_weights,
                                                    rng_state, set_rng_state, unflatten_optimizer_state,
                                                    write_hf_dir)
@@ -81,8 +82,10 @@ def attention_implementation(model) -> str:
 
 class TrainEngine:
     def __init__(self, model_path: str, trainer_cfg, *, total_steps: int, temperature: float = 1.0,
-                 trust_remote_code: bool = False, trainable: bool = True):
+                 trust_remote_code: bool = False, trainable: bool = True, seed: int = 0):
         self.model_path = model_path
+        self.seed = seed  # the adapters' initial values (trainer.lora)
+        self.lora = trainer_cfg.lora.enabled
         self.cfg = trainer_cfg
         self.total_steps = total_steps
         self.temperature = temperature
@@ -108,6 +111,8 @@ class TrainEngine:
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora:  # before sharding: FSDP2 then shards the adapters with the frozen layers they sit on
+            model = lora.wrap(model, self.cfg.lora, self.seed, self.model_path)
         model.to(self.device)
         param_dtype = self.cfg.param_dtype
         if param_dtype == "auto":
@@ -117,7 +122,7 @@ class TrainEngine:
         compile_layers = self.cfg.compile_layers
         if compile_layers is None:
             compile_layers = self.device.type == "cuda"
-        for layer in model.model.layers:
+        for layer in (model.get_base_model() if self.lora else model).model.layers:
             if compile_layers:  # fuses each block's norms, rotary and SwiGLU; FSDP's hooks stay outside the graph
                 layer.compile()
             fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -129,11 +134,15 @@ class TrainEngine:
             return
         model.train()
         o = self.cfg.optimizer
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay)
         warmup = int(o.warmup_steps_proportion * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(o.lr_scheduler_type, self.total_steps, warmup, o.min_lr_ratio))
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer updates and the clipping measures: every parameter, or with LoRA the adapters'."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     # ----- data layout -----------------------------------------------------------------------------
     @property
@@ -199,9 +208,13 @@ class TrainEngine:
         """Per-token logprobs of every sequence under the current weights (returned on every rank)."""
         n = len(batch["input_ids"])
         mine: dict[int, list[float]] = {}
-        for mb in self._micro_batches(list(range(n)), batch, ()):
-            logp, _ = self._forward(mb)
-            mine.update(zip(mb.indices, unpack(logp, mb)))
+        self.model.eval()  # no dropout (an adapter's, trainer.lora.dropout): the policy as the servers run it
+        try:
+            for mb in self._micro_batches(list(range(n)), batch, ()):
+                logp, _ = self._forward(mb)
+                mine.update(zip(mb.indices, unpack(logp, mb)))
+        finally:
+            self.model.train(self.trainable)
         if self.world_size == 1:
             return [mine[i] for i in range(n)]
         # Every rank knows every rank's share, so the gathered values can be cut back into sequences.
@@ -277,7 +290,7 @@ class TrainEngine:
                 stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1) if mask is not None else entropy.mean()
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * weight
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.gradient_clipping)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.cfg.optimizer.gradient_clipping)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
@@ -309,9 +322,15 @@ class TrainEngine:
                     for name, t in self.model.state_dict().items()}
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def save_hf(self, out_dir: Path) -> None:
-        """Write the weights as an ordinary Hugging Face directory (rank 0 writes; all ranks must call)."""
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights of the policy as the base model names them (a collective, as `full_state_dict`): with LoRA
+        the base with the adapters merged in, what the servers serve."""
         state = self.full_state_dict()
+        return lora.merged_state(state, self.cfg.lora) if self.lora and self.rank == 0 else state
+
+    def save_hf(self, out_dir: Path) -> None:
+        """Write the policy as an ordinary Hugging Face directory (rank 0 writes; all ranks must call)."""
+        state = self.policy_state_dict()
         if self.rank == 0:
             write_hf_dir(Path(out_dir), state, self.model.config, self.model_path)
         dist.barrier()
@@ -330,6 +349,10 @@ class TrainEngine:
             torch.tensor(list(json.dumps(rng_state()).encode()), dtype=torch.uint8, device=self.device))]
         if self.rank == 0:
             with atomic_directory(path) as tmp:
+                if self.lora:  # the adapters to resume from; model/ holds the policy, for what reads weights
+                    lora.write_adapter_dir(tmp / lora.ADAPTER_SUBDIR, lora.peft_state(model_state), self.cfg.lora,
+                                           self.model_path)
+                    model_state = lora.merged_state(model_state, self.cfg.lora)
                 write_hf_dir(tmp / MODEL_SUBDIR, model_state, self.model.config, self.model_path)
                 tensors, groups = flatten_optimizer_state(optim_state)
                 save_file(tensors, str(tmp / "optimizer.safetensors"))
@@ -339,6 +362,7 @@ class TrainEngine:
                     "optimizer_param_groups": groups,
                     "scheduler": self.scheduler.state_dict(),
                     "rng": rngs,
+                    "lora": lora.settings(self.cfg.lora) if self.lora else None,
                     **(extra or {}),
                 }, indent=1))
                 write_checksums(tmp)
@@ -353,9 +377,16 @@ class TrainEngine:
         # Every rank checks before any of them starts the collectives below, so all of them fail alike.
         verify_checksums(path)
         state = json.loads((path / "trainer_state.json").read_text())
-        model_state = read_hf_weights(path / MODEL_SUBDIR, self.model)
+        lora.check_checkpoint(state.get("lora"), self.cfg.lora)
+        if self.lora:  # the adapters only: the frozen base is model.path's
+            model_state = lora.module_state(lora.read_adapter_dir(path / lora.ADAPTER_SUBDIR),
+                                            list(self.model.state_dict()))
+            set_model_state_dict(self.model, model_state, options=StateDictOptions(full_state_dict=True,
+                                                                                   strict=False))
+        else:
+            model_state = read_hf_weights(path / MODEL_SUBDIR, self.model)
+            set_model_state_dict(self.model, model_state, options=StateDictOptions(full_state_dict=True))
         options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, model_state, options=options)
         optim_state = unflatten_optimizer_state(load_file(str(path / "optimizer.safetensors")),
                                                  state["optimizer_param_groups"])
         set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=options)

@@ -145,7 +145,7 @@ def training_settings(cfg: ExperimentConfig) -> dict[str, Any]:
     another run than the one that drives it."""
     keep = {"seed": cfg.seed, "total_iterations": cfg.total_iterations, "run_id": cfg.run_id,
             "rollout.gconfig.temperature": cfg.rollout.gconfig.temperature}
-    for section in ("ppo", "trainer.optimizer", "model"):
+    for section in ("ppo", "trainer.optimizer", "trainer.lora", "model"):
         node: Any = cfg
         for part in section.split("."):
             node = getattr(node, part)

@@ -52,6 +52,7 @@ from areal_pipeline.placement import gpu_uuid
 from areal_pipeline.training.client import TRAINER_INIT_METHOD_ENV
 from areal_pipeline.training.command_input import check_arguments
 from areal_pipeline.training.engine import TrainEngine, resolve_device
+from areal_pipeline.training.lora import LoRAMismatchError
 from areal_pipeline.training.loss_registry import make_loss
 from areal_pipeline.training.nodes import training_settings, write_announcement
 from areal_pipeline.training.ppo import read_batch, read_logprobs
@@ -102,7 +103,8 @@ class Trainer:
         steps = span * self.cfg.ppo.ppo_n_minibatches
         engine = TrainEngine(self.model_path, self.cfg.trainer, total_steps=steps,
                              temperature=self.cfg.rollout.gconfig.temperature,
-                             trust_remote_code=self.cfg.model.trust_remote_code, trainable=trainable)
+                             trust_remote_code=self.cfg.model.trust_remote_code, trainable=trainable,
+                             seed=self.cfg.seed)
         engine.initialize()
         return engine
 
@@ -126,16 +128,19 @@ class Trainer:
         return self.initialize()
 
     def compute_logp(self, shard_dir: str, out_path: str, model: str = "actor") -> dict:
-        if model == "ref":
-            if self.ref is None:
-                self.ref = self._engine(trainable=False)
-            engine = self.ref
-        elif model == "actor":
-            engine = self.require_actor()
-        else:
+        if model not in ("actor", "ref"):
             raise CommandError(f"unknown model '{model}'; valid: actor, ref", status=400)
         batch = {"input_ids": read_table(Path(shard_dir), schema=None).column("input_ids").to_pylist()}
-        values = engine.compute_logp(batch)
+        if model == "ref" and self.cfg.trainer.lora.enabled:
+            # the reference policy is the frozen base: the actor with its adapters off, not a second copy
+            if self.actor is None:
+                self.initialize()
+            with self.actor.model.disable_adapter():
+                values = self.actor.compute_logp(batch)
+        else:
+            if model == "ref" and self.ref is None:
+                self.ref = self._engine(trainable=False)
+            values = (self.ref if model == "ref" else self.require_actor()).compute_logp(batch)
         if self.rank == 0:
             import pyarrow.parquet as pq
 
@@ -214,7 +219,10 @@ class Trainer:
         actor = self.require_actor()
         if not Path(path).is_dir():
             raise CommandError(f"no checkpoint at {path}", "no_checkpoint", 404)
-        actor.load(Path(path))  # verifies the checkpoint's checksums first
+        try:
+            actor.load(Path(path))  # verifies the checkpoint's checksums first
+        except LoRAMismatchError as e:
+            raise CommandError(f"{path}: {e}", "lora_mismatch", 409) from e
         return {"path": path, "version": actor.version}
 
     def save_weights(self, path: str) -> dict:
@@ -258,7 +266,7 @@ class Trainer:
         except ValueError as e:
             raise CommandError(str(e), status=400) from e
         backend = weight_group_backend(gpu_uuid(actor.device), server_devices, server_gpus, self.cfg.trainer.colocate)
-        state = actor.full_state_dict()  # a collective: every rank takes part in gathering
+        state = actor.policy_state_dict()  # a collective: every rank takes part in gathering
         version = actor.version
         seconds, failure = 0.0, None
         if self.rank == 0:
