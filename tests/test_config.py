@@ -113,6 +113,14 @@ BAD_VALUES = [
      "inference.sglang.python='/nonexistent/bin/python': must be empty or an executable file"),
     ("inference.sglang.dtype=int8", "inference.sglang.dtype='int8': must be one of auto, half, float16, bfloat16"),
     ("trainer.weight_sync_bucket_mb=0", "trainer.weight_sync_bucket_mb=0: must be >= 1"),
+    # LoRA: a shape, a scale, a dropout, layers it can sit on, an initialisation that leaves the base as it is
+    ("trainer.lora.rank=0", "trainer.lora.rank=0: must be >= 1"),
+    ("trainer.lora.alpha=0", "trainer.lora.alpha=0.0: must be > 0"),
+    ("trainer.lora.dropout=1", "trainer.lora.dropout=1.0: must be in [0, 1)"),
+    ("trainer.lora.target_modules=[lm_head]",
+     "trainer.lora.target_modules=['lm_head']: must be [all-linear] or names among q_proj, k_proj, v_proj, o_proj"),
+    ("trainer.lora.target_modules=[]", "trainer.lora.target_modules=[]: must be [all-linear] or names among"),
+    ("trainer.lora.init=pissa", "trainer.lora.init='pissa': must be one of kaiming, gaussian"),
 ]
 
 

@@ -79,6 +79,44 @@ def test_two_ranks_give_the_same_update_as_one(tiny_model_dir, batches, tmp_path
     assert not torch.equal(initial["model.norm.weight"], w1["model.norm.weight"])  # it did train
 
 
+LORA = ("trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.optimizer.lr=1e-2")
+
+
+def test_two_ranks_give_the_same_lora_update_as_one_and_move_only_what_the_adapters_merge_into(
+        tiny_model_dir, batches, tmp_path):
+    cfg = config(tmp_path, batches, "ppo.ppo_n_minibatches=2", *LORA)
+    one = run_updates(cfg, tiny_model_dir, batches[:2], 1, tmp_path / "one", nproc=1)
+    two = run_updates(cfg, tiny_model_dir, batches[:2], 1, tmp_path / "two", nproc=2)
+    for a, b in zip(one, two):
+        for key in ("loss", "grad_norm", "clip_fraction", "approx_kl", "entropy", "loss_weight"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    # the pushed weights are the merged policy: the adapted layers moved, everything else is the base, bitwise
+    w1, w2, initial = weights(tmp_path / "one" / "final"), weights(tmp_path / "two" / "final"), weights(tiny_model_dir)
+    assert w1.keys() == w2.keys() == initial.keys()
+    for name in w1:
+        assert torch.allclose(w1[name], w2[name], atol=1e-4), name
+    adapted = {n for n in initial if n.endswith("_proj.weight")}
+    assert all(not torch.equal(w1[n], initial[n]) for n in adapted)
+    assert all(torch.equal(w1[n], initial[n]) and torch.equal(w2[n], initial[n]) for n in initial if n not in adapted)
+
+
+def test_a_lora_checkpoint_resumes_bitwise_through_the_trainer_and_other_settings_get_409(
+        tiny_model_dir, batches, tmp_path):
+    cfg = config(tmp_path, batches, *LORA)
+    run_updates(cfg, tiny_model_dir, batches, 1, tmp_path / "straight", save_at=2)
+    run_updates(cfg, tiny_model_dir, batches[2:], 3, tmp_path / "resumed", load=tmp_path / "straight" / "ckpt-2")
+    a, b = weights(tmp_path / "straight" / "final"), weights(tmp_path / "resumed" / "final")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    other = config(tmp_path, batches, *LORA, "trainer.lora.alpha=32")
+    process, client = launch_trainer(other, str(tiny_model_dir), tmp_path / "logs-other")
+    try:
+        with pytest.raises(TrainerError, match=r"trainer.lora.alpha=16.0 \(this trainer: 32.0\)") as refused:
+            client.call("load", path=str(tmp_path / "straight" / "ckpt-2"))
+        assert refused.value.status == 409 and refused.value.code == "lora_mismatch"
+    finally:
+        process.stop()
+
+
 def test_resume_from_checkpoint_is_bitwise_exact(tiny_model_dir, batches, tmp_path):
     cfg = config(tmp_path, batches, "trainer.optimizer.lr_scheduler_type=cosine",
                          "trainer.optimizer.warmup_steps_proportion=0.25")

@@ -303,7 +303,7 @@ class OptimizerConfig:
 @dataclass
 class LoRAConfig:
     """Low-rank adapters (peft's LoRA) trained over a frozen base (docs/lora.md): off by default."""
-    enabled: bool = False
+    enabled: bool = False  # true: the base frozen, the adapters trained, served merged into it
     rank: int = 8  # r: the adapters' inner dimension
     alpha: float = 16.0  # the update is scaled by alpha / rank (alpha / sqrt(rank) with use_rslora)
     dropout: float = 0.0  # dropout on the adapters' input, in training only
@@ -312,7 +312,7 @@ class LoRAConfig:
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     # how A is drawn (B starts at 0 either way, so version 0 is the base): "kaiming" (peft's default) or "gaussian"
     init: str = "kaiming"
-    use_rslora: bool = False
+    use_rslora: bool = False  # rank-stabilised LoRA: the update scaled by alpha / sqrt(rank)
 
 
 @dataclass

@@ -1,0 +1,62 @@
+"""trainer.lora through the real pipeline (the project's servers, the torchrun trainer, real shards): the CPU default
+with LoRA learns; every push is the merged policy, verified on the server; the base never moves; the reference
+logprobs are the base's while the actor has moved away from it.
+
+By hand (seed 1, the default's warm-started base, 30 iterations, lr 3e-3; 1e-2 is noisier, 3e-2 collapses): the
+batch reward goes from ~0.35 over the first iterations to ~0.75 over the last five."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _learning_helpers import base_model, first_and_last, short_run
+from areal_pipeline.data.shards import read_table
+from areal_pipeline.model import load_model
+from areal_pipeline.run_dir import RunPaths
+
+LORA = ("trainer.lora.enabled=true", "trainer.optimizer.lr=3e-3")
+
+
+@pytest.fixture(scope="module")
+def default_base_model(model_cache) -> str:
+    return base_model("tiny_cpu.yaml", model_cache)
+
+
+def test_the_default_learns_with_lora_and_serves_the_merged_policy(default_base_model, tmp_path):
+    cfg, records = short_run("tiny_cpu.yaml", tmp_path, f"model.path={default_base_model}", "total_iterations=30",
+                             "save_freq=30", *LORA)
+    curve = [round(r["reward_mean"], 2) for r in records]
+    first, _ = first_and_last(records, "reward_mean", 3)
+    _, last = first_and_last(records, "reward_mean", 5)
+    assert last > first + 0.2, curve
+    checkpoint = RunPaths(cfg.run_dir).checkpoint(30)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["lora"]["rank"] == 8 and (checkpoint / "adapter" / "adapter_model.safetensors").is_file()
+    # what was served (and verified at every push) is the merged policy: the adapted layers moved, nothing else
+    served = load_file(str(checkpoint / "model" / "model.safetensors"))
+    base = load_file(str(Path(default_base_model) / "model.safetensors"))
+    assert served.keys() == base.keys()
+    moved = {n for n in base if not torch.equal(served[n], base[n])}
+    assert moved and all(n.endswith("_proj.weight") for n in moved), sorted(moved)[:5]
+
+
+def test_the_reference_is_the_base_while_the_lora_actor_moves(default_base_model, tmp_path):
+    cfg, records = short_run("tiny_cpu.yaml", tmp_path, f"model.path={default_base_model}", "total_iterations=3",
+                             "ppo.kl_ctl=0.05", "rollout.batch_size=8", *LORA, "trainer.optimizer.lr=1e-2")
+    paths = RunPaths(cfg.run_dir)
+    ref = pq.read_table(paths.iteration(3) / "ref_logprobs.parquet").column("logprobs").to_pylist()
+    ids = read_table(paths.rollout(3), schema=None).column("input_ids").to_pylist()  # the rows the trainer read
+    base = load_model(default_base_model)
+    with torch.no_grad():
+        for row, values in list(zip(ids, ref))[:4]:
+            logits = base(torch.tensor([row])).logits[0, :-1]
+            expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(row[1:])[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(values[1:]), expected, atol=1e-5)
+    # and the actor is not the base any more: the KL it is held to has grown from the base's own
+    assert records[-1]["kl"] > records[0]["kl"] >= 0, [r["kl"] for r in records]
