@@ -82,7 +82,7 @@ def warm_start(model, tokenizer, tiny: Any, seed: int) -> None:
         torch.set_num_threads(threads)
     model.eval()
     logger.info("warm-started the tiny model: %d steps of the '%s' curriculum, final loss %.3f",
-                tiny.pretrain_steps, tiny.pretrain_task, float(loss))
+                tiny.pretrain_steps, tiny.pretrain_task, float(loss.detach() if torch.is_tensor(loss) else loss))
 
 
 def _padded(tokenizer, rows, targets) -> dict:
