@@ -37,11 +37,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from areal_pipeline.checksums import IntegrityError, has_checksums, verify_checksums
-from areal_pipeline.config import ExperimentConfig, save_config, to_dict
+from areal_pipeline.config import ExperimentConfig, adapter_push, save_config, to_dict
 from areal_pipeline.data.datasets import ROW_FILE_SUFFIXES, load_records
 from areal_pipeline.data.shards import keep_if_intact, read_manifest
 from areal_pipeline.inference.backend import engine_for
 from areal_pipeline.inference.client import RemoteSGLangEngine
+from areal_pipeline.inference.vllm_client import LORA_ADAPTER_NAME
 from areal_pipeline.logprob_steps import LogprobSteps
 from areal_pipeline.model import load_tokenizer, resolve_model_path
 from areal_pipeline.policy_eval import evaluate_policy
@@ -140,7 +141,9 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
 
     # ----- versions --------------------------------------------------------------------------------
     def _engine(self) -> RemoteSGLangEngine:
-        return engine_for(self.services.addresses, self.cfg.inference)  # the backend's protocol
+        # the backend's protocol; where pushes load the LoRA adapter alone, every request names it
+        adapter = {"adapter": LORA_ADAPTER_NAME} if adapter_push(self.cfg) else {}
+        return engine_for(self.services.addresses, self.cfg.inference, **adapter)
 
     # ----- the DAG's nodes -------------------------------------------------------------------------
     @timed

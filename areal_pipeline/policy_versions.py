@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from areal_pipeline.config import adapter_push
 from areal_pipeline.data.shards import ShardError, has_manifest
 from areal_pipeline.training.client import TrainerClient, TrainerError
 from areal_pipeline.training.nodes import host_of
@@ -180,7 +181,10 @@ class PolicyVersions:
                         await engine.resume()
         else:
             path = self._weights_path(version)
-            if not (path / "config.json").is_file():
+            if adapter_push(self.cfg):  # the adapter alone: a PEFT directory the servers load as the policy
+                if not (path / "adapter_config.json").is_file():
+                    client.call("save_adapter", path=str(path))
+            elif not (path / "config.json").is_file():
                 client.call("save_weights", path=str(path))
 
             async def push():

@@ -165,3 +165,20 @@ def test_merged_state_by_hand():
                                              "base_model.model.layer.lora_B.weight"}
     with pytest.raises(lora.LoRAMismatchError, match="missing"):
         lora.module_state({"base_model.model.layer.lora_A.weight": a}, list(state))
+
+
+def test_what_a_push_sends_follows_the_backend_and_an_impossible_adapter_push_is_refused():
+    from areal_pipeline.config import ConfigError, adapter_push
+    from areal_pipeline.run_spec import load_config
+
+    vllm = ["trainer.lora.enabled=true", "inference.backend=vllm", "model.tiny.num_attention_heads=2"]
+    assert adapter_push(load_config(None, vllm))  # auto: the adapter alone to vLLM servers the run launches
+    assert not adapter_push(load_config(None, [*vllm, "inference.addresses=[127.0.0.1:1]"]))  # theirs: merged
+    assert not adapter_push(load_config(None, [*vllm, "trainer.lora.push=merged"]))
+    assert not adapter_push(load_config(None, ["trainer.lora.enabled=true"]))  # the project's server: merged
+    assert not adapter_push(load_config(None, vllm[1:]))  # no LoRA
+    with pytest.raises(ConfigError, match=r"trainer.lora.push='adapter': needs inference.backend=vllm and "
+                                          r"trainer.weight_sync=disk \(got 'cpu' and 'disk'\)"):
+        load_config(None, ["trainer.lora.enabled=true", "trainer.lora.push=adapter"])
+    with pytest.raises(ConfigError, match="trainer.lora.push='both': must be one of auto, adapter, merged"):
+        load_config(None, ["trainer.lora.push=both"])

@@ -389,3 +389,46 @@ def test_a_line_publishes_its_champion_to_vllm_without_dropping_requests(server,
     assert asyncio.run(served_version()) == "1"  # given back
     publish(cfg, [server], str(models[0]), 0, expected[0])  # as the other tests expect it
     assert asyncio.run(served_version()) == "0"
+
+
+# ----- LoRA: the adapter alone travels (trainer.lora.push) -------------------------------------------------------
+
+LORA = ("trainer.lora.enabled=true", "trainer.optimizer.lr=1e-2")  # a rate that moves each version well apart
+
+
+def test_a_lora_run_launches_vllm_with_runtime_lora_and_an_adapter_push_that_does_not_land_fails_it(
+        vllm_python, models, tmp_path, caplog, monkeypatch):
+    """trainer.lora on vLLM (push auto: the adapter alone): the run launches vLLM with runtime LoRA, every push
+    loads the trainer's PEFT adapter directory under one name that every request and probe names, and each is
+    verified. A push the server does not take (here: the server keeps version 2's adapter under version 3's label)
+    fails the run at that push, naming the backend, the server, the adapter and the version."""
+    from areal_pipeline.inference.vllm_client import LORA_ADAPTER_NAME
+
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [HEADS, *VLLM_OVERRIDES, *LORA,
+                                                          f"inference.vllm.python={vllm_python}"])
+    command = " ".join(build_vllm_command("/m", "127.0.0.1", 1, cfg.inference.vllm, 1, lora_rank=8))
+    assert "--enable-lora --max-lora-rank 8 --max-loras 1 --max-cpu-loras 2" in command
+    (process,) = server_processes("/m", cfg.inference, 1, tmp_path, experiment=cfg)
+    assert "--enable-lora" in process.command and process.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+
+    loaded: list[tuple[int, str]] = []
+    push = RemoteVLLMEngine.update_weights_from_disk
+
+    async def keeps_version_2_at_3(engine, path, version):
+        assert engine.adapter == LORA_ADAPTER_NAME
+        loaded.append((version, path))
+        await push(engine, str(Path(path).with_name("v2")) if version == 3 else path, version)
+    monkeypatch.setattr(RemoteVLLMEngine, "update_weights_from_disk", keeps_version_2_at_3)
+    caplog.set_level(logging.INFO, logger="areal_pipeline")
+    with pytest.raises(WeightMismatchError) as failed:
+        short_run("tiny_cpu.yaml", tmp_path, HEADS, *VLLM_OVERRIDES, *LORA, f"model.path={models[0]}",
+                  f"inference.vllm.python={vllm_python}", "total_iterations=4", "rollout.batch_size=8")
+    assert _verified_versions(caplog) == [0, 1, 2]
+    assert [v for v, _ in loaded] == [0, 1, 2, 3]
+    # each push is the adapter alone: a PEFT directory (the older versions' are pruned once a newer one is served)
+    for _, path in loaded[2:]:
+        assert sorted(p.name for p in Path(path).iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    error = failed.value
+    assert (error.backend, error.version) == ("vllm", 3)
+    assert f"LoRA adapter the server serves as '{LORA_ADAPTER_NAME}' is not the trainer's" in str(error)
+    assert re.search(r"vllm server 127\.0\.0\.1:\d+", str(error))

@@ -17,7 +17,7 @@ adds the rules that need the project's registries:
 from areal_pipeline.config.loading import (UNCHECKED_AGENT, Chosen, ChosenSection, Layer, build_config, layered_value,
                                            load, read_layers, save_config, section_type, to_dict, to_yaml, valid_keys)
 from areal_pipeline.config.rules import (CROSS_RULES, FIELD_RULES, VLLM_CPU_HEAD_SIZES, ConfigError, CrossRule, Key,
-                                         Rule, above, at_least, each, field_rules_of, looks_like_local_path, one_of,
+                                         Rule, adapter_push, above, at_least, each, field_rules_of, looks_like_local_path, one_of,
                                          validate, within)
 from areal_pipeline.config.schema import (DatasetConfig, ExperimentConfig, GenerationConfig, InferenceConfig,
                                           ModelConfig, NoAgentConfig, NormConfig, OptimizerConfig, PPOConfig,
@@ -26,7 +26,7 @@ from areal_pipeline.config.schema import (DatasetConfig, ExperimentConfig, Gener
 
 __all__ = [
     "CROSS_RULES", "FIELD_RULES", "UNCHECKED_AGENT", "VLLM_CPU_HEAD_SIZES", "Chosen", "ChosenSection", "ConfigError",
-    "CrossRule", "DatasetConfig", "ExperimentConfig", "GenerationConfig", "InferenceConfig", "Key", "Layer",
+    "CrossRule", "adapter_push", "DatasetConfig", "ExperimentConfig", "GenerationConfig", "InferenceConfig", "Key", "Layer",
     "ModelConfig", "NoAgentConfig", "NormConfig", "OptimizerConfig", "PPOConfig", "RetrievalConfig", "RolloutConfig",
     "Rule", "SGLangConfig", "TinyModelConfig", "TrainerConfig", "VLLMConfig", "above", "at_least", "build_config",
     "each", "field_rules_of", "layered_value", "load", "looks_like_local_path", "one_of", "read_layers",

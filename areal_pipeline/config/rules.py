@@ -216,7 +216,7 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                  "target_modules": Rule(f"[all-linear] or names among {', '.join(LORA_TARGETS)}",
                                         lambda names: list(names) == ["all-linear"]
                                         or (bool(names) and all(n in LORA_TARGETS for n in names))),
-                 "init": one_of("kaiming", "gaussian")},
+                 "init": one_of("kaiming", "gaussian"), "push": one_of("auto", "adapter", "merged")},
     TrackersConfig: {"timeout": _POSITIVE},
     RecurringConfig: {"line": Rule("empty or a name of letters, digits, '.', '_' and '-' (a directory and a "
                                    "deployment are named after it)",
@@ -353,6 +353,22 @@ def _trackers_are_installed(trackers: TrackersConfig, key: Key) -> Iterator[str]
 
 
 # Rules between fields of one section, run once every field passed its own rules (they divide and compare them).
+def adapter_push(cfg: ExperimentConfig) -> bool:
+    """Whether a push sends the LoRA adapter alone (trainer.lora.push; "auto": where it can go alone, to vLLM servers
+    the run launches, from disk)."""
+    lora = cfg.trainer.lora
+    can = cfg.inference.backend == "vllm" and cfg.trainer.weight_sync == "disk"
+    return lora.enabled and (lora.push == "adapter" or (lora.push == "auto" and can and not cfg.inference.addresses))
+
+
+def _adapter_push_is_possible(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    lora = cfg.trainer.lora
+    if lora.enabled and lora.push == "adapter" and (cfg.inference.backend != "vllm"
+                                                    or cfg.trainer.weight_sync != "disk"):
+        yield (f"{key('trainer.lora.push')}='adapter': needs inference.backend=vllm and trainer.weight_sync=disk "
+               f"(got {cfg.inference.backend!r} and {cfg.trainer.weight_sync!r}); 'merged' works with every backend")
+
+
 CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {
     TinyModelConfig: (_attention_heads_divide,),
     RetrievalConfig: (_default_topk_within_max,),
@@ -360,7 +376,7 @@ CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {
     TrackersConfig: (_trackers_are_installed,),
     ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, weights_reach_the_servers,
                        hosts_reach_each_other, _vllm_serves_the_embedded_model, _judge_is_complete,
-                       _schedule_covers_the_run),
+                       _schedule_covers_the_run, _adapter_push_is_possible),
 }
 
 FieldRules = Mapping[type, Mapping[str, "Rule | tuple[Rule, ...]"]]

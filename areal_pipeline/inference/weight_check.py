@@ -65,6 +65,9 @@ async def _diagnosis(engine, address: str) -> str:
     embedding); "" where it cannot."""
     if getattr(engine, "backend", "") != "vllm":
         return ""
+    if getattr(engine, "adapter", None):  # the policy is a LoRA adapter over the served base (trainer.lora.push)
+        return (f"the LoRA adapter the server serves as '{engine.adapter}' is not the trainer's (the adapter pushed "
+                f"did not reach it)")
     try:
         reply = await engine.request(address, "/collective_rpc", {"method": "tied_head_state"}, retries=0)
         state = reply["results"][0]

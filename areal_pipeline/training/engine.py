@@ -335,6 +335,13 @@ class TrainEngine:
             write_hf_dir(Path(out_dir), state, self.model.config, self.model_path)
         dist.barrier()
 
+    def save_adapter(self, out_dir: Path) -> None:
+        """Write the adapters as a PEFT adapter directory (trainer.lora; rank 0 writes; all ranks must call)."""
+        state = self.full_state_dict()
+        if self.rank == 0:
+            lora.write_adapter_dir(Path(out_dir), lora.peft_state(state), self.cfg.lora, self.model_path)
+        dist.barrier()
+
     def save(self, path: Path, extra: Optional[dict[str, Any]] = None) -> None:
         """Everything needed to continue exactly: weights, optimizer, LR schedule, RNG states, version; and,
         last, checksums.json, which `load` (and whoever serves `model/`) verifies first."""

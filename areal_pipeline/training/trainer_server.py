@@ -15,6 +15,7 @@ collective, and rank 0 answers. Commands:
     {"cmd": "probe_logp", "input_ids"}                      -> {"logprobs" of input_ids[1:] at temperature 1}
     {"cmd": "save", "path", "extra"} / {"cmd": "load", "path"}
     {"cmd": "save_weights", "path"}                         -> an HF directory for /update_weights_from_disk
+    {"cmd": "save_adapter", "path"}                         -> a PEFT adapter directory (trainer.lora)
     {"cmd": "update_weights_distributed", "servers", "master_address", "master_port", "dtype", "tp_sizes",
      "epoch", "bucket_bytes"}
     {"cmd": "status"} / {"cmd": "shutdown"}
@@ -82,7 +83,8 @@ class CommandError(Exception):
 # the run's output_dir or trainer.weights_dir (confined_paths.py), else the command is refused before it runs.
 PATH_ARGUMENTS = {"compute_logp": {"shard_dir": False, "out_path": True},
                   "train": {"batch_dir": False, "policy_logprobs": False},
-                  "save": {"path": True}, "load": {"path": False}, "save_weights": {"path": True}}
+                  "save": {"path": True}, "load": {"path": False}, "save_weights": {"path": True},
+                  "save_adapter": {"path": True}}
 
 
 class Trainer:
@@ -234,6 +236,19 @@ class Trainer:
             actor.save_hf(Path(path))  # a collective; only rank 0 writes
         return {"path": path, "version": actor.version}
 
+    def save_adapter(self, path: str) -> dict:
+        """The adapters alone, for a server's runtime LoRA loading (trainer.lora.push)."""
+        actor = self.require_actor()
+        if not self.cfg.trainer.lora.enabled:
+            raise CommandError("save_adapter needs trainer.lora.enabled: this trainer trains the full model",
+                               "not_lora", 400)
+        if self.rank == 0:
+            with atomic_directory(Path(path)) as tmp:
+                actor.save_adapter(tmp)
+        else:
+            actor.save_adapter(Path(path))
+        return {"path": path, "version": actor.version}
+
     def update_weights_distributed(self, servers: list[str], master_address: str, master_port: int,
                                    dtype: str = "float32", group_name: str = "weight_update_group",
                                    server_devices: Optional[list[str]] = None,
@@ -294,6 +309,7 @@ class Trainer:
         return {"initialize": self.initialize, "reinitialize": self.reinitialize, "compute_logp": self.compute_logp,
                 "train": self.train, "probe_logp": self.probe_logp,
                 "save": self.save, "load": self.load, "save_weights": self.save_weights,
+                "save_adapter": self.save_adapter,
                 "update_weights_distributed": self.update_weights_distributed, "status": self.status}
 
     def check_paths(self, name: str, args: dict) -> None:
