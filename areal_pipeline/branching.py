@@ -137,6 +137,10 @@ def plan_branch(parent_dir: str | Path, at: int, run_id: str, overrides: Optiona
     return plan_branch_of(parent_dir, at, cfg, overrides, replay, iterations, rescored, parent_cfg)
 
 
+# what makes a LoRA policy what it is; its dropout, push and optimizer may change in a branch
+LORA_SHAPE = ("enabled", "rank", "alpha", "target_modules", "use_rslora")
+
+
 def plan_branch_of(parent_dir: str | Path, at: int, cfg: ExperimentConfig, overrides: Optional[list[str]] = None,
                    replay: bool = False, iterations: Optional[int] = None, rescored: Optional[str] = None,
                    parent_cfg: Optional[ExperimentConfig] = None) -> BranchPlan:
@@ -158,6 +162,10 @@ def plan_branch_of(parent_dir: str | Path, at: int, cfg: ExperimentConfig, overr
                           f"{at}")
     if cfg.model != parent_cfg.model:
         raise BranchError("model.* cannot change in a branch: it starts from the parent's policy")
+    changed = [key for key in LORA_SHAPE if getattr(cfg.trainer.lora, key) != getattr(parent_cfg.trainer.lora, key)]
+    if changed:
+        raise BranchError(f"trainer.lora.{changed[0]} cannot change in a branch: it continues the parent's "
+                          "adapters (a new base: the parent's checkpoint's model/, the merged policy, as model.path)")
     if replay:
         for section in ("rollout", "dataset", "seed"):
             if getattr(cfg, section) != getattr(parent_cfg, section):

@@ -135,6 +135,8 @@ def test_bad_branches_are_refused_with_the_reason(parent):
         (dict(parent_dir=parent, at=5, run_id="x"), "finished iterations 1..4, so it cannot be branched at 5"),
         (dict(parent_dir=parent, at=2, run_id="p"), "run id of its own"),
         (dict(parent_dir=parent, at=2, run_id="x", overrides=["model.trust_remote_code=true"]), "model.* cannot change"),
+        (dict(parent_dir=parent, at=2, run_id="x", overrides=["trainer.lora.enabled=true"]),
+         r"trainer.lora.enabled cannot change in a branch: it continues the parent's adapters"),
         (dict(parent_dir=parent, at=2, run_id="x", overrides=["run_id=y"]), "--run-id"),
         (dict(parent_dir=parent, at=4, run_id="x"), "nothing to train"),
         (dict(parent_dir=parent, at=2, run_id="x", replay=True, overrides=["rollout.gconfig.temperature=0.5"]),
