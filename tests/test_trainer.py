@@ -229,7 +229,7 @@ def test_reinforce_update_through_the_same_engine(tiny_model_dir, tmp_path):
 
 
 def test_trainer_threads_leave_the_cpu_inference_servers_their_cores(tmp_path):
-    from areal_pipeline.training.trainer_server import trainer_threads
+    from areal_pipeline.training.nodes import trainer_threads
 
     def threads(*overrides: str, cores: int = 2, device: str = "cpu") -> int:
         cfg = load_config(None, [f"output_dir={tmp_path}", "inference.backend=cpu", *overrides])

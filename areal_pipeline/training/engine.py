@@ -336,8 +336,12 @@ class TrainEngine:
         dist.barrier()
 
     def save_adapter(self, out_dir: Path) -> None:
-        """Write the adapters as a PEFT adapter directory (trainer.lora; rank 0 writes; all ranks must call)."""
-        state = self.full_state_dict()
+        """Write the adapters as a PEFT adapter directory (trainer.lora; rank 0 writes; all ranks must call). Only
+        the adapters are gathered: a push never moves the frozen base."""
+        from torch.distributed.tensor import DTensor
+
+        state = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+                 for name, p in self.model.named_parameters() if p.requires_grad}  # the same order on every rank
         if self.rank == 0:
             lora.write_adapter_dir(Path(out_dir), lora.peft_state(state), self.cfg.lora, self.model_path)
         dist.barrier()

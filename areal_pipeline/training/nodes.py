@@ -21,10 +21,13 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from areal_pipeline.config import ExperimentConfig, to_dict
 from areal_pipeline.utils import atomic_write_text, get_logger
+
+if TYPE_CHECKING:
+    import torch
 
 logger = get_logger(__name__)
 
@@ -232,3 +235,17 @@ def connect_trainer(cfg: ExperimentConfig):
 
 def host_of(address: str) -> str:
     return split_address(address)[0]
+
+
+def trainer_threads(cfg: ExperimentConfig, device: torch.device, cores: Optional[int] = None) -> int:
+    """Torch threads per rank: `trainer.num_threads`, or with 0 torch's default (every core), except for
+    asynchronous training on CPU with CPU inference servers. There every update runs while the servers generate
+    on the same cores, so a rank gets only the cores they leave: a thread more only contends with them (on the
+    default run, 2 threads on 2 cores cut an update's wall time by ~15% for ~60% more CPU time)."""
+    if cfg.trainer.num_threads > 0:
+        return cfg.trainer.num_threads
+    if cfg.rollout.max_head_offpolicyness == 0 or device.type != "cpu" or cfg.inference.backend != "cpu":
+        return 0
+    cores = cores or len(os.sched_getaffinity(0))
+    serving = cfg.inference.num_servers * (cfg.inference.num_threads or cores)
+    return max(1, (cores - serving) // cfg.trainer.nproc)

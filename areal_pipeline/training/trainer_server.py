@@ -55,7 +55,7 @@ from areal_pipeline.training.command_input import check_arguments
 from areal_pipeline.training.engine import TrainEngine, resolve_device
 from areal_pipeline.training.lora import LoRAMismatchError
 from areal_pipeline.training.loss_registry import make_loss
-from areal_pipeline.training.nodes import training_settings, write_announcement
+from areal_pipeline.training.nodes import trainer_threads, training_settings, write_announcement
 from areal_pipeline.training.ppo import read_batch, read_logprobs
 from areal_pipeline.training.rank_control import Endpoint, broadcast_json, give_up, wait_on_time
 from areal_pipeline.utils import (PeerTimeout, atomic_directory, atomic_path, exit_when_parent_dies,
@@ -228,26 +228,23 @@ class Trainer:
         return {"path": path, "version": actor.version}
 
     def save_weights(self, path: str) -> dict:
-        actor = self.require_actor()
-        if self.rank == 0:
-            with atomic_directory(Path(path)) as tmp:
-                actor.save_hf(tmp)
-        else:
-            actor.save_hf(Path(path))  # a collective; only rank 0 writes
-        return {"path": path, "version": actor.version}
+        return self._write_dir(path, self.require_actor().save_hf)
 
     def save_adapter(self, path: str) -> dict:
         """The adapters alone, for a server's runtime LoRA loading (trainer.lora.push)."""
-        actor = self.require_actor()
         if not self.cfg.trainer.lora.enabled:
             raise CommandError("save_adapter needs trainer.lora.enabled: this trainer trains the full model",
                                "not_lora", 400)
+        return self._write_dir(path, self.require_actor().save_adapter)
+
+    def _write_dir(self, path: str, write) -> dict:
+        """`write(directory)` on every rank (a collective; rank 0 writes), into a directory that appears whole."""
         if self.rank == 0:
             with atomic_directory(Path(path)) as tmp:
-                actor.save_adapter(tmp)
+                write(tmp)
         else:
-            actor.save_adapter(Path(path))
-        return {"path": path, "version": actor.version}
+            write(Path(path))
+        return {"path": path, "version": self.actor.version}
 
     def update_weights_distributed(self, servers: list[str], master_address: str, master_port: int,
                                    dtype: str = "float32", group_name: str = "weight_update_group",
@@ -342,20 +339,6 @@ class Trainer:
             return handlers[name](**args)
         except IntegrityError as e:
             raise CommandError(str(e), "corrupt_file", 409, file=str(e.path), problem=e.problem) from e
-
-
-def trainer_threads(cfg: ExperimentConfig, device: torch.device, cores: Optional[int] = None) -> int:
-    """Torch threads per rank: `trainer.num_threads`, or with 0 torch's default (every core), except for
-    asynchronous training on CPU with CPU inference servers. There every update runs while the servers generate
-    on the same cores, so a rank gets only the cores they leave: a thread more only contends with them (on the
-    default run, 2 threads on 2 cores cut an update's wall time by ~15% for ~60% more CPU time)."""
-    if cfg.trainer.num_threads > 0:
-        return cfg.trainer.num_threads
-    if cfg.rollout.max_head_offpolicyness == 0 or device.type != "cpu" or cfg.inference.backend != "cpu":
-        return 0
-    cores = cores or len(os.sched_getaffinity(0))
-    serving = cfg.inference.num_servers * (cfg.inference.num_threads or cores)
-    return max(1, (cores - serving) // cfg.trainer.nproc)
 
 
 def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int, announce: Optional[str] = None,
