@@ -16,13 +16,14 @@ import gc
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
 from areal_pipeline.http_json import RequestRejected as RequestError
 from areal_pipeline.inference.kv_batch import Batch, GenRequest, prefill
+from areal_pipeline.inference.lora_serving import (EVICTED, AdapterWeights, MergedAdapter, base_locked,
+                                                    refusal_for)
 from areal_pipeline.inference.sampling import sample_next_tokens
 from areal_pipeline.inference.types import SamplingParams
 from areal_pipeline.model import eos_token_ids, load_model, load_tokenizer
@@ -63,6 +64,7 @@ class BatchEngine:
         self.load_error: Optional[BaseException] = None
         self.on_load_failure = on_load_failure
         self.paused = False
+        self.adapter = MergedAdapter()  # the LoRA adapter merged into the model (lora_serving.py), if any
         self._pending: deque[GenRequest] = deque()
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._cv = threading.Condition()
@@ -117,6 +119,8 @@ class BatchEngine:
                                "(SGLang's seeded sampler does not support it)")
         if not all(type(i) is int and 0 <= i < self.vocab_size for i in ids):
             raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
+        if (refusal := refusal_for([request.lora_name], self.adapter.name)) is not None:
+            raise RequestError(refusal)
 
     def _context_exceeded(self, total: Any, prompt_tokens: Any, max_new_tokens: int) -> str:
         return (f"Requested token count exceeds the model's maximum context length of {self.context_length} "
@@ -165,9 +169,29 @@ class BatchEngine:
     def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> concurrent.futures.Future:
         return self.call(lambda: self._abort_where(lambda r: abort_all or r.rid == rid, "aborted by request"))
 
+    def load_adapter(self, name: str, adapter: AdapterWeights) -> concurrent.futures.Future:
+        """Merge `adapter` (read and checked: lora_serving.read_adapter) into the base as `name`, in place of the
+        adapter merged before, whose running requests end as aborted (their clients resend them naming this one)."""
+        def _load():
+            self._abort_where(lambda r: r.lora_name != name, EVICTED)
+            self.adapter.merge(self.model, name, adapter)
+        return self.call(_load)
+
+    def unload_adapter(self) -> concurrent.futures.Future:
+        """Serve the base again: the requests running on the adapter end as aborted."""
+        def _unload():
+            self._abort_where(lambda r: r.lora_name is not None, EVICTED)
+            self.adapter.unmerge(self.model)
+        return self.call(_unload)
+
+    def _refuse_while_adapter(self) -> None:
+        if self.adapter.name is not None:  # the base under it would no longer be the one the adapter was made for
+            raise RequestError(base_locked(self.adapter.name))
+
     def load_weights(self, state: dict[str, torch.Tensor], weight_version: Optional[str]) -> concurrent.futures.Future:
         """Copy weights that `read_weights` checked into the model, between two decode steps."""
         def _load():
+            self._refuse_while_adapter()
             own = self.model.state_dict()
             with torch.no_grad():
                 for name, tensor in state.items():
@@ -190,6 +214,7 @@ class BatchEngine:
         limit = timeout if timeout is not None else GROUP_TIMEOUT.total_seconds()
 
         def _update():
+            self._refuse_while_adapter()
             params = self.model.state_dict()
             unknown = [n for n in names if n not in params]
             if unknown:  # fail before receiving: the trainer's broadcast then errors out instead of hanging
@@ -258,6 +283,7 @@ class BatchEngine:
             with self._cv:
                 room = self.max_batch_size - len(self._batch)
                 new = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            new = self._refuse_adapters_not_loaded(new)
             if new:
                 self._admit_or_fail(new)
         self._finish_aborted()
@@ -275,6 +301,18 @@ class BatchEngine:
         while len(self._pending) != seen and time.perf_counter() < deadline:
             seen = len(self._pending)
             time.sleep(0.002)
+
+    def _refuse_adapters_not_loaded(self, new: list[GenRequest]) -> list[GenRequest]:
+        """`new` less the requests naming another adapter than the one merged now (checked at admission, not only
+        when they came: an adapter may have been swapped while they queued); those end refused, with a 400."""
+        admitted = []
+        for r in new:
+            if (refusal := refusal_for([r.lora_name], self.adapter.name)) is None:
+                admitted.append(r)
+            else:
+                r.error_status = 400
+                self._fail(r, refusal)
+        return admitted
 
     def _admit_or_fail(self, new: list[GenRequest]) -> None:
         """Admit `new`, which has left the queue: if admission fails, whatever of it is not finished ends with an
@@ -392,39 +430,6 @@ class BatchEngine:
     def _sample(self, requests: list[GenRequest], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return sample_next_tokens(logits, [r.params for r in requests], [r.generator for r in requests],
                                   self._generator)
-
-    def read_weights(self, model_path: str) -> dict[str, torch.Tensor]:
-        """Read a checkpoint's safetensors and check them against the model, on any thread (generation goes on
-        meanwhile): every file readable, every tensor one of the model's, of its shape, floating point and
-        finite, none missing. RequestError otherwise, so a bad checkpoint leaves the served weights as they were."""
-        from safetensors.torch import load_file
-
-        path = Path(model_path)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        if not files or not all(f.is_file() and f.suffix == ".safetensors" for f in files):
-            raise RequestError(f"no safetensors weights found at {path}")
-        state = {}
-        for f in files:
-            try:
-                state.update(load_file(str(f), device=str(self.device)))
-            except Exception as e:  # truncated or not safetensors at all
-                raise RequestError(f"cannot read weights from {f}: {e}") from None
-        own = self.model.state_dict()
-        unknown = sorted(set(state) - set(own))
-        if unknown:
-            raise RequestError(f"weights at {path} hold tensors this model does not have: {unknown[:5]}")
-        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        missing = sorted(set(own) - set(state) - tied)
-        if missing:
-            raise RequestError(f"weights at {path} lack tensors: {missing[:5]}")
-        for name, tensor in state.items():
-            if own[name].shape != tensor.shape:
-                raise RequestError(f"tensor {name}: shape {tuple(tensor.shape)} != model's {tuple(own[name].shape)}")
-            if not tensor.is_floating_point():
-                raise RequestError(f"tensor {name} at {path} is {tensor.dtype}, not floating point")
-            if not torch.isfinite(tensor).all():
-                raise RequestError(f"tensor {name} at {path} holds NaN or infinite values")
-        return state
 
 
 class _PrefillFailed(RuntimeError):

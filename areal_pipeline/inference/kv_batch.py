@@ -37,6 +37,8 @@ class GenRequest:
     # Why the server failed this request (an internal error, not the request's fault): the HTTP reply is then an
     # error, never an abort a client would take for a pause and resend.
     error: Optional[str] = None
+    error_status: int = 500  # 400 where the request could not run as asked (an adapter not loaded)
+    lora_name: Optional[str] = None  # the LoRA adapter it runs on (lora_serving.py); None: the base
     generator: Optional[torch.Generator] = None
     cached_tokens: int = 0  # prompt tokens whose KV cache came from another request's prefill
 

@@ -71,7 +71,7 @@ class OpenAIRoutes:
         prompt_ids = await asyncio.get_running_loop().run_in_executor(
             self.server._tokenizing, lambda: chat_prompt_ids(engine.tokenizer, chat.messages, chat.tools,
                                                              chat.template_kwargs))
-        generations = await self._generate(prompt_ids, chat.sampling, chat.n)
+        generations = await self._generate(prompt_ids, chat.sampling, chat.n, self._adapter(chat.model))
         reply, _ = chat_completion_reply(chat, engine.tokenizer, prompt_ids, generations)
         return web.json_response(reply)
 
@@ -85,16 +85,23 @@ class OpenAIRoutes:
         prompts = await asyncio.get_running_loop().run_in_executor(
             self.server._tokenizing, lambda: [p if isinstance(p, list) else engine.tokenize(p, budget)
                                               for p in completion.prompts])
-        generations = await asyncio.gather(*(self._generate(ids, completion.sampling, completion.n) for ids in prompts))
+        adapter = self._adapter(completion.model)
+        generations = await asyncio.gather(*(self._generate(ids, completion.sampling, completion.n, adapter)
+                                             for ids in prompts))
         return web.json_response(completion_reply(completion, engine.tokenizer, [len(p) for p in prompts],
                                                   list(generations)))
 
     async def models(self, request: web.Request) -> web.Response:
         engine = self.server.engine
         return web.json_response(models_reply(engine.model_path, engine.context_length if engine.ready.is_set()
-                                              else None))
+                                              else None, adapters=engine.adapter.loaded()))
 
-    async def _generate(self, prompt_ids: list[int], sampling: SamplingParams, n: int) -> list[Generation]:
+    def _adapter(self, model: str) -> Optional[str]:
+        """The LoRA adapter `model` names (as SGLang's and vLLM's OpenAI routes take it), or None: the base."""
+        return model if model == self.server.engine.adapter.name else None
+
+    async def _generate(self, prompt_ids: list[int], sampling: SamplingParams, n: int,
+                        adapter: Optional[str] = None) -> list[Generation]:
         """n samples of one prompt, submitted together (the engine prefills the shared prompt once); a sample that a
         pause interrupted is sent again with its tokens so far and the rest of its budget."""
         engine = self.server.engine
@@ -113,6 +120,7 @@ class OpenAIRoutes:
                 params = dataclasses.replace(sampling.for_choice(i), max_new_tokens=budget - len(sample.output_ids))
                 future = loop.create_future()
                 gen = GenRequest(input_ids=prompt_ids + sample.output_ids, params=params, return_logprob=True,
+                                 lora_name=adapter,
                                  on_finish=lambda r, f=future: loop.call_soon_threadsafe(_resolve, f, r))
                 engine.validate(gen)
                 requests.append(gen)
@@ -127,6 +135,8 @@ class OpenAIRoutes:
                 raise
             failed = next((gen for gen in requests if gen.error is not None), None)
             if failed is not None:
+                if failed.error_status == 400:  # its adapter was swapped out while it queued
+                    raise OpenAIError(failed.error, code="model_not_found", status=400)
                 raise OpenAIError(failed.error, code="internal_error", status=500, error_type="server_error")
             for (_, sample), gen in zip(pending, requests):
                 sample.output_ids += gen.output_ids

@@ -90,8 +90,11 @@ def _usage(prompt_tokens: int, generations: list[Generation]) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def models_reply(model_id: str, context_length: Optional[int] = None) -> dict[str, Any]:
+def models_reply(model_id: str, context_length: Optional[int] = None,
+                 adapters: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """The model, and each LoRA adapter loaded (`adapters`: name -> path) as vLLM and SGLang list them."""
     entry = {"id": model_id, "object": "model", "created": 0, "owned_by": "areal-pipeline", "root": model_id}
     if context_length:
         entry["max_model_len"] = context_length
-    return {"object": "list", "data": [entry]}
+    loaded = [{**entry, "id": name, "root": path, "parent": model_id} for name, path in (adapters or {}).items()]
+    return {"object": "list", "data": [entry, *loaded]}

@@ -35,6 +35,7 @@ from areal_pipeline.http_json import (
 )
 from areal_pipeline.inference.engine import BatchEngine, RequestError
 from areal_pipeline.inference.kv_batch import GenRequest
+from areal_pipeline.inference.lora_serving import LoRARoutes, lora_path_names
 from areal_pipeline.inference.openai_api import OpenAIRoutes
 from areal_pipeline.inference.server_args import DEFAULT_MAX_BODY_BYTES, build_arg_parser
 from areal_pipeline.inference.types import SamplingParams
@@ -45,7 +46,7 @@ from areal_pipeline.utils import exit_when_parent_dies, get_logger
 logger = get_logger(__name__)
 
 GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
-                 "top_logprobs_num", "return_text_in_logprobs", "rid", "stream"}
+                 "top_logprobs_num", "return_text_in_logprobs", "rid", "stream", "lora_path"}
 
 
 def _given(body: dict, key: str, default: Any) -> Any:
@@ -81,7 +82,9 @@ class InferenceServer:
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
-        WeightRoutes(self).register(r)  # /update_weights_from_disk, the weight-update group's routes (weight_routes.py)
+        weights = WeightRoutes(self)
+        weights.register(r)  # /update_weights_from_disk, the weight-update group's routes (weight_routes.py)
+        LoRARoutes(self).register(r, weights._disk_refusal)  # /load_lora_adapter, /unload_lora_adapter
         OpenAIRoutes(self).register(r)  # /v1/chat/completions, /v1/completions, /v1/models (openai_api.py)
         app.on_shutdown.append(self._shutdown)
         return app
@@ -115,6 +118,7 @@ class InferenceServer:
         given, batched, are_texts = self._prompts(body)
         params = self._sampling_params(body.get("sampling_params"), len(given), batched)
         rids = self._rids(body.get("rid"), len(given), batched)
+        adapters = lora_path_names(body.get("lora_path"), len(given), batched)
         named = [r for r in rids if r is not None]
         repeated = sorted({rid for rid in named if named.count(rid) > 1})
         if repeated:  # as SGLang checks a request's ids, before anything else of it
@@ -123,10 +127,10 @@ class InferenceServer:
         prompts = given if not are_texts else await loop.run_in_executor(
             self._tokenizing, lambda: [self.engine.tokenize(text, p.max_new_tokens) for text, p in zip(given, params)])
         gens, futures = [], []
-        for ids, rid, prompt_params in zip(prompts, rids, params):
+        for ids, rid, prompt_params, adapter in zip(prompts, rids, params, adapters):
             fut = loop.create_future()
             gen = GenRequest(input_ids=ids, params=prompt_params, return_logprob=return_logprob,
-                             logprob_start_len=logprob_start_len,
+                             logprob_start_len=logprob_start_len, lora_name=adapter,
                              on_finish=lambda r, f=fut: loop.call_soon_threadsafe(_resolve, f, r))
             if rid is not None:
                 gen.rid = rid
@@ -146,8 +150,8 @@ class InferenceServer:
         finally:
             self._in_flight -= named
         failed = next((g for g in gens if g.error is not None), None)
-        if failed is not None:  # the server's fault: 500, which clients retry and then report, never resend as paused
-            return error_response(failed.error, 500)
+        if failed is not None:  # 500 where the server failed it: clients retry and then report, never resend as paused
+            return error_response(failed.error, failed.error_status)
         replies = [self._reply(g, with_text) for g in gens]
         return web.json_response(replies if batched else replies[0])
 
@@ -347,6 +351,8 @@ def serve(args: argparse.Namespace) -> None:
     except CredentialError as e:
         raise SystemExit(str(e)) from None
     device = check_device(args.device, args.mem_fraction_static)
+    if args.enable_lora and args.max_lora_rank < 1:  # as SGLang, which needs the rank to size its adapter pool
+        raise SystemExit("--enable-lora needs --max-lora-rank R (the largest adapter rank a load takes)")
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     exit_when_parent_dies()

@@ -39,6 +39,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-group-master", action="append", default=[], metavar="HOST",
                    help="the only master addresses /init_weights_update_group joins (repeatable; the trainer's); "
                         "default: any")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters loaded at run time (/load_lora_adapter; SGLang's flag): one at a time, "
+                        "merged into the base (see areal_pipeline/inference/lora_serving.py)")
+    p.add_argument("--max-lora-rank", type=int, default=0, help="the largest adapter rank a load takes")
+    p.add_argument("--lora-target-modules", nargs="+", default=["all"],
+                   help="the modules an adapter may adapt (q_proj ... down_proj, or all)")
+    p.add_argument("--max-loaded-loras", type=int, default=1, choices=[1],
+                   help="adapters held at once: 1, merged into the base (a load evicts the one before)")
     return p
 
 

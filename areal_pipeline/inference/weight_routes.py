@@ -12,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from aiohttp import web
 
 from areal_pipeline.confined_paths import OutsideRoots, confine, resolve_roots
 from areal_pipeline.http_json import check_bool, check_int, check_str, read_json_object, shown
 from areal_pipeline.inference.engine import RequestError
+from areal_pipeline.inference.lora_serving import base_locked
 
 
 def _given(body: dict, key: str, default: Any) -> Any:
@@ -39,6 +42,7 @@ class WeightRoutes:
 
     def register(self, r: web.UrlDispatcher) -> None:
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/update_weight_version", self.update_weight_version)
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
@@ -60,9 +64,13 @@ class WeightRoutes:
         refusal = await asyncio.to_thread(self._disk_refusal, path)
         if refusal is not None:
             return web.json_response({"success": False, "message": refusal, "num_paused_requests": 0}, status=403)
+        if self.server.engine.adapter.name is not None:
+            return web.json_response({"success": False, "message": base_locked(self.server.engine.adapter.name),
+                                      "num_paused_requests": 0}, status=400)
         started = time.perf_counter()
         try:  # read and checked before any weight is swapped in, off the engine thread: generation goes on meanwhile
-            state = await asyncio.to_thread(self.server.engine.read_weights, path)
+            engine = self.server.engine
+            state = await asyncio.to_thread(read_weights, engine.model, engine.device, path)
         except RequestError as e:
             return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0}, status=400)
         if abort_all:
@@ -76,6 +84,23 @@ class WeightRoutes:
             "num_paused_requests": num_paused,
             "weight_version": self.server.engine.weight_version,
         })
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        """SGLang's: the label new tokens carry (after a LoRA adapter's load, say); `abort_all_requests` (default
+        true, as SGLang's) ends the running requests first, as aborted."""
+        body = await read_json_object(request)
+        version = _weight_version({"weight_version": body.get("new_version")})
+        if version is None:
+            raise RequestError("new_version is required")
+        engine = self.server.engine
+        if check_bool("abort_all_requests", _given(body, "abort_all_requests", True)):
+            await asyncio.wrap_future(engine.abort(abort_all=True))
+
+        def label():
+            engine.weight_version = version
+        await asyncio.wrap_future(engine.call(label))
+        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
+                                  "new_version": version})
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         from areal_pipeline.training.weight_group import join_weight_group
@@ -170,17 +195,17 @@ class WeightRoutes:
         await asyncio.get_running_loop().run_in_executor(None, destroy_weight_group, removed[0])
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
-    def _disk_refusal(self, path: str) -> Optional[str]:
-        """Why `path` may not be loaded (None: it may): it, and every weight file the load reads there, must resolve
-        inside a --weights-root (a file linked out of one is refused as the path would be)."""
+    def _disk_refusal(self, path: str, patterns: tuple[str, ...] = ("*.safetensors",)) -> Optional[str]:
+        """Why `path` may not be loaded (None: it may): it, and every file of `patterns` the load reads there, must
+        resolve inside a --weights-root (a file linked out of one is refused as the path would be)."""
         if not self.weights_roots:
             return (f"refused to load weights from {path!r}: this server loads weights from disk only inside a "
                     "directory it is given with --weights-root DIR, and was started with none")
         roots = resolve_roots(self.weights_roots)
         try:
             where = confine(path, roots, "model_path")
-            for file in sorted(where.glob("*.safetensors")) if where.is_dir() else []:
-                confine(file, roots, f"the weight file {str(file)!r} of model_path {path!r}")
+            for file in sorted(f for p in patterns for f in where.glob(p)) if where.is_dir() else []:
+                confine(file, roots, f"the weight file {str(file)!r} of {path!r}")
         except OutsideRoots as e:
             return f"refused to load weights: {e} (--weights-root)"
         return None
@@ -212,6 +237,40 @@ class WeightRoutes:
             return params[name].detach().float().flatten()[:truncate].tolist()
 
         return web.json_response(await asyncio.wrap_future(self.server.engine.call(read)))
+
+
+def read_weights(model: torch.nn.Module, device: torch.device, model_path: str) -> dict[str, torch.Tensor]:
+    """Read a checkpoint's safetensors and check them against the model, on any thread (generation goes on
+    meanwhile): every file readable, every tensor one of the model's, of its shape, floating point and
+    finite, none missing. RequestError otherwise, so a bad checkpoint leaves the served weights as they were."""
+    from safetensors.torch import load_file
+
+    path = Path(model_path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() and f.suffix == ".safetensors" for f in files):
+        raise RequestError(f"no safetensors weights found at {path}")
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f), device=str(device)))
+        except Exception as e:  # truncated or not safetensors at all
+            raise RequestError(f"cannot read weights from {f}: {e}") from None
+    own = model.state_dict()
+    unknown = sorted(set(state) - set(own))
+    if unknown:
+        raise RequestError(f"weights at {path} hold tensors this model does not have: {unknown[:5]}")
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(own) - set(state) - tied)
+    if missing:
+        raise RequestError(f"weights at {path} lack tensors: {missing[:5]}")
+    for name, tensor in state.items():
+        if own[name].shape != tensor.shape:
+            raise RequestError(f"tensor {name}: shape {tuple(tensor.shape)} != model's {tuple(own[name].shape)}")
+        if not tensor.is_floating_point():
+            raise RequestError(f"tensor {name} at {path} is {tensor.dtype}, not floating point")
+        if not torch.isfinite(tensor).all():
+            raise RequestError(f"tensor {name} at {path} holds NaN or infinite values")
+    return state
 
 
 def _announced_tensors(body: dict) -> tuple[list[str], list[str], list[list[int]]]:

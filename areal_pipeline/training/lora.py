@@ -52,8 +52,18 @@ def wrap(model: torch.nn.Module, lora: Any, seed: int, base_model_path: str = ""
 
 
 def scaling(lora: Any) -> float:
+    return scaling_of(lora.alpha, lora.rank, lora.use_rslora)
+
+
+def scaling_of(alpha: float, rank: int, use_rslora: bool) -> float:
     """peft's: alpha / rank, or alpha / sqrt(rank) with rank-stabilised LoRA."""
-    return lora.alpha / (math.sqrt(lora.rank) if lora.use_rslora else lora.rank)
+    return alpha / (math.sqrt(rank) if use_rslora else rank)
+
+
+def merge_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + s (B A), as peft's merge computes it: the one formula the trainer's merged policy and a server merging
+    an adapter in place both use, so that the two are bitwise equal."""
+    return base + (b @ a) * scale
 
 
 def merged_state(state: dict[str, torch.Tensor], lora: Any) -> dict[str, torch.Tensor]:
@@ -68,7 +78,7 @@ def merged_state(state: dict[str, torch.Tensor], lora: Any) -> dict[str, torch.T
         if base.endswith(".base_layer.weight"):
             layer = name[: -len(".base_layer.weight")]
             a, b = state[f"{layer}.lora_A.{ADAPTER}.weight"], state[f"{layer}.lora_B.{ADAPTER}.weight"]
-            tensor = tensor + (b @ a) * s
+            tensor = merge_weight(tensor, a, b, s)
         merged[base.replace(".base_layer.", ".")] = tensor
     return merged
 
