@@ -109,18 +109,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_recurring_parser(sub)
 
-    p = sub.add_parser("export", help="a data set from a run's rollout shards: rejection-sampled SFT conversations "
-                                      "or chosen/rejected pairs, as Parquet or JSON lines")
-    p.add_argument("--run-id", required=True)
+    p = sub.add_parser("export", help="a data set from a run's rollout shards (rejection-sampled SFT conversations "
+                                      "or chosen/rejected pairs, as Parquet or JSON lines), or the weights of one of "
+                                      "its checkpoints (a PEFT adapter, a merged or a full model directory)")
+    p.add_argument("--run-id", default=None, help="the run (needed unless --checkpoint names a directory)")
     p.add_argument("--output-dir", default="runs", help="where the run directories are (the config's output_dir)")
-    p.add_argument("--format", choices=["sft", "preference"], default="sft",
-                   help="sft: accepted episodes as chat messages; preference: accepted vs rejected samples of one "
-                        "prompt, paired within each group")
+    p.add_argument("--format", choices=["sft", "preference", "adapter", "merged", "full"], default="sft",
+                   help="data sets: sft: accepted episodes as chat messages; preference: accepted vs rejected samples "
+                        "of one prompt, paired within each group. Weights (--out is a directory): adapter: a LoRA "
+                        "run's PEFT adapter directory, which PeftModel.from_pretrained, vLLM's --lora-modules and "
+                        "SGLang's --lora-paths load as it is (LoRA runs only); merged: one Hugging Face model "
+                        "directory with the tokenizer, for a LoRA run the base with the adapter merged in by peft "
+                        "(merge_and_unload), for a full fine-tuning run the checkpoint's model/; full: the "
+                        "checkpoint's model/ as the trainer saved it (for a LoRA run, the merged policy it served)")
     p.add_argument("--min-reward", type=float, default=1.0, help="a sample is accepted at this reward or above")
     p.add_argument("--iterations", default=None, metavar="A:B", help="only these iterations (K, A:B, A:, :B)")
     p.add_argument("--keep-duplicates", action="store_true",
                    help="sft: keep a conversation every time it was sampled (default: once)")
-    p.add_argument("--out", required=True, help="FILE.parquet, FILE.jsonl or FILE.json (JSON lines)")
+    p.add_argument("--checkpoint", default=None, metavar="latest|K|DIR",
+                   help="weights: the run's newest saved checkpoint (latest, the default), step K's, or a checkpoint "
+                        "directory (write ./K for a directory named by a number)")
+    p.add_argument("--base", default=None, metavar="PATH",
+                   help="--format merged of a LoRA run: the base model to merge the adapter onto (default: the "
+                        "adapter's base_model_name_or_path, the run's model.path)")
+    p.add_argument("--out", required=True,
+                   help="a data set: FILE.parquet, FILE.jsonl or FILE.json (JSON lines); weights: a new (or empty) "
+                        "directory")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("guard", help="Prefect automations on your Prefect server that cancel or pause a run's "

@@ -182,13 +182,27 @@ def cmd_serve(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from areal_pipeline.data.export import ExportError, export_dataset, parse_iteration_range
+    from areal_pipeline.checksums import IntegrityError
+    from areal_pipeline.data.export import FORMATS, ExportError, export_dataset, parse_iteration_range
+    from areal_pipeline.weights_export import WeightExportError, export_weights
 
+    run_dir = Path(args.output_dir) / args.run_id if args.run_id else None
     try:
-        first, last = parse_iteration_range(args.iterations)
-        result = export_dataset(Path(args.output_dir) / args.run_id, args.out, args.format, args.min_reward,
-                                first, last, keep_duplicates=args.keep_duplicates)
-    except ExportError as e:
+        if args.format in FORMATS:
+            if args.checkpoint is not None or args.base is not None:
+                raise ExportError(f"--checkpoint and --base are for the weight formats (adapter, merged, full), not "
+                                  f"--format {args.format}")
+            if run_dir is None:
+                raise ExportError(f"--format {args.format} needs --run-id")
+            first, last = parse_iteration_range(args.iterations)
+            result = export_dataset(run_dir, args.out, args.format, args.min_reward, first, last,
+                                    keep_duplicates=args.keep_duplicates)
+        else:
+            if args.iterations is not None or args.keep_duplicates:
+                raise WeightExportError(f"--iterations and --keep-duplicates are for the data sets (sft, "
+                                        f"preference), not --format {args.format}")
+            result = export_weights(run_dir, Path(args.out), args.format, args.checkpoint or "latest", args.base)
+    except (ExportError, WeightExportError, IntegrityError) as e:
         sys.exit(f"export error: {e}")
     print(result.describe())
 
