@@ -42,7 +42,7 @@ from areal_pipeline.data.datasets import ROW_FILE_SUFFIXES, load_records
 from areal_pipeline.data.shards import keep_if_intact, read_manifest
 from areal_pipeline.inference.backend import engine_for
 from areal_pipeline.inference.client import RemoteSGLangEngine
-from areal_pipeline.inference.vllm_client import LORA_ADAPTER_NAME
+from areal_pipeline.inference.adapters import ServedAdapter
 from areal_pipeline.logprob_steps import LogprobSteps
 from areal_pipeline.model import load_tokenizer, resolve_model_path
 from areal_pipeline.policy_eval import evaluate_policy
@@ -75,6 +75,8 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
         self._records: dict[str, list[dict]] = {}
         self.step_seconds: dict[int, dict[str, float]] = {}
         self._async_rollout = None
+        # where pushes send the LoRA adapter alone: the one the servers serve, named by every request
+        self.served_adapter = ServedAdapter() if adapter_push(cfg) else None
         # the trainer runs one command at a time, and restoring its version is a sequence of commands
         self._trainer_lock = threading.RLock()
         self._metrics_lines: Optional[dict[int, str]] = None  # metrics.jsonl's lines by iteration
@@ -142,8 +144,7 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
     # ----- versions --------------------------------------------------------------------------------
     def _engine(self) -> RemoteSGLangEngine:
         # the backend's protocol; where pushes load the LoRA adapter alone, every request names it
-        adapter = {"adapter": LORA_ADAPTER_NAME} if adapter_push(self.cfg) else {}
-        return engine_for(self.services.addresses, self.cfg.inference, **adapter)
+        return engine_for(self.services.addresses, self.cfg.inference, adapter=self.served_adapter)
 
     # ----- the DAG's nodes -------------------------------------------------------------------------
     @timed

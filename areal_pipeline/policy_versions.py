@@ -124,6 +124,10 @@ class PolicyVersions:
                 async with self._engine() as engine:
                     return [str((await engine.get_model_info(a))["weight_version"]) for a in engine.addresses]
             served = [int(v) if v.lstrip("-").isdigit() else None for v in run_async(versions())]
+            if self.served_adapter is not None and self.cfg.inference.backend != "vllm":
+                # a label names a version's adapter only where this process loaded it (adapters.py): another
+                # process's label, or a restarted server's, is pushed again
+                served = [v if v is not None and self.served_adapter.serves(v) else None for v in served]
             self.services.record_served(epoch, served)
         return served
 
@@ -182,7 +186,7 @@ class PolicyVersions:
         else:
             path = self._weights_path(version)
             if adapter_push(self.cfg):  # the adapter alone: a PEFT directory the servers load as the policy
-                if not (path / "adapter_config.json").is_file():
+                if version and not (path / "adapter_config.json").is_file():  # version 0: the base, no adapter
                     client.call("save_adapter", path=str(path))
             elif not (path / "config.json").is_file():
                 client.call("save_weights", path=str(path))

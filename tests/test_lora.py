@@ -175,10 +175,18 @@ def test_what_a_push_sends_follows_the_backend_and_an_impossible_adapter_push_is
     assert adapter_push(load_config(None, vllm))  # auto: the adapter alone to vLLM servers the run launches
     assert not adapter_push(load_config(None, [*vllm, "inference.addresses=[127.0.0.1:1]"]))  # theirs: merged
     assert not adapter_push(load_config(None, [*vllm, "trainer.lora.push=merged"]))
-    assert not adapter_push(load_config(None, ["trainer.lora.enabled=true"]))  # the project's server: merged
+    lora = ["trainer.lora.enabled=true"]
+    assert adapter_push(load_config(None, lora))  # the project's server: through SGLang's /load_lora_adapter
+    assert adapter_push(load_config(None, [*lora, "inference.backend=sglang"]))
+    assert not adapter_push(load_config(None, [*lora, "inference.backend=sglang", "inference.sglang.dp_size=2"]))
+    assert not adapter_push(load_config(None, [*lora, "trainer.weight_sync=distributed"]))
     assert not adapter_push(load_config(None, vllm[1:]))  # no LoRA
-    with pytest.raises(ConfigError, match=r"trainer.lora.push='adapter': needs inference.backend=vllm and "
-                                          r"trainer.weight_sync=disk \(got 'cpu' and 'disk'\)"):
-        load_config(None, ["trainer.lora.enabled=true", "trainer.lora.push=adapter"])
+    with pytest.raises(ConfigError, match=r"trainer.lora.push='adapter': needs trainer.weight_sync=disk \(got "
+                                          r"'distributed'\)"):
+        load_config(None, [*lora, "trainer.lora.push=adapter", "trainer.weight_sync=distributed"])
+    with pytest.raises(ConfigError, match=r"trainer.lora.push='adapter': SGLang loads adapters at run time only with "
+                                          r"one data-parallel replica"):
+        load_config(None, [*lora, "trainer.lora.push=adapter", "inference.backend=sglang",
+                           "inference.sglang.dp_size=2"])
     with pytest.raises(ConfigError, match="trainer.lora.push='both': must be one of auto, adapter, merged"):
         load_config(None, ["trainer.lora.push=both"])

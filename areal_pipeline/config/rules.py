@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from areal_pipeline.config.recurring import LineServeConfig, RecurringConfig
 from areal_pipeline.config.schema import (DatasetConfig, ExperimentConfig, GenerationConfig, InferenceConfig,
@@ -354,19 +354,29 @@ def _trackers_are_installed(trackers: TrackersConfig, key: Key) -> Iterator[str]
 
 # Rules between fields of one section, run once every field passed its own rules (they divide and compare them).
 def adapter_push(cfg: ExperimentConfig) -> bool:
-    """Whether a push sends the LoRA adapter alone (trainer.lora.push; "auto": where it can go alone, to vLLM servers
-    the run launches, from disk)."""
+    """Whether a push sends the LoRA adapter alone (trainer.lora.push; "auto": where it can go alone, to the servers
+    the run launches, from disk: vLLM loads it with its runtime LoRA, SGLang and the project's server through
+    SGLang's /load_lora_adapter)."""
     lora = cfg.trainer.lora
-    can = cfg.inference.backend == "vllm" and cfg.trainer.weight_sync == "disk"
-    return lora.enabled and (lora.push == "adapter" or (lora.push == "auto" and can and not cfg.inference.addresses))
+    return lora.enabled and (lora.push == "adapter" or (lora.push == "auto" and adapter_push_problem(cfg) is None
+                                                        and not cfg.inference.addresses))
+
+
+def adapter_push_problem(cfg: ExperimentConfig) -> Optional[str]:
+    """Why the adapter cannot travel alone to this run's servers (None: it can)."""
+    inf = cfg.inference
+    if cfg.trainer.weight_sync != "disk":
+        return f"needs trainer.weight_sync=disk (got {cfg.trainer.weight_sync!r}): an adapter is a few MB, read from disk"
+    if inf.backend == "sglang" and inf.sglang.dp_size > 1:
+        return (f"SGLang loads adapters at run time only with one data-parallel replica (inference.sglang.dp_size="
+                f"{inf.sglang.dp_size})")
+    return None
 
 
 def _adapter_push_is_possible(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
     lora = cfg.trainer.lora
-    if lora.enabled and lora.push == "adapter" and (cfg.inference.backend != "vllm"
-                                                    or cfg.trainer.weight_sync != "disk"):
-        yield (f"{key('trainer.lora.push')}='adapter': needs inference.backend=vllm and trainer.weight_sync=disk "
-               f"(got {cfg.inference.backend!r} and {cfg.trainer.weight_sync!r}); 'merged' works with every backend")
+    if lora.enabled and lora.push == "adapter" and (problem := adapter_push_problem(cfg)) is not None:
+        yield f"{key('trainer.lora.push')}='adapter': {problem}; 'merged' works with every backend"
 
 
 CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {

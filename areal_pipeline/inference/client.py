@@ -26,6 +26,8 @@ import aiohttp
 
 from areal_pipeline import auth, shutdown
 from areal_pipeline.config import InferenceConfig
+from areal_pipeline.inference.adapters import ServedAdapter, not_loaded, push_adapter
+from areal_pipeline.inference.server_error import InferenceServerError
 from areal_pipeline.inference.types import ModelRequest, ModelResponse, SamplingParams
 from areal_pipeline.utils import PeerTimeout, get_logger
 
@@ -35,12 +37,6 @@ RID_CACHE_SIZE = 128
 # How often an interrupted request checks whether it may be re-sent: while this client has paused the
 # servers it waits locally rather than queue on them.
 _PAUSE_POLL_S = 0.05
-
-
-class InferenceServerError(RuntimeError):
-    def __init__(self, address: str, endpoint: str, message: str, status: Optional[int] = None):
-        super().__init__(f"inference server {address}{endpoint}: {message}")
-        self.address, self.endpoint, self.status = address, endpoint, status
 
 
 def _json_or_text(text: str) -> Any:
@@ -99,10 +95,15 @@ class RemoteSGLangEngine:
         setup_timeout: float = 300.0,
         context_length: Optional[int] = None,
         pause_timeout: float = 600.0,
+        adapter: Optional[ServedAdapter] = None,
+        kind: Optional[str] = None,
     ):
         """`context_length`: the servers' (where known): a generation's budget is cut to what fits below it, as
         SGLang refuses prompt + max_new_tokens reaching it. `pause_timeout`: how long a request waits for the
-        `resume` that follows this client's `pause` (inference.pause_timeout) before it fails naming the server."""
+        `resume` that follows this client's `pause` (inference.pause_timeout) before it fails naming the server.
+        `adapter`: the LoRA adapter the servers serve the policy as (adapters.py; trainer.lora.push): every request
+        and probe names it, and a weight update loads a PEFT adapter directory as the next one. `kind`: the backend
+        the servers are (inference.backend: "cpu" or "sglang"), as errors name it."""
         if not addresses:
             raise ValueError("RemoteSGLangEngine needs at least one server address")
         self.addresses = list(addresses)
@@ -114,6 +115,8 @@ class RemoteSGLangEngine:
         if pause_timeout <= 0:
             raise ValueError(f"pause_timeout must be positive, got {pause_timeout}")
         self.pause_timeout = pause_timeout
+        self.adapter = adapter
+        self.kind = kind or self.backend
         self._version = 0
         self._paused = False
         # Rollouts may run on several event loops (threads); an aiohttp session belongs to one loop.
@@ -239,7 +242,12 @@ class RemoteSGLangEngine:
             "sampling_params": dataclasses.replace(req.sampling, max_new_tokens=max_new_tokens).sglang(),
             "return_logprob": True,
             "stream": False,
+            **self._lora_path(),
         }
+
+    def _lora_path(self) -> dict:
+        name = self.adapter.name if self.adapter is not None else None
+        return {"lora_path": name} if name else {}
 
     def _context_full(self, sample: _Sample) -> bool:
         """Whether `sample` has reached the servers' context length (where known): its prompt and tokens so far fit,
@@ -257,11 +265,17 @@ class RemoteSGLangEngine:
         """One round of generation for the samples not finished yet: each one's new tokens (its prompt plus what
         it has so far as input, its remaining budget), with their logprobs and versions, and why it stopped."""
         payloads = [self._generate_payload(s.req, s.tokens) for s in pending]
-        if len(payloads) == 1:
-            replies = [await self.request(address, "/generate", payloads[0])]
-        else:
-            batch = {key: [p[key] for p in payloads] for key in ("input_ids", "sampling_params")}
-            replies = await self.request(address, "/generate", {**payloads[0], **batch})
+        try:
+            if len(payloads) == 1:
+                replies = [await self.request(address, "/generate", payloads[0])]
+            else:
+                batch = {key: [p[key] for p in payloads] for key in ("input_ids", "sampling_params")}
+                replies = await self.request(address, "/generate", {**payloads[0], **batch})
+        except InferenceServerError as e:
+            # sent naming the adapter a push has just replaced: interrupted, as by the push's pause, and resent
+            if not_loaded(e) and payloads[0].get("lora_path") != self._lora_path().get("lora_path"):
+                return [_Segment([], [], [], "abort") for _ in pending]
+            raise
         segments = []
         for reply in replies:
             meta = reply["meta_info"]
@@ -341,7 +355,11 @@ class RemoteSGLangEngine:
             self._paused = False
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
-        """Load a Hugging Face checkpoint directory on every server, then tag new tokens with `version`."""
+        """Load a Hugging Face checkpoint directory on every server, then tag new tokens with `version`; with an
+        `adapter`, a PEFT adapter directory as the next adapter (adapters.push_adapter)."""
+        if self.adapter is not None:
+            await push_adapter(self, str(path), version, self.kind)
+            return
         payload = {
             "model_path": str(path),
             "weight_version": str(version),
@@ -387,7 +405,7 @@ class RemoteSGLangEngine:
         """The server's logprob of each of `input_ids[1:]` after the ids before it, at temperature 1: what the
         trainer computes for the same ids, to check which weights the server holds."""
         payload = {"input_ids": list(input_ids), "sampling_params": SamplingParams(max_new_tokens=1).sglang(),
-                   "return_logprob": True, "logprob_start_len": 0, "stream": False}
+                   "return_logprob": True, "logprob_start_len": 0, "stream": False, **self._lora_path()}
         entries = (await self.request(address, "/generate", payload))["meta_info"].get("input_token_logprobs") or []
         values = [entry[0] for entry in entries]
         if values and values[0] is None:  # the first token has no logprob

@@ -53,8 +53,18 @@ def project_on_path(base: Optional[dict[str, str]] = None) -> dict[str, str]:
     return env
 
 
+def lora_server_args(lora) -> list[str]:
+    """SGLang's flags (the project's server takes the same) for run-time adapter loading of `lora` (trainer.lora):
+    its rank and targets; the loads of a push hold two adapters at most (the new one before the old is unloaded)."""
+    targets = ["all"] if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules)
+    return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *targets]
+
+
+SGLANG_LORA_SLOTS = ["--max-loras-per-batch", "1", "--max-loaded-loras", "2"]
+
+
 def build_sglang_command(model_path: str, host: str, port: int, cfg: SGLangConfig, seed: int,
-                         base_gpu_id: Optional[int] = None) -> list[str]:
+                         base_gpu_id: Optional[int] = None, lora=None) -> list[str]:
     """`base_gpu_id`: the first GPU of the server's, among those it sees (0 where its CUDA_VISIBLE_DEVICES names
     its own GPUs alone); None leaves it to SGLang. SGLang runs on `cfg.python`, the interpreter of its own
     environment (it pins torch and transformers versions of its own), or this one."""
@@ -81,6 +91,8 @@ def build_sglang_command(model_path: str, host: str, port: int, cfg: SGLangConfi
         cmd.append("--enable-metrics")
     if cfg.deterministic_inference:  # else SGLang ignores the rollout's sampling_seed
         cmd.append("--enable-deterministic-inference")
+    if lora is not None:  # `lora`: trainer.lora, where pushes load the adapter alone
+        cmd += lora_server_args(lora) + SGLANG_LORA_SLOTS
     return cmd + tls_flags() + list(cfg.extra_args)
 
 
@@ -209,6 +221,8 @@ def build_cpu_server_command(model_path: str, host: str, port: int, cfg: Inferen
                                                   else "" if t.address == "auto" else t.address.rpartition(":")[0])
         if master:
             cmd += ["--weight-group-master", master.strip("[]")]
+        if adapter_push(experiment):
+            cmd += lora_server_args(t.lora)
     return cmd
 
 
@@ -248,11 +262,12 @@ def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: 
     GPUs with the trainer, and the project's own server caps its memory at `sglang.mem_fraction_static` too.
     """
     share = cfg.sglang.mem_fraction_static if colocated and cfg.device == "cuda" else None
-    lora_rank = experiment.trainer.lora.rank if experiment is not None and adapter_push(experiment) else 0
+    lora = experiment.trainer.lora if experiment is not None and adapter_push(experiment) else None
+    lora_rank = lora.rank if lora is not None else 0
     builders = {
         "cpu": lambda port, s, on_gpu: build_cpu_server_command(model_path, cfg.host, port, cfg, s, share, experiment),
         "sglang": lambda port, s, on_gpu: build_sglang_command(model_path, cfg.host, port, cfg.sglang, s,
-                                                               0 if on_gpu else None),
+                                                               0 if on_gpu else None, lora=lora),
         "vllm": lambda port, s, on_gpu: build_vllm_command(model_path, cfg.host, port, cfg.vllm, s,
                                                            lora_rank=lora_rank),
     }

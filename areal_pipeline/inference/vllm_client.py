@@ -26,12 +26,13 @@ import time
 import uuid
 from typing import Any, Optional
 
+from areal_pipeline.inference.adapters import PREFIX
 from areal_pipeline.inference.client import InferenceServerError, RemoteSGLangEngine, _Sample, _Segment
 from areal_pipeline.inference.types import ModelRequest
 
 
 # the name a run's vLLM servers serve its LoRA policy under (trainer.lora.push=adapter; "default" is the base)
-LORA_ADAPTER_NAME = "policy"
+LORA_ADAPTER_NAME = PREFIX
 
 
 class RemoteVLLMEngine(RemoteSGLangEngine):

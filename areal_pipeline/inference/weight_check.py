@@ -63,11 +63,12 @@ def tolerance(inference_cfg: Any, trainer_fp32: bool) -> float:
 async def _diagnosis(engine, address: str) -> str:
     """Where the backend can say which parameters are off, what it says (vLLM: a tied head apart from its
     embedding); "" where it cannot."""
+    adapter = getattr(engine, "adapter", None)  # the policy as a LoRA adapter over the served base (trainer.lora.push)
+    name = adapter if isinstance(adapter, str) or adapter is None else adapter.name
+    if name:
+        return f"the LoRA adapter the server serves as '{name}' is not the trainer's (the adapter pushed did not reach it)"
     if getattr(engine, "backend", "") != "vllm":
         return ""
-    if getattr(engine, "adapter", None):  # the policy is a LoRA adapter over the served base (trainer.lora.push)
-        return (f"the LoRA adapter the server serves as '{engine.adapter}' is not the trainer's (the adapter pushed "
-                f"did not reach it)")
     try:
         reply = await engine.request(address, "/collective_rpc", {"method": "tied_head_state"}, retries=0)
         state = reply["results"][0]
