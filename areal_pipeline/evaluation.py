@@ -45,7 +45,10 @@ def evaluate_checkpoint(cfg: ExperimentConfig, checkpoint: str | Path) -> dict[s
     import dataclasses
 
     model_dir = resolve_checkpoint(cfg, str(checkpoint))
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
+    # served as a model directory (a LoRA run's checkpoint holds its merged policy): its servers take no adapter
+    lora = dataclasses.replace(cfg.trainer.lora, push="merged")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)),
+                              trainer=dataclasses.replace(cfg.trainer, lora=lora))
     pipeline = Pipeline(cfg, log_dir=cfg.run_dir / "logs" / "evaluate")  # apart from a live train run's logs
     try:
         pipeline.services.start_tools()

@@ -453,3 +453,34 @@ def test_a_promotion_a_server_cannot_take_leaves_the_servers_as_they_were_and_re
         up.stop()
         if restarted is not None:
             restarted.stop()
+
+
+def test_a_lora_line_trains_adapters_promotes_the_merged_policy_and_branches_from_it(server, base, tmp_path):
+    """trainer.lora on a line: the candidate trains adapters (each push the adapter alone, to the run's own
+    servers), the gate compares the champion with the candidate's merged policy on servers that load model
+    directories, production is published the merged policy (full weights: its servers know no adapter), and the
+    next firing branches from the champion's adapters."""
+    production = start_cpu_server(Path(base), tmp_path)
+    overrides = line_overrides(tmp_path, base, f"recurring.serve.addresses=[{production.address}]",
+                               "trainer.lora.enabled=true", "trainer.optimizer.lr=3e-3")
+    try:
+        new_data(overrides)
+        first = fire(server, overrides)
+        assert first["decision"] == "promoted", first
+        champion = status(overrides)["champion"]
+        checkpoint = Path(champion["checkpoint"])
+        assert (checkpoint / "adapter" / "adapter_model.safetensors").is_file()
+        assert_serves(production.address, str(checkpoint / "model"), 3)
+        pushed = tmp_path / champion["run_id"] / "weights" / "v3"
+        assert sorted(p.name for p in pushed.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        new_data(overrides)
+        second = fire(server, overrides)
+        assert second["run_id"] == "arith-line-0002" and second["decision"] in ("promoted", "rejected"), second
+        branch = json.loads((tmp_path / "arith-line-0002" / "branch.json").read_text())
+        assert (branch["parent_run_id"], branch["at"]) == ("arith-line-0001", 3)
+        resumed = load_file(str(tmp_path / "arith-line-0002" / "checkpoints" / "step_3" / "adapter"
+                                / "adapter_model.safetensors"))
+        parents = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
+        assert resumed.keys() == parents.keys() and all(torch.equal(resumed[k], parents[k]) for k in parents)
+    finally:
+        production.stop()

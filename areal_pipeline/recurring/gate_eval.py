@@ -54,6 +54,7 @@ def evaluate_policies(cfg: ExperimentConfig, data_dir: str, policies: list[tuple
     gate_cfg.dataset.path = data_dir
     gate_cfg.model.path = policies[0][1]
     gate_cfg.eval_max_prompts = 0  # the gate's prompts are already the ones it scores
+    gate_cfg.trainer.lora.push = "merged"  # the gate's servers load model directories (merged policies), not adapters
     records = load_records(gate_cfg.dataset, gate_cfg.dataset.test_split, gate_cfg.seed)
     pipeline = Pipeline(gate_cfg, log_dir=log_dir)
     results: dict[str, dict[str, Any]] = {}
