@@ -8,9 +8,11 @@ For each of `full` and `lora` (trainer.lora.enabled, rank `--rank`, every linear
 `--updates` PPO updates after a warm-up one (GRPO-shaped batches, bench/train_throughput.py's), the trained
 parameters and the bytes their gradients and Adam moments take (fp32: 3 x 4 bytes a parameter), the trainer ranks'
 peak resident memory (VmHWM; on CUDA the update's peak GPU memory too), the reference logprobs' first call (full:
-a second copy of the model loaded; LoRA: the actor with its adapters off), and the bytes and seconds of a push
-(`save_weights`: the policy the servers load, merged with LoRA) and of a checkpoint (LoRA's: the adapters, their
-optimizer state and the merged policy). The last line is one JSON object of the figures.
+a second copy of the model loaded; LoRA: the actor with its adapters off), the bytes and seconds of a checkpoint
+(LoRA's: the adapters, their optimizer state and the merged policy), and `--pushes` pushes to a real CPU server as a
+run makes them (disk sync, trainer.lora.push=auto): full fine-tuning writes and loads the whole model, LoRA the
+adapter alone (the server merges it into its base), each followed by the probe that verifies it (the served
+logprobs against the trainer's). The last line is one JSON object of the figures.
 """
 
 from __future__ import annotations
@@ -58,7 +60,47 @@ def trained_parameters(model_dir: str, lora_cfg) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def measure(cfg, model_dir: str, batch_dir: Path, rollout_dir: Path, updates: int, out: Path) -> dict:
+def measure_pushes(cfg, model_dir: str, client, batch_dir: Path, out: Path, count: int) -> dict:
+    """`count` pushes of new versions to a CPU server the way a run makes them, each verified: the median seconds of
+    the trainer's write, the server's load and the probe, the bytes sent and the probe's largest mean difference."""
+    from areal_pipeline.config import adapter_push
+    from areal_pipeline.inference.adapters import ServedAdapter
+    from areal_pipeline.inference.backend import engine_for
+    from areal_pipeline.inference.launcher import launch_servers
+    from areal_pipeline.inference.weight_check import probe_ids, verify_served
+    from areal_pipeline.model import load_tokenizer
+    from areal_pipeline.utils import run_async
+
+    adapter = adapter_push(cfg)
+    (server,) = launch_servers(model_dir, cfg.inference, 1, out / "logs", experiment=cfg)
+    probe = probe_ids(load_tokenizer(model_dir))
+    write_s, load_s, probe_s, sent, diffs = [], [], [], [], []
+    try:
+        engine = engine_for([server.address], cfg.inference, adapter=ServedAdapter() if adapter else None)
+        first = client.call("status")["version"] + 1
+        for k in range(first, first + count):
+            client.call("train", batch_dir=str(batch_dir), iteration=k)
+            path = Path(cfg.trainer.weights_dir) / f"v{k}"
+            started = time.perf_counter()
+            client.call("save_adapter" if adapter else "save_weights", path=str(path))
+            write_s.append(time.perf_counter() - started)
+            sent.append(directory_bytes(path))
+            started = time.perf_counter()
+            run_async(engine.update_weights(str(path), k))
+            load_s.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            expected = client.call("probe_logp", input_ids=probe)["logprobs"]
+            diffs.append(max(run_async(verify_served(engine, probe, expected, k, 1e-3)).values()))
+            probe_s.append(time.perf_counter() - started)
+        run_async(engine.close())
+    finally:
+        server.stop()
+    return {"push": "adapter" if adapter else "full weights", "push_bytes": statistics.median(sent),
+            "push_write_s": round(statistics.median(write_s), 4), "push_load_s": round(statistics.median(load_s), 4),
+            "probe_s": round(statistics.median(probe_s), 4), "probe_max_mean_diff": max(diffs)}
+
+
+def measure(cfg, model_dir: str, batch_dir: Path, rollout_dir: Path, updates: int, out: Path, count: int) -> dict:
     from areal_pipeline.training.client import launch_trainer
 
     process, client = launch_trainer(cfg, model_dir, out / "logs")
@@ -70,11 +112,9 @@ def measure(cfg, model_dir: str, batch_dir: Path, rollout_dir: Path, updates: in
         client.call("compute_logp", shard_dir=str(rollout_dir), out_path=str(out / "ref.parquet"), model="ref")
         reference_s = time.perf_counter() - started
         started = time.perf_counter()
-        client.call("save_weights", path=str(out / "push"))
-        push_s = time.perf_counter() - started
-        started = time.perf_counter()
         client.call("save", path=str(out / "checkpoint"))
         checkpoint_s = time.perf_counter() - started
+        pushes = measure_pushes(cfg, model_dir, client, batch_dir, out, count)
         peak_rss = trainer_peak_rss_mib(process)
     finally:
         process.stop()
@@ -85,8 +125,7 @@ def measure(cfg, model_dir: str, batch_dir: Path, rollout_dir: Path, updates: in
             "trained_params": params, "grad_and_adam_mib": round(params * 12 / 2**20, 2),
             "trainer_peak_rss_mib": round(peak_rss, 1),
             "peak_gpu_memory_gib": round(max(peaks), 2) if peaks else None,
-            "reference_first_call_s": round(reference_s, 3),
-            "push_bytes": directory_bytes(out / "push"), "push_s": round(push_s, 3),
+            "reference_first_call_s": round(reference_s, 3), **pushes,
             "checkpoint_bytes": directory_bytes(out / "checkpoint"), "checkpoint_s": round(checkpoint_s, 3),
             "adapter_bytes": directory_bytes(adapter) if adapter.is_dir() else None}
 
@@ -100,6 +139,7 @@ def main() -> None:
     p.add_argument("--trajectories", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--answer-len", type=int, default=8)
+    p.add_argument("--pushes", type=int, default=5, help="pushes to a CPU server, each verified")
     args = p.parse_args()
     from areal_pipeline.run_spec import load_config
 
@@ -112,19 +152,24 @@ def main() -> None:
         batch_dir = grpo_batch(root / "data", args.trajectories, 8, args.prompt_len, args.answer_len, cfg)
         results = {}
         for variant, extra in (("full", []), ("lora", ["trainer.lora.enabled=true", f"trainer.lora.rank={args.rank}"])):
-            variant_cfg = load_config(None, [*base, f"trainer.weights_dir={root}", *extra])
+            variant_cfg = load_config(None, [*base, f"trainer.weights_dir={root / variant / 'weights'}", *extra])
             results[variant] = measure(variant_cfg, model_dir, batch_dir, root / "data" / "rollout", args.updates,
-                                       root / variant)
+                                       root / variant, args.pushes)
             r = results[variant]
             print(f"{variant}: update {r['update_s']:.3f} s, {r['trained_params']:,} trained parameters "
                   f"({r['grad_and_adam_mib']:.1f} MiB of gradients and Adam moments), trainer peak RSS "
                   f"{r['trainer_peak_rss_mib']:.0f} MiB, reference first call {r['reference_first_call_s']:.2f} s, "
-                  f"push {r['push_bytes'] / 2**20:.1f} MiB in {r['push_s']:.2f} s, checkpoint "
+                  f"push ({r['push']}) {r['push_bytes'] / 2**20:.2f} MiB: written {r['push_write_s']:.3f} s, "
+                  f"loaded {r['push_load_s']:.3f} s, verified {r['probe_s']:.3f} s (probe {r['probe_max_mean_diff']:.2g}), "
+                  f"checkpoint "
                   f"{r['checkpoint_bytes'] / 2**20:.1f} MiB in {r['checkpoint_s']:.2f} s"
                   + (f" (adapter {r['adapter_bytes'] / 2**20:.2f} MiB)" if r["adapter_bytes"] else ""), flush=True)
         full, lora = results["full"], results["lora"]
         print(json.dumps({"shape": args.shape, "device": args.device, "rank": args.rank, **results,
                           "update_speedup": round(full["update_s"] / lora["update_s"], 2),
+                          "push_bytes_ratio": round(lora["push_bytes"] / full["push_bytes"], 4),
+                          "push_speedup": round((full["push_write_s"] + full["push_load_s"])
+                                                / (lora["push_write_s"] + lora["push_load_s"]), 2),
                           "trained_params_ratio": round(lora["trained_params"] / full["trained_params"], 4)}))
 
 
