@@ -218,8 +218,11 @@ class PolicyVersions:
         return report
 
     def _trainer_fp32(self) -> bool:
-        t = self.cfg.trainer
-        return t.param_dtype == "float32" or (t.param_dtype == "auto" and not self.services.placement.trainer)
+        t, on_gpu = self.cfg.trainer, bool(self.services.placement.trainer)
+        fp32 = t.param_dtype == "float32" or (t.param_dtype == "auto" and not on_gpu)
+        if t.lora.enabled:  # the policy is a frozen base of trainer.lora.base_dtype plus the adapters
+            fp32 = fp32 and (t.lora.base_dtype == "float32" or (t.lora.base_dtype == "auto" and not on_gpu))
+        return fp32
 
     def _notify_version(self, version: int) -> None:
         if self._async_rollout is not None:

@@ -190,3 +190,29 @@ def test_what_a_push_sends_follows_the_backend_and_an_impossible_adapter_push_is
                            "inference.sglang.dp_size=2"])
     with pytest.raises(ConfigError, match="trainer.lora.push='both': must be one of auto, adapter, merged"):
         load_config(None, ["trainer.lora.push=both"])
+
+
+def test_a_bfloat16_base_stays_frozen_under_float32_adapters_and_merges_as_peft_does(single_process_group,  # noqa: F811
+                                                                                    tiny_model_dir, tmp_path):
+    """trainer.lora.base_dtype=bfloat16 (what auto picks on CUDA): the base is stored in 16 bits and never moves, the
+    adapters are float32 and trained (FSDP2 takes the mixed storage: it asks a uniform dtype of the trained
+    parameters only), and the served policy is the base's dtype, bitwise what peft's merge gives on that model."""
+    from peft import PeftModel
+
+    cfg = trainer_config(tmp_path, *LORA, "trainer.lora.base_dtype=bfloat16")
+    batch_dir = make_batch(tiny_model_dir, tmp_path, seed=3, cfg=cfg)
+    engine = lora_engine(cfg, tiny_model_dir)
+    dtypes = {n: p.dtype for n, p in engine.model.named_parameters()}
+    assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+    before = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    one_update(engine, cfg, batch_dir)
+    after = engine.full_state_dict()
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved and all(".lora_" in n for n in moved)
+    engine.save_adapter(tmp_path / "adapter")
+    policy = engine.policy_state_dict()
+    reference = PeftModel.from_pretrained(load_model(str(tiny_model_dir), dtype="bfloat16"), str(tmp_path / "adapter"),
+                                          autocast_adapter_dtype=True).merge_and_unload().state_dict()
+    assert {t.dtype for t in policy.values()} == {torch.bfloat16}
+    assert all(torch.equal(policy[n], reference[n]) for n in reference), "not peft's merge"

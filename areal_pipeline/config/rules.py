@@ -216,7 +216,8 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                  "target_modules": Rule(f"[all-linear] or names among {', '.join(LORA_TARGETS)}",
                                         lambda names: list(names) == ["all-linear"]
                                         or (bool(names) and all(n in LORA_TARGETS for n in names))),
-                 "init": one_of("kaiming", "gaussian"), "push": one_of("auto", "adapter", "merged")},
+                 "init": one_of("kaiming", "gaussian"), "push": one_of("auto", "adapter", "merged"),
+                 "base_dtype": one_of("auto", "float32", "bfloat16")},
     TrackersConfig: {"timeout": _POSITIVE},
     RecurringConfig: {"line": Rule("empty or a name of letters, digits, '.', '_' and '-' (a directory and a "
                                    "deployment are named after it)",

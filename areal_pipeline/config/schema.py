@@ -313,6 +313,9 @@ class LoRAConfig:
     # how A is drawn (B starts at 0 either way, so version 0 is the base): "kaiming" (peft's default) or "gaussian"
     init: str = "kaiming"
     use_rslora: bool = False  # rank-stabilised LoRA: the update scaled by alpha / sqrt(rank)
+    # the frozen base's storage in the trainer (the adapters stay float32): "auto" is bfloat16 on CUDA (half the
+    # base's memory; it is never updated, so it needs no float32 master copy), float32 elsewhere
+    base_dtype: str = "auto"
     # what a push sends the servers: "adapter" (the adapter alone, loaded by the engine's runtime LoRA: vLLM's, with
     # weight_sync=disk), "merged" (the base with the adapter merged in, as full weights: every backend) or "auto"
     # (adapter where it can go alone, merged elsewhere)

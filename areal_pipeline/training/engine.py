@@ -103,7 +103,7 @@ class TrainEngine:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32,
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._load_dtype(),
                                                      trust_remote_code=self.trust_remote_code)
         model.config.use_cache = False
         if self.cfg.gradient_checkpointing and self.trainable:
@@ -139,6 +139,16 @@ class TrainEngine:
         warmup = int(o.warmup_steps_proportion * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(o.lr_scheduler_type, self.total_steps, warmup, o.min_lr_ratio))
+
+    def _load_dtype(self) -> torch.dtype:
+        """float32 (the master weights of what is trained), or with LoRA the frozen base's trainer.lora.base_dtype:
+        peft keeps the adapters in float32 over it, and FSDP2 asks a uniform dtype of the trained parameters only."""
+        if not self.lora:
+            return torch.float32
+        chosen = self.cfg.lora.base_dtype
+        if chosen == "auto":
+            chosen = "bfloat16" if self.device.type == "cuda" else "float32"
+        return DTYPES[chosen]
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer updates and the clipping measures: every parameter, or with LoRA the adapters'."""

@@ -61,9 +61,10 @@ def scaling_of(alpha: float, rank: int, use_rslora: bool) -> float:
 
 
 def merge_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """W + s (B A), as peft's merge computes it: the one formula the trainer's merged policy and a server merging
-    an adapter in place both use, so that the two are bitwise equal."""
-    return base + (b @ a) * scale
+    """W + s (B A) in W's dtype, as peft's merge computes it (a 16-bit W is added to in float32, then rounded): the
+    one formula the trainer's merged policy and a server merging an adapter in place both use, so that the two are
+    bitwise equal."""
+    return (base + (b @ a) * scale).to(base.dtype)
 
 
 def merged_state(state: dict[str, torch.Tensor], lora: Any) -> dict[str, torch.Tensor]:
