@@ -18,6 +18,7 @@ logprobs against the trainer's). The last line is one JSON object of the figures
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -69,30 +70,34 @@ def measure_pushes(cfg, model_dir: str, client, batch_dir: Path, out: Path, coun
     from areal_pipeline.inference.launcher import launch_servers
     from areal_pipeline.inference.weight_check import probe_ids, verify_served
     from areal_pipeline.model import load_tokenizer
-    from areal_pipeline.utils import run_async
 
     adapter = adapter_push(cfg)
     (server,) = launch_servers(model_dir, cfg.inference, 1, out / "logs", experiment=cfg)
     probe = probe_ids(load_tokenizer(model_dir))
     write_s, load_s, probe_s, sent, diffs = [], [], [], [], []
-    try:
+
+    async def pushes() -> None:  # one event loop: the client's connections belong to it
         engine = engine_for([server.address], cfg.inference, adapter=ServedAdapter() if adapter else None)
-        first = client.call("status")["version"] + 1
-        for k in range(first, first + count):
-            client.call("train", batch_dir=str(batch_dir), iteration=k)
-            path = Path(cfg.trainer.weights_dir) / f"v{k}"
-            started = time.perf_counter()
-            client.call("save_adapter" if adapter else "save_weights", path=str(path))
-            write_s.append(time.perf_counter() - started)
-            sent.append(directory_bytes(path))
-            started = time.perf_counter()
-            run_async(engine.update_weights(str(path), k))
-            load_s.append(time.perf_counter() - started)
-            started = time.perf_counter()
-            expected = client.call("probe_logp", input_ids=probe)["logprobs"]
-            diffs.append(max(run_async(verify_served(engine, probe, expected, k, 1e-3)).values()))
-            probe_s.append(time.perf_counter() - started)
-        run_async(engine.close())
+        try:
+            first = (await asyncio.to_thread(client.call, "status"))["version"] + 1
+            for k in range(first, first + count):
+                await asyncio.to_thread(client.call, "train", batch_dir=str(batch_dir), iteration=k)
+                path = Path(cfg.trainer.weights_dir) / f"v{k}"
+                started = time.perf_counter()
+                await asyncio.to_thread(client.call, "save_adapter" if adapter else "save_weights", path=str(path))
+                write_s.append(time.perf_counter() - started)
+                sent.append(directory_bytes(path))
+                started = time.perf_counter()
+                await engine.update_weights(str(path), k)
+                load_s.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                expected = (await asyncio.to_thread(client.call, "probe_logp", input_ids=probe))["logprobs"]
+                diffs.append(max((await verify_served(engine, probe, expected, k, 1e-3)).values()))
+                probe_s.append(time.perf_counter() - started)
+        finally:
+            await engine.close()
+    try:
+        asyncio.run(pushes())
     finally:
         server.stop()
     return {"push": "adapter" if adapter else "full weights", "push_bytes": statistics.median(sent),
