@@ -186,7 +186,7 @@ class PolicyVersions:
         else:
             path = self._weights_path(version)
             if adapter_push(self.cfg):  # the adapter alone: a PEFT directory the servers load as the policy
-                if version and not (path / "adapter_config.json").is_file():  # version 0: the base, no adapter
+                if not (path / "adapter_config.json").is_file():
                     client.call("save_adapter", path=str(path))
             elif not (path / "config.json").is_file():
                 client.call("save_weights", path=str(path))
