@@ -145,6 +145,9 @@ class _Expired(ProcessExpired):
     (InferenceServerError(SERVER, "/generate", "unreachable", status=None), ("inference", True, SERVER)),
     (InferenceServerError(SERVER, "/generate", "too long", status=400), ("inference_refused", False, SERVER)),
     (InferenceServerError(SERVER, "/generate", "busy", status=429), ("inference", True, SERVER)),
+    # a server restarted on its base refuses the run's LoRA adapter (SGLang's words) until recovery pushes it
+    (InferenceServerError(SERVER, "/generate", "HTTP 400: The following requested LoRA adapters are not loaded: "
+                          "policy-v3\nLoaded adapters: [].", status=400), ("inference", True, SERVER)),
     (RetrievalError("retrieval server 127.0.0.1:8123: HTTP 503: x", "127.0.0.1:8123", 503),
      ("retrieval", True, "127.0.0.1:8123")),
     (RetrievalError("retrieval server 127.0.0.1:8123: HTTP 422: x", "127.0.0.1:8123", 422),

@@ -105,6 +105,7 @@ def classify(error: BaseException) -> Optional[EpisodeFailure]:
     None when it is no fault of the episode and must fail the rollout as itself: a configuration or data error, a
     reward function that cannot load, a workflow returning the wrong type, the node's deadline, a cancellation."""
     from areal_pipeline.errors import PermanentError, is_transient
+    from areal_pipeline.inference.adapters import not_loaded
     from areal_pipeline.inference.client import InferenceServerError
     from areal_pipeline.rewards.pool import RewardCrash, RewardError, RewardLoadError, RewardTimeout
     from areal_pipeline.tools.retrieval_client import RetrievalError
@@ -116,8 +117,9 @@ def classify(error: BaseException) -> Optional[EpisodeFailure]:
         return None
     message = f"{type(error).__name__}: {error}"[:MESSAGE_CHARS]
     if isinstance(error, InferenceServerError):
-        # a 4xx is the server refusing this request (a prompt past its context): the same seed is refused again
-        transient = is_transient(error)
+        # a 4xx is the server refusing this request (a prompt past its context): the same seed is refused again;
+        # but a server without the run's LoRA adapter (restarted on its base) takes it once recovery pushed it again
+        transient = is_transient(error) or not_loaded(error)
         return EpisodeFailure("inference" if transient else "inference_refused", transient, message, error.address)
     if isinstance(error, RetrievalError):
         return EpisodeFailure("retrieval", is_transient(error), message, getattr(error, "address", None))
