@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from areal_pipeline.model import load_model
 from areal_pipeline.run_spec import load_config
@@ -56,6 +57,8 @@ def run_updates(cfg, model_dir, batch_dirs, first_iteration, out: Path, load=Non
             if k == save_at:
                 client.call("save", path=str(out / f"ckpt-{k}"))
         client.call("save_weights", path=str(out / "final"))
+        if cfg.trainer.lora.enabled:  # what an adapter push sends: the adapters alone, gathered from every rank
+            client.call("save_adapter", path=str(out / "adapter"))
         return stats
     finally:
         process.stop()
@@ -98,6 +101,12 @@ def test_two_ranks_give_the_same_lora_update_as_one_and_move_only_what_the_adapt
     adapted = {n for n in initial if n.endswith("_proj.weight")}
     assert all(not torch.equal(w1[n], initial[n]) for n in adapted)
     assert all(torch.equal(w1[n], initial[n]) and torch.equal(w2[n], initial[n]) for n in initial if n not in adapted)
+    # the adapter a push sends, gathered from the two ranks' shards, is one rank's
+    a1, a2 = (load_file(str(tmp_path / run / "adapter" / "adapter_model.safetensors")) for run in ("one", "two"))
+    assert a1.keys() == a2.keys() and len(a1) == 2 * len(adapted)
+    assert all(torch.allclose(a1[n], a2[n], atol=1e-4) for n in a1)
+    assert sorted(p.name for p in (tmp_path / "two" / "adapter").iterdir()) == ["adapter_config.json",
+                                                                                "adapter_model.safetensors"]
 
 
 def test_a_lora_checkpoint_resumes_bitwise_through_the_trainer_and_other_settings_get_409(
