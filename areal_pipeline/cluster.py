@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from areal_pipeline import auth
-from areal_pipeline.config import ExperimentConfig
+from areal_pipeline.config import ExperimentConfig, adapter_push
 
 CLI = "areal-pipeline"
 
@@ -51,9 +51,11 @@ def server_argv(cfg: ExperimentConfig, model_path: str, address: str, index: int
     if inf.backend == "cpu":
         command = build_cpu_server_command(model_path, host, port, inf, seed, experiment=cfg)
         return [CLI, "inference-server", *command[3:]]  # `python -m areal_pipeline.inference.server` is this command
+    lora = cfg.trainer.lora if adapter_push(cfg) else None  # trainer.lora.push=adapter: run-time adapter loading
     if inf.backend == "sglang":
-        return build_sglang_command(model_path, host, port, inf.sglang, seed, 0 if inf.device == "cuda" else None)
-    return build_vllm_command(model_path, host, port, inf.vllm, seed)
+        return build_sglang_command(model_path, host, port, inf.sglang, seed, 0 if inf.device == "cuda" else None,
+                                    lora=lora)
+    return build_vllm_command(model_path, host, port, inf.vllm, seed, lora_rank=lora.rank if lora else 0)
 
 
 def credential_env(cfg: ExperimentConfig) -> dict[str, str]:
@@ -93,6 +95,8 @@ def launch_plan(cfg: ExperimentConfig, config_path: str, overrides: list[str], m
         from areal_pipeline.inference.launcher import project_on_path
 
         server_env["PYTHONPATH"] = project_on_path({})["PYTHONPATH"]
+    if cfg.inference.backend == "vllm" and adapter_push(cfg):  # vLLM's /v1/load_lora_adapter exists only so
+        server_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     plan = [Launch("inference-server", _host(a), tuple(server_argv(cfg, model_path, a, i)), server_env)
             for i, a in enumerate(cfg.inference.addresses)]
     if t.address:

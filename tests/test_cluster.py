@@ -176,3 +176,23 @@ def test_the_run_finds_rank_0_where_it_announced_itself(tmp_path):
         assert address == f"127.0.0.1:{server.server_address[1]}" and health["world_size"] == 2
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("backend, flags", [
+    ("cpu", ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"]),
+    ("sglang", ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all", "--max-loras-per-batch", "1",
+                "--max-loaded-loras", "2"]),
+    ("vllm", ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--max-cpu-loras", "2"])])
+def test_servers_on_other_hosts_take_run_time_adapters_where_pushes_send_them(backend, flags):
+    """trainer.lora.push=adapter with servers the plan launches: each is started as the run would start its own,
+    able to load the adapters it is pushed (and vLLM with its run-time LoRA routes switched on)."""
+    lora = ["trainer.lora.enabled=true", "trainer.lora.push=adapter", "trainer.weight_sync=disk",
+            f"inference.backend={backend}", *(["model.tiny.num_attention_heads=2"] if backend == "vllm" else [])]
+    overrides = [*ACROSS[:-1], *lora]
+    plan = launch_plan(across(*lora), "/shared/run.yaml", overrides, "/shared/model", "http://head:4200/api")
+    server = plan[0].argv
+    start = server.index("--enable-lora")
+    assert list(server[start:start + len(flags)]) == flags
+    assert (plan[0].env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") == "1") == (backend == "vllm")
+    merged = launch_plan(across("trainer.lora.enabled=true"), "/shared/run.yaml", ACROSS, "/shared/model", "")
+    assert "--enable-lora" not in merged[0].argv  # auto across hosts: merged pushes
