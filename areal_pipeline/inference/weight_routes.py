@@ -61,7 +61,7 @@ class WeightRoutes:
         abort_all = check_bool("abort_all_requests", _given(body, "abort_all_requests", False))
         check_bool("flush_cache", _given(body, "flush_cache", True))
         # after the fields' checks (their 400s come first, as on SGLang), before anything at the path is read
-        refusal = await asyncio.to_thread(self._disk_refusal, path)
+        refusal = await asyncio.to_thread(self.disk_refusal, path)
         if refusal is not None:
             return web.json_response({"success": False, "message": refusal, "num_paused_requests": 0}, status=403)
         if self.server.engine.adapter.name is not None:
@@ -195,7 +195,7 @@ class WeightRoutes:
         await asyncio.get_running_loop().run_in_executor(None, destroy_weight_group, removed[0])
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
-    def _disk_refusal(self, path: str, patterns: tuple[str, ...] = ("*.safetensors",)) -> Optional[str]:
+    def disk_refusal(self, path: str, patterns: tuple[str, ...] = ("*.safetensors",)) -> Optional[str]:
         """Why `path` may not be loaded (None: it may): it, and every file of `patterns` the load reads there, must
         resolve inside a --weights-root (a file linked out of one is refused as the path would be)."""
         if not self.weights_roots:
