@@ -1,5 +1,6 @@
 """The episode journal (rollout/journal.py): an interrupted rollout resumes where it stopped, and ends with the
-shards an uninterrupted one writes (`content_sha256`), in-process, after kill -9, and in asynchronous mode."""
+shards an uninterrupted one writes (`content_sha256`) in-process; after kill -9 of the run, with its episodes
+(bitwise but for the server's logprobs: tests/_rollouts.py) and bitwise its weights; and in asynchronous mode."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from _rollouts import assert_same_episodes
 from areal_pipeline.data.shards import content_sha256, read_manifest, read_table, read_trajectories
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.rollout.failures import (EpisodeFailure, EpisodesFailed, FailurePolicy, GroupResult,
@@ -325,9 +327,7 @@ def test_a_killed_rollout_resumes_from_its_journal_to_the_same_weights(prefect_a
     log = (victim_dir / "logs" / "train.log").read_text()
     assert f"resuming iteration 2: {len(on_disk)}/8 groups on disk" in log, log[-3000:]
     assert not (victim_dir / "iter_2" / "rollout.episodes").exists()
-    for k in (1, 2, 3):
-        assert (read_manifest(victim_dir / f"iter_{k}" / "rollout")["content_sha256"]
-                == read_manifest(tmp_path / "ref" / f"iter_{k}" / "rollout")["content_sha256"]), k
+    assert_same_episodes(victim_dir, tmp_path / "ref", (1, 2, 3))
     a, b = final_weights(tmp_path / "ref", 3), final_weights(victim_dir, 3)
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
