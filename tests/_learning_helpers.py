@@ -47,3 +47,14 @@ def first_and_last_pass_at_1(records: list[dict[str, Any]]) -> tuple[float, floa
     if records[0]["eval_pass_at_1"] is None or records[-1]["eval_pass_at_1"] is None:
         raise ValueError("the run did not evaluate at its first and last iterations: set eval_freq=1")
     return records[0]["eval_pass_at_1"], records[-1]["eval_pass_at_1"]
+
+
+def fitted_rise(records: list[dict[str, Any]], key: str = "reward_mean") -> float:
+    """How much `key` rose over the run by its least-squares line through every iteration: the whole curve's trend,
+    not a few iterations at either end, which one lucky batch moves as much as the learning does."""
+    values = [r[key] for r in records]
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values))
+             / sum((x - mean_x) ** 2 for x in range(n)))
+    return slope * (n - 1)

@@ -64,8 +64,10 @@ def test_the_reference_is_the_base_while_the_lora_actor_moves(default_base_model
             logits = base(torch.tensor([row])).logits[0, :-1]
             expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(row[1:])[:, None])[:, 0]
             assert torch.allclose(torch.tensor(values[1:]), expected, atol=1e-5)
-    # and the actor is not the base any more: the KL it is held to has grown from the base's own
-    assert records[-1]["kl"] > records[0]["kl"] >= 0, [r["kl"] for r in records]
+    # and the actor is not the base any more: the KL it is held to has grown from the base's own (0, as estimated
+    # from sampled tokens: within rounding of it either way)
+    kl = [r["kl"] for r in records]
+    assert abs(kl[0]) < 1e-5 and kl[-1] > kl[1] > 1e-3, kl
 
 
 def test_an_adapter_push_the_server_does_not_take_fails_the_run_at_that_push(default_base_model, tmp_path,
