@@ -196,3 +196,30 @@ def test_servers_on_other_hosts_take_run_time_adapters_where_pushes_send_them(ba
     assert (plan[0].env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") == "1") == (backend == "vllm")
     merged = launch_plan(across("trainer.lora.enabled=true"), "/shared/run.yaml", ACROSS, "/shared/model", "")
     assert "--enable-lora" not in merged[0].argv  # auto across hosts: merged pushes
+
+
+def test_a_run_is_refused_by_a_real_trainer_started_with_other_settings_or_another_token(tiny_model_dir, tmp_path,
+                                                                                         monkeypatch):
+    """connect_trainer against a trainer process of its own (as a node starts one): the run with the trainer's
+    settings gets an initialised client; a run with another learning rate is refused naming the key and both
+    values before any command; a run with another token is refused as not admitted (the trainer's bare /health)."""
+    from areal_pipeline.training.client import launch_trainer
+    from areal_pipeline.training.nodes import connect_trainer
+    from areal_pipeline.run_spec import load_config as load
+
+    base = [f"output_dir={tmp_path}", "run_id=nodes", "trainer.optimizer.lr=1e-3", "trainer.setup_timeout=30"]
+    process, _ = launch_trainer(load(None, base), str(tiny_model_dir), tmp_path / "logs")
+    try:
+        port = process.address.rpartition(":")[2]
+        run = [*base, f"trainer.address={process.address}", f"trainer.port={port}", "trainer.nnodes=1"]
+        client = connect_trainer(load(None, run))
+        assert client.call("status")["version"] == 0
+        with pytest.raises(TrainerNodeError, match=r"started with other settings than this run's: "
+                                                    r"trainer\.optimizer\.lr=0\.001 \(this run: 0\.002\)"):
+            connect_trainer(load(None, [*run, "trainer.optimizer.lr=2e-3"]))
+        monkeypatch.delenv("AREAL_PIPELINE_TOKEN_FILE", raising=False)
+        monkeypatch.setenv("AREAL_PIPELINE_TOKEN", "not-the-trainers-token")
+        with pytest.raises(TrainerNodeError, match="refuses this run's credential"):
+            connect_trainer(load(None, run))
+    finally:
+        process.stop()
