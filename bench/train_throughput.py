@@ -35,7 +35,7 @@ from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.model import build_byte_tokenizer, build_tiny_model
 from areal_pipeline.run_spec import load_config
 from areal_pipeline.training.client import launch_trainer
-from areal_pipeline.training.trainer_server import PROFILE_ENV, PROFILE_ITERATIONS_ENV
+from areal_pipeline.training.profiling import PROFILE_ENV, PROFILE_ITERATIONS_ENV
 from areal_pipeline.utils import environment
 from areal_pipeline.training.ppo import write_batch
 

@@ -57,6 +57,14 @@ def model_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def default_base_model(model_cache) -> str:
+    """The CPU default's warm-started base (configs/tiny_cpu.yaml), built once for the session's workers."""
+    from _learning_helpers import base_model
+
+    return base_model("tiny_cpu.yaml", model_cache)
+
+
+@pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
     """A temporary Prefect API (SQLite) for every test of this worker that asks for one; CLI subprocesses use it
     through PREFECT_API_URL. Tests tell their runs apart by run id, never by counting a table's rows."""

@@ -16,17 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _learning_helpers import base_model, first_and_last, short_run
+from _learning_helpers import first_and_last, short_run
 from areal_pipeline.data.shards import read_table
 from areal_pipeline.model import load_model
 from areal_pipeline.run_dir import RunPaths
 
 LORA = ("trainer.lora.enabled=true", "trainer.optimizer.lr=3e-3")
-
-
-@pytest.fixture(scope="module")
-def default_base_model(model_cache) -> str:
-    return base_model("tiny_cpu.yaml", model_cache)
 
 
 def test_the_default_learns_with_lora_by_adapter_pushes(default_base_model, tmp_path):

@@ -20,7 +20,6 @@ import torch
 from safetensors.torch import load_file
 
 from _rollouts import assert_same_episodes
-from _learning_helpers import base_model
 from areal_pipeline.data.shards import read_table
 from test_flows import REPO, cli, fast_overrides
 
@@ -77,11 +76,6 @@ def assert_pushed_adapters_alone(run_dir: Path) -> None:
     pushed = run_dir / "weights" / f"v{ITERATIONS}"  # the last push (the ones before it pruned)
     assert sorted(p.name for p in pushed.parent.iterdir()) == [pushed.name]
     assert sorted(p.name for p in pushed.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-
-
-@pytest.fixture(scope="module")
-def default_base_model(model_cache) -> str:
-    return base_model("tiny_cpu.yaml", model_cache)
 
 
 @pytest.fixture(scope="module")

@@ -199,11 +199,16 @@ def test_loads_that_do_not_fit_are_refused_with_the_reason(clean, tiny_model_dir
     def load(path, name="x"):
         return http(clean, "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
 
+    def refused(path):
+        status, reply = load(path)
+        assert reply["success"] is False and reply["loaded_adapters"] == {}, reply  # a refused load changes nothing
+        return status, reply["error_message"]
+
     outside = make_adapter(tiny_model_dir, tmp_path_factory.mktemp("elsewhere") / "a", seed=7)
-    status, reply = load(outside)
-    assert status == 403 and "--weights-root" in reply["error_message"]
-    status, reply = load(make_adapter(tiny_model_dir, weights_root / "rank16", seed=8, rank=16))
-    assert status == 400 and "rank 16, above this server's --max-lora-rank 8" in reply["error_message"]
+    status, message = refused(outside)
+    assert status == 403 and "--weights-root" in message
+    status, message = refused(make_adapter(tiny_model_dir, weights_root / "rank16", seed=8, rank=16))
+    assert status == 400 and "rank 16, above this server's --max-lora-rank 8" in message
     nan = weights_root / "nan"
     nan.mkdir()
     (nan / "adapter_config.json").write_text((good / "adapter_config.json").read_text())
@@ -212,14 +217,12 @@ def test_loads_that_do_not_fit_are_refused_with_the_reason(clean, tiny_model_dir
     tensors[first] = tensors[first].clone()
     tensors[first][0, 0] = float("nan")
     save_file(tensors, str(nan / "adapter_model.safetensors"))
-    status, reply = load(nan)
-    assert status == 400 and "non-finite" in reply["error_message"]
+    status, message = refused(nan)
+    assert status == 400 and "non-finite" in message
     missing = weights_root / "missing"
     missing.mkdir()
-    status, reply = load(missing)
-    assert status == 400 and "no readable PEFT adapter config" in reply["error_message"]
-    for path in (weights_root / "rank16", nan, missing):  # a refused load changes nothing
-        assert reply["loaded_adapters"] == {}
+    status, message = refused(missing)
+    assert status == 400 and "no readable PEFT adapter config" in message
     assert load(good, "kept")[0] == 200
     status, reply = load(good, "kept")
     assert status == 400 and reply["error_message"] == "Failed to load LoRA adapter kept because it is already loaded"

@@ -77,6 +77,9 @@ async def push_adapter(engine, path: str, version: int, backend: str) -> None:
         return
     name = served.name_for(version)
 
+    def stale(loaded: dict) -> list[str]:
+        return [n for n in loaded if served.ours(n) and n != name]
+
     async def on(address: str) -> None:
         def failed(reason: str) -> AdapterPushError:
             return AdapterPushError(backend, address, name, path, version, reason)
@@ -85,12 +88,12 @@ async def push_adapter(engine, path: str, version: int, backend: str) -> None:
             loaded = await _load(engine, address, name, path)
             await engine.request(address, "/update_weight_version",
                                  {"new_version": str(version), "abort_all_requests": False}, retries=0)
-            for stale in [n for n in loaded if served.ours(n) and n != name]:
-                loaded = (await engine.request(address, "/unload_lora_adapter", {"lora_name": stale},
+            for old in stale(loaded):
+                loaded = (await engine.request(address, "/unload_lora_adapter", {"lora_name": old},
                                                retries=0)).get("loaded_adapters") or {}
         except InferenceServerError as e:
             raise failed(str(e)) from e
-        if name not in loaded or [n for n in loaded if served.ours(n) and n != name]:
+        if name not in loaded or stale(loaded):
             raise failed(f"the server holds {sorted(loaded)} after the push, not {name} alone")
 
     await asyncio.gather(*(on(a) for a in engine.addresses))
@@ -102,9 +105,9 @@ async def _serve_base(engine, served: ServedAdapter, backend: str) -> None:
     """Version 0: every adapter of the run unloaded, the base labelled 0."""
     async def on(address: str) -> None:
         try:
-            for name in list((await engine.request(address, "/v1/models", method="GET", retries=0)).get("data") or []):
-                if served.ours(name.get("id", "")):
-                    await engine.request(address, "/unload_lora_adapter", {"lora_name": name["id"]}, retries=0)
+            cards = (await engine.request(address, "/v1/models", method="GET", retries=0)).get("data") or []
+            for name in [card.get("id", "") for card in cards if served.ours(card.get("id", ""))]:
+                await engine.request(address, "/unload_lora_adapter", {"lora_name": name}, retries=0)
             await engine.request(address, "/update_weight_version", {"new_version": "0", "abort_all_requests": False},
                                  retries=0)
         except InferenceServerError as e:

@@ -159,38 +159,42 @@ class MergedAdapter:
 
 
 class LoRARoutes:
-    def __init__(self, server):
-        """`server`: the InferenceServer (its engine, its arguments, and the weight routes' path confinement)."""
+    def __init__(self, server, disk_refusal):
+        """`server`: the InferenceServer (its engine and arguments); `disk_refusal(path, patterns)`: why the files at
+        `path` may not be read (None: they may; the weight routes' --weights-root confinement)."""
         self.server = server
+        self.disk_refusal = disk_refusal
         args = server.server_args or {}
         self.enabled = bool(args.get("enable_lora"))
         self.max_rank = int(args.get("max_lora_rank") or 0)
         self.targets = list(args.get("lora_target_modules") or ["all"])
         self._lock = asyncio.Lock()  # one load or unload at a time, as SGLang's lora_update_lock
 
-    def register(self, r: web.UrlDispatcher, disk_refusal) -> None:
-        """`disk_refusal(path, patterns)`: why the files at `path` may not be read (None: they may; --weights-root)."""
-        self.disk_refusal = disk_refusal
+    def register(self, r: web.UrlDispatcher) -> None:
         r.add_post("/load_lora_adapter", self.load_lora_adapter)
         r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
 
-    def _reply(self, success: bool, message: str = "") -> web.Response:
+    def _reply(self, success: bool, message: str = "", status: int = 400) -> web.Response:
+        """SGLang's LoRAUpdateOutput, with the adapters held now."""
         loaded = self.server.engine.adapter.loaded()
         return web.json_response({"success": success, "error_message": message, "loaded_adapters": loaded},
-                                 status=200 if success else 400)
+                                 status=200 if success else status)
 
-    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+    async def _body(self, request: web.Request) -> dict | web.Response:
+        """The request's JSON object, or the answer that refuses it: the server not ready, or LoRA not enabled."""
         if (not_ready := self.server._require_ready()) is not None:
             return not_ready
         body = await read_json_object(request)
-        if not self.enabled:
-            return self._reply(False, NOT_ENABLED)
+        return body if self.enabled else self._reply(False, NOT_ENABLED)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        if isinstance(body := await self._body(request), web.Response):
+            return body
         name, path = check_str("lora_name", body.get("lora_name")), check_str("lora_path", body.get("lora_path"))
         engine = self.server.engine
         refusal = await asyncio.to_thread(self.disk_refusal, path, ("*.safetensors", "*.json"))
         if refusal is not None:
-            return web.json_response({"success": False, "error_message": refusal,
-                                      "loaded_adapters": engine.adapter.loaded()}, status=403)
+            return self._reply(False, refusal, status=403)
         async with self._lock:
             if name == engine.adapter.name:  # SGLang's words
                 return self._reply(False, f"Failed to load LoRA adapter {name} because it is already loaded")
@@ -203,11 +207,8 @@ class LoRARoutes:
         return self._reply(True)
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        if (not_ready := self.server._require_ready()) is not None:
-            return not_ready
-        body = await read_json_object(request)
-        if not self.enabled:
-            return self._reply(False, NOT_ENABLED)
+        if isinstance(body := await self._body(request), web.Response):
+            return body
         name = check_str("lora_name", body.get("lora_name"))
         engine = self.server.engine
         async with self._lock:

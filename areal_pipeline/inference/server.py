@@ -84,7 +84,7 @@ class InferenceServer:
         r.add_post("/continue_generation", self.continue_generation)
         weights = WeightRoutes(self)
         weights.register(r)  # /update_weights_from_disk, the weight-update group's routes (weight_routes.py)
-        LoRARoutes(self).register(r, weights.disk_refusal)  # /load_lora_adapter, /unload_lora_adapter
+        LoRARoutes(self, weights.disk_refusal).register(r)  # /load_lora_adapter, /unload_lora_adapter
         OpenAIRoutes(self).register(r)  # /v1/chat/completions, /v1/completions, /v1/models (openai_api.py)
         app.on_shutdown.append(self._shutdown)
         return app

@@ -57,14 +57,10 @@ from areal_pipeline.training.lora import LoRAMismatchError
 from areal_pipeline.training.loss_registry import make_loss
 from areal_pipeline.training.nodes import trainer_threads, training_settings, write_announcement
 from areal_pipeline.training.ppo import read_batch, read_logprobs
+from areal_pipeline.training.profiling import profile_path, profiled
 from areal_pipeline.training.rank_control import Endpoint, broadcast_json, give_up, wait_on_time
 from areal_pipeline.utils import (PeerTimeout, atomic_directory, atomic_path, exit_when_parent_dies,
                                   find_free_port, get_logger, import_in_background)
-
-# Where the trainer writes torch profiler tables of its updates (one file per update and rank), and which
-# iterations' updates (comma-separated; unset: every one): for finding where an update's time goes.
-PROFILE_ENV = "AREAL_TRAINER_PROFILE"
-PROFILE_ITERATIONS_ENV = "AREAL_TRAINER_PROFILE_ITERATIONS"
 
 logger = get_logger("areal_pipeline.trainer")
 
@@ -167,28 +163,10 @@ class Trainer:
         return {"logprobs": [float(v) for v in values[1:]], "version": actor.version}
 
     def train(self, batch_dir: str, iteration: int, policy_logprobs: Optional[str] = None) -> dict:
-        profile_dir = os.environ.get(PROFILE_ENV)
-        wanted = os.environ.get(PROFILE_ITERATIONS_ENV, "")
-        if profile_dir and (not wanted or str(iteration) in wanted.split(",")):
-            return self._profiled(Path(profile_dir) / f"train-iter{iteration}-rank{self.rank}.txt",
-                                  lambda: self._train(batch_dir, iteration, policy_logprobs))
+        out = profile_path(iteration, self.rank)
+        if out is not None:
+            return profiled(out, self.require_actor().device, lambda: self._train(batch_dir, iteration, policy_logprobs))
         return self._train(batch_dir, iteration, policy_logprobs)
-
-    def _profiled(self, out: Path, command):
-        """`command()` under torch's profiler; its operators by time (self device time on a GPU) go to `out`."""
-        from torch.profiler import ProfilerActivity, profile
-
-        on_gpu = self.require_actor().device.type == "cuda"
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-        with profile(activities=activities) as prof:
-            result = command()
-            if on_gpu:
-                torch.cuda.synchronize()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
-        with atomic_path(out) as tmp:
-            Path(tmp).write_text(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60))
-        return result
 
     def _train(self, batch_dir: str, iteration: int, policy_logprobs: Optional[str] = None) -> dict:
         actor = self.require_actor()
