@@ -30,24 +30,29 @@ def summary(line: Line, firing: dict[str, Any]) -> dict[str, Any]:
     """What a firing's flow run returns (and `recurring fire` prints)."""
     return {"line": line.name, "firing": firing["id"], "decision": firing["decision"], "run_id": firing["run_id"],
             "rows": firing["rows"], "replay_rows": firing["replay_rows"], "gate": firing["gate"],
-            "approved_by": firing["approved_by"], "reason": firing["reason"]}
+            "approved_by": firing["approved_by"], "reason": firing["reason"], "traffic": firing.get("traffic")}
 
 
 def fire(line: Line, ledger: Ledger, firing: dict[str, Any]) -> dict[str, Any]:
     logger = get_run_logger()
     data = nodes.collect_data(line, ledger, firing)
     firing.update(rows=data["rows"], replay_rows=data["replay_rows"], files=[f["name"] for f in data["files"]])
+    if "traffic" in data:
+        firing["traffic"] = data["traffic"]
     ledger.save()
-    if not data["rows"]:
+    if not data["iterations"]:
         why = "no new data" + (f" (the new files' {data['gate_overlap']} rows are all gate prompts)"
                                if data["gate_overlap"] else "")
+        if "traffic" in data:
+            why += f"; traffic: {data['traffic']['waiting']} sample(s) await their reward"
         ledger.consume(firing, data["files"])
         ledger.end_firing(firing, "no_data", reason=why)
         ledger.save()
         logger.info("line %s, firing %d: %s; nothing trained", line.name, firing["id"], why)
         return summary(line, firing)
-    logger.info("line %s, firing %d: %d new rows from %s (+%d replayed); candidate trains %d iterations",
-                line.name, firing["id"], data["rows"], ", ".join(firing["files"]), data["replay_rows"],
+    logger.info("line %s, firing %d: %d new rows from %s (+%d replayed)%s; candidate trains %d iterations",
+                line.name, firing["id"], data["rows"], ", ".join(firing["files"]) or "no file", data["replay_rows"],
+                f", {data['traffic']['trained']} rewarded traffic samples" if "traffic" in data else "",
                 data["iterations"])
     cfg = line.candidate_config(ledger, firing, data)
     firing["run_id"] = cfg.run_id
@@ -106,6 +111,7 @@ def train_candidate(line: Line, ledger: Ledger, firing: dict[str, Any], cfg) -> 
         if reference_parent(plan)["needs_restore"]:
             restore_parent_policy_task(plan)
         config_path = plan.run_dir / "config.yaml"
+    line.place_traffic(firing, cfg)
     train(config_path=str(config_path), run_id=cfg.run_id)
     return line.candidate_model(firing, cfg)
 

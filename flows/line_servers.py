@@ -2,7 +2,8 @@
 (`recurring.serve.num_servers`): inference servers of the line's backend on `recurring.serve.host`, started on the
 line's champion (the base model before the first promotion), announced in the line's `servers.json` so that every
 firing (a process of its own) publishes to them, and stopped with `serve`. Clients reach the champion there,
-OpenAI-compatible at `http://<address>/v1` on the project's server."""
+OpenAI-compatible at `http://<address>/v1` on the project's server; with `recurring.serve.record`, they record
+what they serve and take feedback (docs/online.md)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ class LineServers:
             model, version = line.champion_model(ledger)
             inference = copy.deepcopy(cfg.inference)
             inference.num_servers, inference.host, inference.base_port = serve.num_servers, serve.host, serve.base_port
-            servers = launch_servers(model, inference, cfg.seed, line.dir / "logs" / "servers", experiment=cfg)
+            servers = launch_servers(model, inference, cfg.seed, line.dir / "logs" / "servers", experiment=cfg,
+                                     extra_args=recording_args(line))
             try:
                 if version:
                     _label_version(servers, inference, version)
@@ -59,6 +61,18 @@ class LineServers:
         (self.line.dir / "servers.json").unlink(missing_ok=True)
         for server in self.servers:
             server.stop()
+
+
+def recording_args(line: Line) -> list[str]:
+    """The line's servers' flags to record what they serve into the line's traffic directory (docs/online.md)."""
+    from areal_pipeline.recurring.traffic import traffic_dir
+
+    serve = line.cfg.recurring.serve
+    if not serve.record:
+        return []
+    return ["--record-dir", str(traffic_dir(line.dir).resolve()),
+            "--record-rotate-bytes", str(int(serve.record_rotate_mb * (1 << 20))),
+            "--record-rotate-s", str(serve.record_rotate_s), "--record-retention-days", str(serve.retention_days)]
 
 
 def _label_version(servers: list[ServerProcess], inference, version: int) -> None:

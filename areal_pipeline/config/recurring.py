@@ -23,7 +23,15 @@ class LineServeConfig:
     num_servers: int = 0
     host: str = "127.0.0.1"  # the address the line's own servers listen on
     base_port: int = 0  # the line's own servers' first port (the next ones follow); 0: free ports
-
+    # Record every chat completion the line's own servers serve (prompt and completion token ids, logprobs, the
+    # weight version of each token, the conversation) into <line>/traffic/, and take rewards at POST /v1/feedback
+    # (docs/online.md): what firings with recurring.traffic_fraction > 0 train on. Off: nothing is kept
+    record: bool = False
+    record_rotate_mb: float = 64.0  # a shard of recorded traffic is sealed when its journal passes this size ...
+    record_rotate_s: float = 3600.0  # ... or this age (seconds)
+    # Recorded traffic older than this many days is deleted (at each server start and rotation, and by each
+    # firing), trained on or not: users' prompts are data they may not want kept. 0: kept until deleted by hand
+    retention_days: float = 30.0
 
 
 @dataclass
@@ -57,3 +65,15 @@ class RecurringConfig:
     # seconds a firing waits for the line's previous firing, still running, to end; then it fails, naming it
     wait_timeout: float = 86400.0
     serve: LineServeConfig = field(default_factory=LineServeConfig)  # where the champion is served
+    # Share of a firing's training episodes taken from the line's recorded traffic with its rewards (docs/online.md):
+    # 0: the data set's rows only; 1: the traffic only (the rows wait); between: the rows' iterations, then as much
+    # rewarded traffic as makes this share of the firing's episodes (the rest waits for the next firing)
+    traffic_fraction: float = 0.0
+    # seconds a recorded sample waits for its reward: one still without a reward when a firing starts waits for a
+    # later firing; past this age it is dropped (counted as expired), never trained as a reward of 0
+    feedback_window: float = 604800.0
+    # a recorded sample generated more than this many policy versions before the champion is dropped (counted)
+    max_staleness: int = 16
+    # samples of the same prompt (token for token) form a group (GRPO's baseline) from this many on; the others are
+    # pooled, each firing's pool one group: REINFORCE with the pool's mean reward as the baseline
+    traffic_min_group: int = 2

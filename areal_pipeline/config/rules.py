@@ -227,9 +227,12 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                       "gate_max_prompts": _NON_NEGATIVE, "gate_test": one_of("bootstrap", "mcnemar"),
                       "min_improvement": _NON_NEGATIVE, "confidence": within(0, 1, open_low=True, open_high=True),
                       "gate_resamples": at_least(100), "approval": one_of("auto", "manual"),
-                      "approval_timeout": _POSITIVE, "wait_timeout": _POSITIVE},
+                      "approval_timeout": _POSITIVE, "wait_timeout": _POSITIVE,
+                      "traffic_fraction": within(0, 1), "feedback_window": _POSITIVE,
+                      "max_staleness": _NON_NEGATIVE, "traffic_min_group": at_least(2)},
     LineServeConfig: {"addresses": _ADDRESSES, "backend": one_of("", "cpu", "vllm", "sglang"),
-                      "num_servers": _NON_NEGATIVE, "host": _HOST, "base_port": _PORT},
+                      "num_servers": _NON_NEGATIVE, "host": _HOST, "base_port": _PORT,
+                      "record_rotate_mb": _POSITIVE, "record_rotate_s": _POSITIVE, "retention_days": _NON_NEGATIVE},
     WandbConfig: {"mode": one_of("online", "offline", "disabled"), "project": _NAMED},
     MlflowConfig: {"experiment": _NAMED,
                    "tracking_uri": Rule("empty or a URI (http://host:port, file:///path, sqlite:///path, ...)",
@@ -380,6 +383,14 @@ def _adapter_push_is_possible(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
         yield f"{key('trainer.lora.push')}='adapter': {problem}; 'merged' works with every backend"
 
 
+def _recording_server_is_the_projects(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    serve = cfg.recurring.serve
+    backend = serve.backend or cfg.inference.backend
+    if serve.record and backend != "cpu":
+        yield (f"{key('recurring.serve.record')}=true: only the project's server records the traffic it serves; "
+               f"the line's servers speak {backend} ({key('recurring.serve.backend')} / {key('inference.backend')})")
+
+
 CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {
     TinyModelConfig: (_attention_heads_divide,),
     RetrievalConfig: (_default_topk_within_max,),
@@ -387,7 +398,7 @@ CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {
     TrackersConfig: (_trackers_are_installed,),
     ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, weights_reach_the_servers,
                        hosts_reach_each_other, _vllm_serves_the_embedded_model, _judge_is_complete,
-                       _schedule_covers_the_run, _adapter_push_is_possible),
+                       _schedule_covers_the_run, _adapter_push_is_possible, _recording_server_is_the_projects),
 }
 
 FieldRules = Mapping[type, Mapping[str, "Rule | tuple[Rule, ...]"]]

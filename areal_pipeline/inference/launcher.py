@@ -186,12 +186,14 @@ def check_vllm_cpu_model(model_path: str) -> None:
 
 def build_cpu_server_command(model_path: str, host: str, port: int, cfg: InferenceConfig, seed: int,
                              mem_fraction: Optional[float] = None,
-                             experiment: Optional[ExperimentConfig] = None) -> list[str]:
+                             experiment: Optional[ExperimentConfig] = None,
+                             extra_args: Optional[list[str]] = None) -> list[str]:
     """The project's own server; `mem_fraction`: its share of a GPU it shares with the trainer. `experiment`: the
     run it serves, whose trainer alone may give it weights: from disk inside the run's output_dir,
     trainer.weights_dir or model.path (a local base model, which a recurring line's servers go back to), and
     over a weight-update group hosted at the trainer's address where that is known. None (a server that takes no
-    weights, as the served judge): every disk load is refused, and groups are joined from any master."""
+    weights, as the served judge): every disk load is refused, and groups are joined from any master. `extra_args`:
+    more of the server's flags, last (server_args.py; e.g. --record-dir DIR)."""
     cmd = [
         sys.executable, "-m", "areal_pipeline.inference.server",
         "--model", str(model_path),
@@ -223,7 +225,7 @@ def build_cpu_server_command(model_path: str, host: str, port: int, cfg: Inferen
             cmd += ["--weight-group-master", master.strip("[]")]
         if adapter_push(experiment):
             cmd += lora_server_args(t.lora)
-    return cmd
+    return cmd + list(extra_args or [])
 
 
 def _forked_cpu_server(command: list[str]) -> tuple[str, list[str], dict[str, str]]:
@@ -234,10 +236,11 @@ def _forked_cpu_server(command: list[str]) -> tuple[str, list[str], dict[str, st
 
 def launch_servers(model_path: str, cfg: InferenceConfig, seed: int, log_dir: Path,
                    gpus: Optional[list[tuple[int, ...]]] = None, colocated: bool = False,
-                   experiment: Optional[ExperimentConfig] = None) -> list[ServerProcess]:
+                   experiment: Optional[ExperimentConfig] = None,
+                   extra_args: Optional[list[str]] = None) -> list[ServerProcess]:
     """Start `cfg.num_servers` servers together (as `server_processes` builds them) and wait until all are healthy;
     on any failure stop them all."""
-    servers = server_processes(model_path, cfg, seed, log_dir, gpus, colocated, experiment)
+    servers = server_processes(model_path, cfg, seed, log_dir, gpus, colocated, experiment, extra_args)
     try:
         for server in servers:
             server.start()
@@ -252,10 +255,12 @@ def launch_servers(model_path: str, cfg: InferenceConfig, seed: int, log_dir: Pa
 
 def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: Path,
                      gpus: Optional[list[tuple[int, ...]]] = None, colocated: bool = False,
-                     experiment: Optional[ExperimentConfig] = None) -> list[ServerProcess]:
+                     experiment: Optional[ExperimentConfig] = None,
+                     extra_args: Optional[list[str]] = None) -> list[ServerProcess]:
     """The `cfg.num_servers` servers' processes, not started: each one's command, environment and fork.
     `experiment`: the run they serve, whose directories the project's server loads weights from
-    (`build_cpu_server_command`).
+    (`build_cpu_server_command`). `extra_args`: more flags of the project's server (backend cpu only: SGLang's and
+    vLLM's come from their config's extra_args).
 
     Server i gets seed `seed + i`, so that samples from different servers are not correlated, and GPUs `gpus[i]`
     (areal_pipeline/placement.py; None or empty: the CPU) as its CUDA_VISIBLE_DEVICES. `colocated`: they share
@@ -265,7 +270,8 @@ def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: 
     lora = experiment.trainer.lora if experiment is not None and adapter_push(experiment) else None
     lora_rank = lora.rank if lora is not None else 0
     builders = {
-        "cpu": lambda port, s, on_gpu: build_cpu_server_command(model_path, cfg.host, port, cfg, s, share, experiment),
+        "cpu": lambda port, s, on_gpu: build_cpu_server_command(model_path, cfg.host, port, cfg, s, share, experiment,
+                                                                extra_args),
         "sglang": lambda port, s, on_gpu: build_sglang_command(model_path, cfg.host, port, cfg.sglang, s,
                                                                0 if on_gpu else None, lora=lora),
         "vllm": lambda port, s, on_gpu: build_vllm_command(model_path, cfg.host, port, cfg.vllm, s,
@@ -273,6 +279,9 @@ def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: 
     }
     if cfg.backend not in builders:
         raise ValueError(f"unknown inference backend '{cfg.backend}'; valid: {', '.join(builders)}")
+    if extra_args and cfg.backend != "cpu":
+        raise ValueError(f"extra_args {extra_args} are flags of the project's CPU server, not of {cfg.backend}: "
+                         f"give them in inference.{cfg.backend}.extra_args")
     gpus = list(gpus) if gpus else [()] * cfg.num_servers
     if cfg.backend == "vllm" and not any(gpus):
         check_vllm_cpu_model(model_path)

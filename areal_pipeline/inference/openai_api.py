@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import functools
 import json
+import uuid
 from typing import Any, Optional
 
 from aiohttp import web
@@ -44,8 +45,9 @@ def openai_errors(handler):
 
 class OpenAIRoutes:
     """The CPU inference server's `/v1` routes, on its engine (`server.InferenceServer`: `engine`, `_tokenizing`,
-    `_require_ready`). A generation interrupted by a weight update (`/pause_generation`) goes on after
-    `/continue_generation` under the new weights, as the project's client resumes SGLang's: the reply is whole."""
+    `_require_ready`, and `recording`, which records each chat completion before it is answered: recording_routes.py).
+    A generation interrupted by a weight update (`/pause_generation`) goes on after `/continue_generation` under the
+    new weights, as the project's client resumes SGLang's: the reply is whole, each token keeping its version."""
 
     def __init__(self, server):
         self.server = server
@@ -66,13 +68,18 @@ class OpenAIRoutes:
     async def chat_completions(self, request: web.Request) -> web.Response:
         if (refused := self._not_ready()) is not None:
             return refused
-        chat = parse_chat_request(await read_json_object(request))
+        body = await read_json_object(request)
+        chat = parse_chat_request(body)
         engine = self.server.engine
         prompt_ids = await asyncio.get_running_loop().run_in_executor(
             self.server._tokenizing, lambda: chat_prompt_ids(engine.tokenizer, chat.messages, chat.tools,
                                                              chat.template_kwargs))
         generations = await self._generate(prompt_ids, chat.sampling, chat.n, self._adapter(chat.model))
-        reply, _ = chat_completion_reply(chat, engine.tokenizer, prompt_ids, generations)
+        reply, _ = chat_completion_reply(chat, engine.tokenizer, prompt_ids, generations,
+                                         completion_id=f"chatcmpl-{uuid.uuid4().hex}")
+        recording = getattr(self.server, "recording", None)
+        if recording is not None and recording.enabled:  # durable before the client hears of it
+            await recording.record_chat(request, body, chat, prompt_ids, generations, reply)
         return web.json_response(reply)
 
     @openai_errors
@@ -141,6 +148,8 @@ class OpenAIRoutes:
             for (_, sample), gen in zip(pending, requests):
                 sample.output_ids += gen.output_ids
                 sample.logprobs += gen.output_logprobs
+                sample.version = _version_number(gen.weight_version)  # the version this part of it ended under
+                sample.versions += [sample.version] * len(gen.output_ids)
                 reason = gen.finish_reason
                 if reason["type"] != "abort":
                     sample.finish = reason["type"]
@@ -151,6 +160,14 @@ class OpenAIRoutes:
             if sample.finish == "abort":  # interrupted just as its budget ran out
                 sample.finish = "length"
         return samples
+
+
+def _version_number(label: str) -> int:
+    """The engine's weight version label as a number (-1 where it is not one)."""
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return -1
 
 
 def _resolve(future: asyncio.Future, result: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from areal_pipeline.inference.openai_requests import ChatRequest, CompletionRequest, parse_message
@@ -14,11 +14,14 @@ from areal_pipeline.inference.types import SamplingParams
 
 @dataclass
 class Generation:
-    """One sample: its tokens and their logprobs, and why it ended ("stop": EOS, a stop token or string; "length")."""
+    """One sample: its tokens and their logprobs, and why it ended ("stop": EOS, a stop token or string; "length");
+    where known, the weight version that produced each token and the one it ended under (-1: not a number)."""
 
     output_ids: list[int]
     logprobs: list[float]
     finish: str
+    versions: list[int] = field(default_factory=list)
+    version: int = -1
 
 
 def generated_text(tokenizer, generation: Generation, sampling: SamplingParams) -> str:

@@ -37,6 +37,7 @@ from areal_pipeline.inference.engine import BatchEngine, RequestError
 from areal_pipeline.inference.kv_batch import GenRequest
 from areal_pipeline.inference.lora_serving import LoRARoutes, lora_path_names
 from areal_pipeline.inference.openai_api import OpenAIRoutes
+from areal_pipeline.inference.recording_routes import TrafficRecording
 from areal_pipeline.inference.server_args import DEFAULT_MAX_BODY_BYTES, build_arg_parser
 from areal_pipeline.inference.types import SamplingParams
 from areal_pipeline.inference.weight_routes import WeightRoutes
@@ -67,6 +68,9 @@ class InferenceServer:
         # Text prompts are tokenised here, one at a time (a tokenizer is not safe to reconfigure from two threads),
         # never on the event loop: a long one would hold up every other client, /health included.
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # with --record-dir: the chat completions served and the feedback taken (recording_routes.py); made here, as
+        # the server starts, it seals the journals a killed server left
+        self.recording = TrafficRecording(server_args)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[bearer_auth(self.token), json_errors])
@@ -86,6 +90,7 @@ class InferenceServer:
         weights.register(r)  # /update_weights_from_disk, the weight-update group's routes (weight_routes.py)
         LoRARoutes(self, weights.disk_refusal).register(r)  # /load_lora_adapter, /unload_lora_adapter
         OpenAIRoutes(self).register(r)  # /v1/chat/completions, /v1/completions, /v1/models (openai_api.py)
+        self.recording.register(app)  # /v1/feedback, and the logs sealed at cleanup
         app.on_shutdown.append(self._shutdown)
         return app
 

@@ -47,7 +47,38 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="the modules an adapter may adapt (q_proj ... down_proj, or all)")
     p.add_argument("--max-loaded-loras", type=int, default=1, choices=[1],
                    help="adapters held at once: 1, merged into the base (a load evicts the one before)")
+    p.add_argument("--record-dir", default=None, metavar="DIR",
+                   help="record every chat completion served, and take POST /v1/feedback, into DIR (journals "
+                        "sealed into Parquet shards: areal_pipeline/online/traffic_log.py); default: record nothing")
+    p.add_argument("--record-rotate-bytes", type=_positive_int, default=64 << 20, metavar="N",
+                   help="seal the open journal into a shard once it passes N bytes")
+    p.add_argument("--record-rotate-s", type=_positive_float, default=3600.0, metavar="S",
+                   help="... or once it is older than S seconds")
+    p.add_argument("--record-retention-days", type=_non_negative_float, default=0.0, metavar="D",
+                   help="remove sealed shards whose newest record is older than D days, at start and at each "
+                        "rotation (0: keep them forever)")
     return p
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of seconds")
+    return number
+
+
+def _non_negative_float(value: str) -> float:
+    number = float(value)
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number >= 0")
+    return number
 
 
 def _device(value: str) -> str:

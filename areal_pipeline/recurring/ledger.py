@@ -11,6 +11,7 @@ writes it (`line_lock`); anyone may read it.
      "firings": [{"id", "state": running | failed | ended, "decision", "flow_runs", "run_id", "rows", ...}],
      "watermark": {"<file>": {"sha256", "rows", "firing"}},
      "served": null | {"model", "version", "addresses", "at"},
+     "traffic_taken": [the firings whose recorded traffic samples are taken (recurring/traffic.py)],
      "checksum": "<sha256 of the rest>"}
 
 A champion's checkpoint is the line's own hard-linked copy (`champions/<firing>/`), made and verified before the
@@ -162,6 +163,9 @@ class Ledger:
         """The firing's files join the watermark: no later firing trains on their rows (but as replay)."""
         for f in files:
             self.watermark[f["name"]] = {"sha256": f["sha256"], "rows": f["rows"], "firing": record["id"]}
+        # and the recorded traffic it took (its traffic.json, recurring/traffic.py)
+        if record.get("traffic") is not None and record["id"] not in self.data.setdefault("traffic_taken", []):
+            self.data["traffic_taken"].append(record["id"])
 
     def crown(self, champion: Optional[dict[str, Any]]) -> None:
         """`champion` (None: the base model) is the line's policy in production from now on."""

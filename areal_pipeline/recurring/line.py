@@ -23,8 +23,9 @@ from typing import Any, Callable, Optional
 
 from areal_pipeline.checksums import has_checksums, verify_checksums
 from areal_pipeline.config import ConfigError, ExperimentConfig, save_config
-from areal_pipeline.recurring.incoming import (check_dataset_reads_rows, gate_rows, iterations_for, take_window,
-                                               write_rows)
+from areal_pipeline.recurring.incoming import (Window, check_dataset_reads_rows, gate_rows, iterations_for,
+                                               take_window, write_rows)
+from areal_pipeline.recurring.traffic import collect_traffic, place_traffic, traffic_dir, traffic_rows
 from areal_pipeline.recurring.ledger import Ledger, line_lock
 from areal_pipeline.run_dir import RunPaths, pin_checkpoint, read_json, write_json
 from areal_pipeline.utils import atomic_directory, get_logger, link_tree
@@ -105,18 +106,28 @@ class Line:
         if record is not None:
             return record
         gate = gate_rows(self.cfg)
-        window = take_window(Path(self.cfg.dataset.path).expanduser(), ledger.watermark,
-                             {str(row.get("question", "")).strip() for row in gate},
-                             max_rows=self.cfg.recurring.max_rows, replay_fraction=self.cfg.recurring.replay_fraction,
-                             seed=self.cfg.seed * 100003 + firing["id"])
+        gate_questions = {str(row.get("question", "")).strip() for row in gate}
+        r = self.cfg.recurring
+        if r.traffic_fraction < 1:
+            window = take_window(Path(self.cfg.dataset.path).expanduser(), ledger.watermark, gate_questions,
+                                 max_rows=r.max_rows, replay_fraction=r.replay_fraction,
+                                 seed=self.cfg.seed * 100003 + firing["id"])
+        else:  # the line trains on its traffic alone: the files wait
+            window = Window([], [], [], 0, [])
         rows = window.rows + window.replay
         with atomic_directory(out / "data") as tmp:
-            write_rows(tmp / "train.jsonl", rows)
+            # a candidate of traffic alone plays no row, but its run loads a train split: the traffic's questions
+            write_rows(tmp / "train.jsonl", rows or traffic_rows(traffic_dir(self.dir)))
             write_rows(tmp / "test.jsonl", gate)
-        iterations = iterations_for(len(rows), self.cfg.rollout.batch_size, self.cfg.recurring.iterations)
-        return write_json(out / "data.json", {**window.record(), "gate_prompts": len(gate),
-                                              "iterations": iterations if window.rows else 0,
-                                              "path": str((out / "data").resolve())})
+        iterations = iterations_for(len(rows), self.cfg.rollout.batch_size, r.iterations) if window.rows else 0
+        record = {**window.record(), "gate_prompts": len(gate), "iterations": iterations,
+                  "path": str((out / "data").resolve())}
+        if r.traffic_fraction > 0:
+            _, champion_version = self.champion_model(ledger)
+            record.update(collect_traffic(self, ledger, firing, gate_questions,
+                                          first=champion_version + iterations + 1, row_iterations=iterations))
+            record["iterations"] = iterations + len(record["traffic_iterations"])
+        return write_json(out / "data.json", record)
 
     # ----- the candidate ---------------------------------------------------------------------------
     def candidate_config(self, ledger: Ledger, firing: dict[str, Any], data: dict[str, Any]) -> ExperimentConfig:
@@ -128,7 +139,13 @@ class Line:
         cfg.dataset.path = data["path"]
         _, start = self.champion_model(ledger)
         cfg.total_iterations = start + data["iterations"]
+        if data.get("traffic_iterations"):  # episodes other policies sampled: weighed by the decoupled loss
+            cfg.ppo.use_decoupled_loss = True
         return cfg
+
+    def place_traffic(self, firing: dict[str, Any], cfg: ExperimentConfig) -> None:
+        """The firing's traffic episodes as the candidate run's rollouts of their iterations (hard links)."""
+        place_traffic(self.firing_dir(firing["id"]), read_json(self.firing_dir(firing["id"]) / "data.json"), cfg)
 
     def save_candidate_config(self, firing: dict[str, Any], cfg: ExperimentConfig) -> Path:
         """The first firing's candidate config, written once: a resumed firing trains its run under the config it

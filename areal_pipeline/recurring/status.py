@@ -36,6 +36,7 @@ def line_status(ledger: Ledger, busy: bool = False) -> dict[str, Any]:
         "served": ledger.data.get("served"),
         "firings": [{"id": f["id"], "run_id": f["run_id"], "decision": state(f)[0], "state": state(f)[1],
                      "rows": f["rows"], "replay_rows": f["replay_rows"], "files": f["files"],
+                     "traffic": f.get("traffic"),
                      "gate": _gate(f["gate"]), "approved_by": f["approved_by"], "reason": f["reason"],
                      "error": f["error"], "started_at": f["started_at"], "ended_at": f["ended_at"],
                      "flow_runs": f["flow_runs"], "from": f["from"]} for f in ledger.firings],
@@ -48,11 +49,19 @@ def line_rows(ledger: Ledger) -> list[dict[str, Any]]:
     for f in ledger.firings:
         gate = f["gate"] or {}
         rows.append({"firing": f["id"], "decision": f["decision"] or f["state"], "run_id": f["run_id"],
-                     "rows": f["rows"], "champion_reward": _round((gate.get("champion") or {}).get("mean_reward")),
+                     "rows": f["rows"], "traffic_samples": (f.get("traffic") or {}).get("trained"),
+                     "champion_reward": _round((gate.get("champion") or {}).get("mean_reward")),
                      "candidate_reward": _round((gate.get("candidate") or {}).get("mean_reward")),
                      "improvement": _round(gate.get("improvement")), "p_value": _round(gate.get("p_value")),
                      "approved_by": f["approved_by"], "reason": f["reason"] or f["error"], "ended": f["ended_at"]})
     return rows
+
+
+def _traffic_text(traffic: Optional[dict[str, Any]]) -> str:
+    if not traffic:
+        return ""
+    return (f", {traffic['trained']} traffic samples (waiting {traffic['waiting']}, expired {traffic['expired']}, "
+            f"stale {traffic['stale']})")
 
 
 def _round(value: Any) -> Any:
@@ -78,5 +87,5 @@ def status_text(status: dict[str, Any]) -> str:
         who = f"; approved by {f['approved_by']}" if f["approved_by"] and f["decision"] == "promoted" else ""
         why = f": {f['reason'] or f['error']}" if (f["reason"] or f["error"]) and f["decision"] != "promoted" else ""
         lines.append(f"  firing {f['id']}: {f['decision'] or f['state']}{why} - {f['run_id'] or '(no candidate)'}, "
-                     f"{f['rows']} rows{figures}{who}")
+                     f"{f['rows']} rows{_traffic_text(f.get('traffic'))}{figures}{who}")
     return "\n".join(lines)

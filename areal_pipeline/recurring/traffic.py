@@ -1,0 +1,122 @@
+"""A firing's share of the line's recorded traffic (docs/online.md): collected once into the firing's directory,
+then placed as the candidate run's rollouts of the iterations after its rows'.
+
+    firings/<n>/traffic/iter_<k>/   the episodes of candidate iteration k (rollout shards, checksummed)
+    firings/<n>/traffic.json        every sample the firing takes for good, with why (trained, expired, stale, gate)
+
+A sample is taken by one firing only: the ledger lists the firings whose traffic.json counts (`traffic_taken`,
+added as the firing ends, promoted or rejected, like its data files); a firing that failed and is resumed keeps
+its collected window (data.json), so nothing is taken twice or lost between two attempts.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from areal_pipeline.data.shards import is_complete, verify_shards
+from areal_pipeline.online.traffic_batch import take_traffic
+from areal_pipeline.online.traffic_log import read_records, remove_older_than
+from areal_pipeline.run_dir import RunPaths, read_json, write_json
+from areal_pipeline.utils import get_logger, link_tree
+
+if TYPE_CHECKING:
+    from areal_pipeline.recurring.ledger import Ledger
+    from areal_pipeline.recurring.line import Line
+
+logger = get_logger(__name__)
+
+
+def traffic_dir(line_dir: Path) -> Path:
+    """Where the line's servers record what they serve (`--record-dir`)."""
+    return Path(line_dir) / "traffic"
+
+
+def taken_before(line: "Line", ledger: "Ledger") -> set[str]:
+    taken: set[str] = set()
+    for firing_id in ledger.data.get("traffic_taken", []):
+        record = read_json(line.firing_dir(firing_id) / "traffic.json") or {}
+        taken.update(record.get("taken", {}))
+    return taken
+
+
+def collect_traffic(line: "Line", ledger: "Ledger", firing: dict[str, Any], gate_questions: set[str], *,
+                    first: int, row_iterations: int) -> dict[str, Any]:
+    """The firing's traffic episodes written as iterations first, first + 1, ... of its candidate; what
+    data.json records of them."""
+    cfg, r = line.cfg, line.cfg.recurring
+    directory = traffic_dir(line.dir)
+    if r.serve.retention_days:
+        for path in remove_older_than(directory, r.serve.retention_days):
+            logger.info("line %s: %s removed (older than recurring.serve.retention_days=%s)", line.name, path,
+                        r.serve.retention_days)
+    samples, problems = read_records(directory, "requests")
+    feedback, feedback_problems = read_records(directory, "feedback")
+    for problem in (*problems, *feedback_problems):
+        logger.warning("line %s: recorded traffic left out: %s", line.name, problem)
+    per_iteration = cfg.rollout.batch_size * cfg.rollout.gconfig.n_samples
+    max_episodes = None
+    if 0 < r.traffic_fraction < 1 and row_iterations:
+        max_episodes = int(r.traffic_fraction / (1 - r.traffic_fraction) * row_iterations * per_iteration)
+    _, champion_version = line.champion_model(ledger)
+    window = take_traffic(samples, feedback, taken_before(line, ledger), now=time.time(),
+                          champion_version=champion_version, feedback_window=r.feedback_window,
+                          max_staleness=r.max_staleness, min_group=r.traffic_min_group,
+                          gate_questions=gate_questions, episodes_per_iteration=per_iteration,
+                          max_episodes=max_episodes, problems=[*problems, *feedback_problems])
+    out = line.firing_dir(firing["id"])
+    iterations = []
+    for j, episodes in enumerate(window.iterations):
+        k = first + j
+        write_traffic_rollout(episodes, out / "traffic" / f"iter_{k}", line.candidate_run_id(firing["id"]), k,
+                              cfg.rollout.shard_rows, champion_version)
+        iterations.append(k)
+    write_json(out / "traffic.json", {"taken": window.taken})
+    if window.counts["new"]:
+        logger.info("line %s, firing %d: traffic: %s", line.name, firing["id"],
+                    ", ".join(f"{key} {value}" for key, value in window.counts.items() if value))
+    return {"traffic": window.record(), "traffic_iterations": iterations}
+
+
+def write_traffic_rollout(episodes: list, out: Path, run_id: str, k: int, rows_per_shard: int,
+                          champion_version: int) -> None:
+    """Recorded episodes as iteration k's rollout shards, with the manifest a rollout writes (its stats, no
+    failures, the content digest) and `source: traffic`."""
+    from areal_pipeline.data.shards import content_sha256, table_trajectories, trajectory_table, write_table
+    from areal_pipeline.rollout.executor import rollout_stats
+
+    table = trajectory_table(episodes, run_id, k)
+    write_table(table, out, run_id=run_id, iteration=k, rows_per_shard=rows_per_shard, overwrite=True,
+                extra_manifest={"stats": rollout_stats(table_trajectories(table), 0.0, []), "failures": [],
+                                "content_sha256": content_sha256(table), "source": "traffic",
+                                "policy_version": champion_version})
+
+
+def place_traffic(firing_dir: Path, data: dict[str, Any], cfg) -> None:
+    """Iteration k's traffic episodes as the candidate's rollout of k (verified first; a placed one kept)."""
+    paths = RunPaths(Path(cfg.run_dir))
+    for k in data.get("traffic_iterations", []):
+        source, target = firing_dir / "traffic" / f"iter_{k}", paths.rollout(k)
+        verify_shards(source)
+        if is_complete(target):
+            continue
+        if target.exists():
+            import shutil
+
+            shutil.rmtree(target)
+        link_tree(source, target)
+
+
+NOT_PLAYED = "(recorded traffic: rewarded by feedback, never played again)"
+
+
+def traffic_rows(directory: Path) -> list[dict[str, Any]]:
+    """Rows standing for the traffic's questions in a candidate of traffic alone: its run loads a train split, but
+    plays none of it (a damaged traffic rollout is refused, never played again: rollout_steps.py); one row where
+    nothing was recorded."""
+    from areal_pipeline.online.traffic_batch import last_user_message
+
+    samples, _ = read_records(directory, "requests")
+    questions = sorted({q for q in map(last_user_message, samples) if q}) or ["(no traffic recorded)"]
+    return [{"id": f"traffic-{i}", "question": q, "answer": NOT_PLAYED} for i, q in enumerate(questions)]

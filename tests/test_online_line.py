@@ -1,0 +1,119 @@
+"""A line that learns from its own traffic (configs/online_cpu.yaml, docs/online.md): the line's server records what
+it serves, a simulated user (examples/simulated_user.py, through the OpenAI SDK) asks questions and rewards a share
+of the answers, and each firing trains its candidate on the newly rewarded samples alone, off-policy (the decoupled
+loss over the recorded behaviour logprobs), gated and promoted as any firing. A real `prefect server start`, the
+line's real server process, real trainers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _learning_helpers import base_model
+from _prefect_server import prefect_server
+from test_flows import REPO
+
+CONFIG = REPO / "configs" / "online_cpu.yaml"
+USER = REPO / "examples" / "simulated_user.py"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def base(model_cache) -> str:
+    return base_model("online_cpu.yaml", model_cache)
+
+
+def overrides_for(tmp_path: Path, base: str, *extra: str) -> list[str]:
+    (tmp_path / "data").mkdir(parents=True, exist_ok=True)
+    return [f"output_dir={tmp_path}", f"dataset.path={tmp_path / 'data'}", f"model.path={base}", *extra]
+
+
+def line_of(overrides: list[str]):
+    from areal_pipeline.recurring.line import Line
+    from areal_pipeline.run_spec import load_config
+
+    return Line(load_config(CONFIG, overrides))
+
+
+def fire(api_url: str, overrides: list[str]) -> dict:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.recurring import recurring
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        return recurring(config_path=str(CONFIG), overrides=overrides)
+
+
+def simulated_user(overrides: list[str], round_: int, **options) -> dict:
+    args = [f"--{k}={v}" for k, v in {"questions": 96, "asks": 8, "feedback": 0.75, **options}.items()]
+    done = subprocess.run([sys.executable, str(USER), "--config", str(CONFIG), f"--round={round_}", *args,
+                           *overrides], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def recorded(line) -> tuple[list[dict], list[dict]]:
+    from areal_pipeline.online.traffic_log import read_records
+
+    samples, problems = read_records(line.dir / "traffic", "requests")
+    feedback, feedback_problems = read_records(line.dir / "traffic", "feedback")
+    assert problems == [] and feedback_problems == []
+    return samples, feedback
+
+
+def taken_by(line, firing: int) -> dict[str, str]:
+    return json.loads((line.firing_dir(firing) / "traffic.json").read_text())["taken"]
+
+
+def test_three_firings_on_rewarded_traffic_promote_a_better_champion_each_sample_trained_once(server, base,
+                                                                                              tmp_path):
+    from flows.line_servers import LineServers
+
+    overrides = overrides_for(tmp_path, base)
+    line = line_of(overrides)
+    served = LineServers.start(str(CONFIG), overrides)
+    try:
+        rounds, decisions = [], []
+        for round_ in (1, 2, 3):
+            rounds.append(simulated_user(overrides, round_))
+            decisions.append(fire(server, overrides))
+        samples, feedback = recorded(line)
+    finally:
+        served.stop()
+
+    from areal_pipeline.recurring.status import line_status
+
+    status = line_status(line.read_ledger())
+    assert [r["requests"] for r in rounds] == [768] * 3
+    assert len(samples) == 3 * 768 and len({s["sample_id"] for s in samples}) == len(samples)
+    # every sample trained once across the firings, exactly the rewarded ones; none unrewarded, none twice
+    rewarded = {s["sample_id"] for s in samples if s["response_id"] in {f["response_id"] for f in feedback}}
+    trained = [sid for f in (1, 2, 3) for sid, why in taken_by(line, f).items() if why == "trained"]
+    assert sorted(trained) == sorted(rewarded) and len(trained) == len(set(trained)) == sum(
+        r["feedback"] for r in rounds)
+    # each firing took what its round's user rewarded: the traffic recorded before it, none of the later rounds'
+    for f, round_ in zip((1, 2, 3), (1, 2, 3)):
+        ids = {sid for sid, why in taken_by(line, f).items() if why == "trained"}
+        convs = {s["conversation_id"].split("-")[0] for s in samples if s["sample_id"] in ids}
+        assert convs == {f"round{round_}"}, (f, convs)
+    # the samples are recorded under the version that served them: the base (0), then each champion in turn
+    versions_by_round: dict[str, set] = {}
+    for s in samples:
+        versions_by_round.setdefault(s["conversation_id"].split("-")[0], set()).update(s["versions"])
+    served = [(f["from"] or {"iteration": 0})["iteration"] for f in status["firings"]]  # the champion of each round
+    assert [versions_by_round[f"round{r}"] for r in (1, 2, 3)] == [{v} for v in served], (versions_by_round, served)
+    # the first firing's candidate, trained on round 1's rewarded answers, is much better than the base model
+    assert decisions[0]["decision"] == "promoted", decisions
+    base_pass = status["firings"][0]["gate"]["champion"]["pass_at_1"]
+    assert status["champion"]["gate"]["candidate"]["pass_at_1"] >= base_pass + 0.3, status
+    for firing in status["firings"]:
+        assert firing["traffic"]["trained"] > 0 and firing["traffic"]["expired"] == firing["traffic"]["stale"] == 0
