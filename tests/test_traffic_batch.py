@@ -107,3 +107,35 @@ def test_a_sample_the_trainer_cannot_use_is_taken_as_unusable(bad):
     s = {**sample("x/0", [1]), **bad}
     window = take([s], [feedback("f", 1.0, response="x")])
     assert window.taken == {"x/0": "unusable"} and window.iterations == []
+
+
+def test_the_line_s_traffic_settings_are_checked_naming_the_key():
+    from areal_pipeline.config import ConfigError
+    from areal_pipeline.run_spec import load_config
+
+    from test_flows import REPO
+
+    config = REPO / "configs" / "online_cpu.yaml"
+    cfg = load_config(config)
+    assert cfg.recurring.serve.record and cfg.recurring.traffic_fraction == 1.0
+    for override, words in [("recurring.traffic_fraction=1.5", "recurring.traffic_fraction=1.5: must be in [0, 1]"),
+                            ("recurring.traffic_min_group=1", "recurring.traffic_min_group=1: must be >= 2"),
+                            ("recurring.feedback_window=0", "recurring.feedback_window=0"),
+                            ("recurring.serve.retention_days=-1", "recurring.serve.retention_days=-1"),
+                            ("recurring.serve.backend=vllm", "only the project's server records")]:
+        with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            load_config(config, [override])
+
+
+def test_the_line_s_servers_record_into_its_traffic_directory_only_when_asked():
+    from areal_pipeline.recurring.line import Line
+    from areal_pipeline.run_spec import load_config
+    from flows.line_servers import recording_args
+
+    from test_flows import REPO
+
+    line = Line(load_config(REPO / "configs" / "online_cpu.yaml", ["recurring.serve.record_rotate_mb=2"]))
+    args = recording_args(line)
+    assert args[args.index("--record-dir") + 1] == str((line.dir / "traffic").resolve())
+    assert args[args.index("--record-rotate-bytes") + 1] == str(2 << 20)
+    assert recording_args(Line(load_config(REPO / "configs" / "recurring_cpu.yaml"))) == []
