@@ -139,3 +139,25 @@ def test_the_line_s_servers_record_into_its_traffic_directory_only_when_asked():
     assert args[args.index("--record-dir") + 1] == str((line.dir / "traffic").resolve())
     assert args[args.index("--record-rotate-bytes") + 1] == str(2 << 20)
     assert recording_args(Line(load_config(REPO / "configs" / "recurring_cpu.yaml"))) == []
+
+
+def test_a_reward_function_scores_samples_without_feedback_and_feedback_wins():
+    from areal_pipeline.online.traffic_batch import score_samples
+    from areal_pipeline.user_code import load_attr
+
+    from test_flows import REPO
+
+    verifier = load_attr(str(REPO / "examples" / "arithmetic_verifier.py") + ":score", "recurring.traffic_reward")
+    right = {**sample("r/0", [1], question="What is 3+4? Answer with the number."),
+             "reply": json.dumps({"role": "assistant", "content": "7"})}
+    wrong = {**sample("w/0", [1], question="What is 6*7? Answer with the number."),
+             "reply": json.dumps({"role": "assistant", "content": "41"})}
+    unreadable = sample("u/0", [2], question="Tell me a story")
+    scored = score_samples([right, wrong, unreadable], verifier, skip=set())
+    assert scored == {"r/0": 1.0, "w/0": 0.0}
+    window = take([right, wrong, unreadable], [feedback("f", 0.25, response="w")], scored=scored)
+    assert window.taken == {"r/0": "trained", "w/0": "trained"} and window.counts["waiting"] == 1
+    assert sorted(e.reward for it in window.iterations for e in it) == [0.25, 1.0]  # w's feedback beats its score
+    assert score_samples([right], verifier, skip={"r/0"}) == {}
+    with pytest.raises(ValueError, match="traffic_reward returned 'yes' for sample r/0"):
+        score_samples([right], lambda messages, completion: "yes", skip=set())

@@ -74,6 +74,11 @@ class RecurringConfig:
     feedback_window: float = 604800.0
     # a recorded sample generated more than this many policy versions before the champion is dropped (counted)
     max_staleness: int = 16
+    # A function scoring recorded samples that got no feedback, when a firing collects them (a verifiable answer
+    # checked later): 'module:function' or 'path/file.py:function', called as f(messages, completion) with the
+    # request's messages and the reply's text, returning a reward, or None where it cannot tell yet (the sample
+    # waits). Feedback, where there is some, wins. Empty: rewards come from POST /v1/feedback alone
+    traffic_reward: str = ""
     # samples of the same prompt (token for token) form a group (GRPO's baseline) from this many on; the others are
     # pooled, each firing's pool one group: REINFORCE with the pool's mean reward as the baseline
     traffic_min_group: int = 2

@@ -43,9 +43,11 @@ class TrafficWindow:
         return {**self.counts, "iterations": len(self.iterations), "problems": self.problems}
 
 
-def rewards_by_sample(samples: list[dict[str, Any]], feedback: list[dict[str, Any]]) -> tuple[dict[str, float], int]:
+def rewards_by_sample(samples: list[dict[str, Any]], feedback: list[dict[str, Any]],
+                      scored: Optional[dict[str, float]] = None) -> tuple[dict[str, float], int]:
     """(sample_id -> its reward, how many feedback records name no recorded sample). The newest feedback of a
-    response wins over older ones, and a response's own over its conversation's."""
+    response wins over older ones, a response's own over its conversation's, and any feedback over `scored` (the
+    rewards a function gave the samples when the firing collected them)."""
     by_response: dict[str, float] = {}
     by_conversation: dict[str, float] = {}
     for record in sorted(feedback, key=lambda f: (f["received_at"], f["feedback_id"])):
@@ -57,7 +59,7 @@ def rewards_by_sample(samples: list[dict[str, Any]], feedback: list[dict[str, An
     conversations = {s["conversation_id"] for s in samples}
     orphans = sum(1 for r in by_response if r not in responses) + sum(
         1 for c in by_conversation if c not in conversations)
-    rewards = {}
+    rewards = {sid: float(reward) for sid, reward in (scored or {}).items()}
     for sample in samples:
         if sample["response_id"] in by_response:
             rewards[sample["sample_id"]] = by_response[sample["response_id"]]
@@ -94,6 +96,31 @@ def sample_trajectory(sample: dict[str, Any], reward: float, group_id: str) -> T
                   "recorded_at": sample["created_at"]})
 
 
+def reply_text(sample: dict[str, Any]) -> str:
+    try:
+        content = json.loads(sample["reply"]).get("content")
+    except (TypeError, ValueError, AttributeError):
+        return ""
+    return content if isinstance(content, str) else ""
+
+
+def score_samples(samples: list[dict[str, Any]], reward_fn, skip: set[str]) -> dict[str, float]:
+    """`reward_fn(messages, completion)` of each sample not in `skip`: its reward where the function returns a
+    finite number; a sample it returns None for has no reward yet. Anything else names the sample."""
+    scored = {}
+    for sample in samples:
+        if sample["sample_id"] in skip:
+            continue
+        reward = reward_fn(json.loads(sample["messages"]), reply_text(sample))
+        if reward is None:
+            continue
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise ValueError(f"recurring.traffic_reward returned {reward!r} for sample {sample['sample_id']}: "
+                             "must be a finite number, or None where it cannot tell yet")
+        scored[sample["sample_id"]] = float(reward)
+    return scored
+
+
 def _oldest_version(sample: dict[str, Any]) -> int:
     versions = [int(v) for v in sample["versions"] if int(v) >= 0]
     return min(versions) if versions else int(sample.get("version", 0))
@@ -102,11 +129,12 @@ def _oldest_version(sample: dict[str, Any]) -> int:
 def take_traffic(samples: list[dict[str, Any]], feedback: list[dict[str, Any]], taken_before: set[str], *,
                  now: float, champion_version: int, feedback_window: float, max_staleness: int, min_group: int,
                  gate_questions: set[str], episodes_per_iteration: int, max_episodes: Optional[int] = None,
-                 problems: Iterable[str] = ()) -> TrafficWindow:
-    """The firing's traffic: every recorded sample not in `taken_before`, judged as the module says; at most
+                 problems: Iterable[str] = (), scored: Optional[dict[str, float]] = None) -> TrafficWindow:
+    """The firing's traffic: every recorded sample not in `taken_before`, judged as the module says (`scored`: the
+    rewards of a function, for samples without feedback); at most
     `max_episodes` rewarded ones trained (None: all; whole groups, oldest first; the rest wait), in iterations of
     about `episodes_per_iteration` episodes."""
-    rewards, orphans = rewards_by_sample(samples, feedback)
+    rewards, orphans = rewards_by_sample(samples, feedback, scored)
     taken: dict[str, str] = {}
     counts = {"recorded": len(samples), "new": 0, "rewarded": 0, "waiting": 0, "expired": 0, "stale": 0,
               "gate_overlap": 0, "orphan_feedback": orphans, "deferred": 0, "trained": 0}

@@ -60,7 +60,14 @@ def collect_traffic(line: "Line", ledger: "Ledger", firing: dict[str, Any], gate
     if 0 < r.traffic_fraction < 1 and row_iterations:
         max_episodes = int(r.traffic_fraction / (1 - r.traffic_fraction) * row_iterations * per_iteration)
     _, champion_version = line.champion_model(ledger)
-    window = take_traffic(samples, feedback, taken_before(line, ledger), now=time.time(),
+    taken = taken_before(line, ledger)
+    scored = None
+    if r.traffic_reward:
+        from areal_pipeline.online.traffic_batch import score_samples
+        from areal_pipeline.user_code import load_attr
+
+        scored = score_samples(samples, load_attr(r.traffic_reward, "recurring.traffic_reward", "function"), taken)
+    window = take_traffic(samples, feedback, taken, now=time.time(), scored=scored,
                           champion_version=champion_version, feedback_window=r.feedback_window,
                           max_staleness=r.max_staleness, min_group=r.traffic_min_group,
                           gate_questions=gate_questions, episodes_per_iteration=per_iteration,
