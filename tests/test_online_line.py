@@ -74,8 +74,22 @@ def taken_by(line, firing: int) -> dict[str, str]:
     return json.loads((line.firing_dir(firing) / "traffic.json").read_text())["taken"]
 
 
-def test_three_firings_on_rewarded_traffic_promote_a_better_champion_each_sample_trained_once(server, base,
-                                                                                              tmp_path):
+VERIFIER = f"recurring.traffic_reward={REPO / 'examples' / 'arithmetic_verifier.py'}:score"
+
+
+def trained_episodes(line, firing: int, run_dir: Path) -> dict[str, object]:
+    """The episodes firing `firing`'s candidate trained on from traffic, by sample id (its rollout shards)."""
+    from areal_pipeline.data.shards import read_trajectories
+
+    data = json.loads((line.firing_dir(firing) / "data.json").read_text())
+    return {t.prompt_id: t for k in data["traffic_iterations"]
+            for t in read_trajectories(run_dir / f"iter_{k}" / "rollout")}
+
+
+def test_firings_on_rewarded_traffic_promote_a_better_champion_each_sample_trained_once(server, base, tmp_path):
+    """Rounds 1 and 2: the user rewards three quarters of the questions, and each firing trains on exactly those.
+    Round 3: no feedback at all, and the firing scores what was never rewarded with a function that checks the
+    answer (recurring.traffic_reward): round 3's samples and those rounds 1 and 2 left waiting, each once."""
     from flows.line_servers import LineServers
 
     overrides = overrides_for(tmp_path, base)
@@ -83,9 +97,9 @@ def test_three_firings_on_rewarded_traffic_promote_a_better_champion_each_sample
     served = LineServers.start(str(CONFIG), overrides)
     try:
         rounds, decisions = [], []
-        for round_ in (1, 2, 3):
-            rounds.append(simulated_user(overrides, round_))
-            decisions.append(fire(server, overrides))
+        for round_, feedback_share, extra in ((1, 0.75, []), (2, 0.75, []), (3, 0.0, [VERIFIER])):
+            rounds.append(simulated_user(overrides, round_, feedback=feedback_share))
+            decisions.append(fire(server, [*overrides, *extra]))
         samples, feedback = recorded(line)
     finally:
         served.stop()
@@ -93,27 +107,39 @@ def test_three_firings_on_rewarded_traffic_promote_a_better_champion_each_sample
     from areal_pipeline.recurring.status import line_status
 
     status = line_status(line.read_ledger())
-    assert [r["requests"] for r in rounds] == [768] * 3
+    assert [r["requests"] for r in rounds] == [768] * 3 and rounds[2]["feedback"] == 0
     assert len(samples) == 3 * 768 and len({s["sample_id"] for s in samples}) == len(samples)
-    # every sample trained once across the firings, exactly the rewarded ones; none unrewarded, none twice
-    rewarded = {s["sample_id"] for s in samples if s["response_id"] in {f["response_id"] for f in feedback}}
-    trained = [sid for f in (1, 2, 3) for sid, why in taken_by(line, f).items() if why == "trained"]
-    assert sorted(trained) == sorted(rewarded) and len(trained) == len(set(trained)) == sum(
-        r["feedback"] for r in rounds)
-    # each firing took what its round's user rewarded: the traffic recorded before it, none of the later rounds'
-    for f, round_ in zip((1, 2, 3), (1, 2, 3)):
-        ids = {sid for sid, why in taken_by(line, f).items() if why == "trained"}
-        convs = {s["conversation_id"].split("-")[0] for s in samples if s["sample_id"] in ids}
-        assert convs == {f"round{round_}"}, (f, convs)
+    rated = {f["response_id"] for f in feedback}
+    by_round = {r: {s["sample_id"] for s in samples if s["conversation_id"].startswith(f"round{r}-")} for r in (1, 2, 3)}
+    trained = {f: {sid for sid, why in taken_by(line, f).items() if why == "trained"} for f in (1, 2, 3)}
+    # firings 1 and 2: exactly their round's rewarded samples; firing 3: everything else; each sample once
+    for f in (1, 2):
+        assert trained[f] == {s["sample_id"] for s in samples if s["response_id"] in rated and s["sample_id"] in
+                              by_round[f]}, f
+    assert trained[3] == {s["sample_id"] for s in samples} - trained[1] - trained[2]
+    assert trained[3] >= by_round[3] and trained[3] & by_round[1] and trained[3] & by_round[2]
+    assert sum(len(t) for t in trained.values()) == len(samples)
+    # firing 3's rewards are the verifier's: as many right answers in round 3 as the simulated user counted
+    episodes = trained_episodes(line, 3, tmp_path / status["firings"][2]["run_id"])
+    assert set(episodes) == trained[3]
+    assert sum(episodes[sid].reward for sid in by_round[3]) == rounds[2]["right"]
+    # the episodes are the recorded samples, token for token
+    for s in samples:
+        if s["sample_id"] in episodes:
+            e = episodes[s["sample_id"]]
+            n = len(s["prompt_ids"])
+            assert e.input_ids == [*s["prompt_ids"], *s["completion_ids"]] and e.logprobs[n:] == s["logprobs"]
+            assert e.versions[n:] == s["versions"] and e.loss_mask == [0] * n + [1] * len(s["completion_ids"])
     # the samples are recorded under the version that served them: the base (0), then each champion in turn
     versions_by_round: dict[str, set] = {}
     for s in samples:
         versions_by_round.setdefault(s["conversation_id"].split("-")[0], set()).update(s["versions"])
-    served = [(f["from"] or {"iteration": 0})["iteration"] for f in status["firings"]]  # the champion of each round
-    assert [versions_by_round[f"round{r}"] for r in (1, 2, 3)] == [{v} for v in served], (versions_by_round, served)
+    served_version = [(f["from"] or {"iteration": 0})["iteration"] for f in status["firings"]]
+    assert [versions_by_round[f"round{r}"] for r in (1, 2, 3)] == [{v} for v in served_version], (
+        versions_by_round, served_version)
     # the first firing's candidate, trained on round 1's rewarded answers, is much better than the base model
     assert decisions[0]["decision"] == "promoted", decisions
     base_pass = status["firings"][0]["gate"]["champion"]["pass_at_1"]
     assert status["champion"]["gate"]["candidate"]["pass_at_1"] >= base_pass + 0.3, status
     for firing in status["firings"]:
-        assert firing["traffic"]["trained"] > 0 and firing["traffic"]["expired"] == firing["traffic"]["stale"] == 0
+        assert firing["traffic"]["expired"] == firing["traffic"]["stale"] == 0, firing
