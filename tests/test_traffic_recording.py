@@ -184,6 +184,39 @@ def test_each_token_keeps_the_version_that_made_it_across_a_weight_update(record
     assert recorded[f"{after.id}/0"]["versions"] == [5, 5, 5] and recorded[f"{after.id}/0"]["version"] == 5
 
 
+def test_a_promotion_without_a_pause_labels_each_token_with_the_weights_that_sampled_it(recording, tiny_model_dir):
+    """A line's promotion loads the champion between two decode steps without pausing (recurring/publish.py): a
+    generation running across it has tokens of both versions in one completion, each labelled with its own."""
+    address = recording.address
+
+    def generated() -> int:
+        return http(address, "/get_server_info")[1]["internal_states"][0]["generated_tokens"]
+
+    async def go():
+        async with client(address) as c:
+            before = await asyncio.to_thread(generated)
+            long = asyncio.create_task(c.chat.completions.create(
+                model="m", messages=MESSAGES, max_tokens=700, seed=4, extra_body={"ignore_eos": True}))
+            deadline = time.monotonic() + 60
+            while await asyncio.to_thread(generated) < before + 20:
+                assert time.monotonic() < deadline and not long.done(), "the generation never started"
+                await asyncio.sleep(0.01)
+            status, update = await asyncio.to_thread(http, address, "/update_weights_from_disk",
+                                                     {"model_path": str(tiny_model_dir), "weight_version": "9"})
+            assert status == 200 and update["success"], update
+            spanning = await asyncio.wait_for(long, 120)
+            assert await asyncio.to_thread(generated) > before + 20  # it went on after the load
+            return spanning
+
+    spanning = run(go())
+    records, problems = read_records(recording.dir, "requests")
+    assert problems == []
+    versions = {r["sample_id"]: r for r in records}[f"{spanning.id}/0"]["versions"]
+    assert len(versions) == 700 and versions[-1] == 9 and 9 in versions and versions[0] != 9, versions
+    switch = versions.index(9)
+    assert versions == [versions[0]] * switch + [9] * (700 - switch), versions
+
+
 def test_feedback_is_recorded_and_a_bad_one_refused_naming_its_field(recording, cpu_server):
     address = recording.address
     status, by_response = http(address, "/v1/feedback", {"response_id": "chatcmpl-abc", "reward": 1,

@@ -406,6 +406,7 @@ class BatchEngine:
                 continue
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
+            r.output_versions.append(self.weight_version)
             self.stats["generated_tokens"] += 1
             reason = self._stop_reason(r, tok)
             if reason is not None:

@@ -28,6 +28,9 @@ class GenRequest:
     on_finish: Optional[Callable[["GenRequest"], None]] = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # the engine's weight version when each output token was sampled: weights loaded between two decode steps
+    # (no pause) change it within one generation
+    output_versions: list[str] = field(default_factory=list)
     input_logprobs: list[Optional[float]] = field(default_factory=list)
     finish_reason: Optional[dict] = None
     weight_version: str = ""

@@ -149,7 +149,7 @@ class OpenAIRoutes:
                 sample.output_ids += gen.output_ids
                 sample.logprobs += gen.output_logprobs
                 sample.version = _version_number(gen.weight_version)  # the version this part of it ended under
-                sample.versions += [sample.version] * len(gen.output_ids)
+                sample.versions += [_version_number(v) for v in gen.output_versions]
                 reason = gen.finish_reason
                 if reason["type"] != "abort":
                     sample.finish = reason["type"]
