@@ -58,13 +58,16 @@ def test_each_sample_is_judged_once_and_only_rewarded_fresh_ones_train():
                sample("old/0", [1, 2], created=NOW - 2 * DAY),            # no reward, past the window: expired
                sample("stale/0", [1, 2], version=0),                      # 3 versions behind > max_staleness 2
                sample("gate/0", [5], question="2+2"),                     # a gate question
+               sample("gate/1", [6], question="2+2 Answer with the number."),  # ... as the data set words it
+               sample("near/0", [1, 2], question="12+2 Answer with the number."),  # not one
                sample("done/0", [1, 2])]                                  # taken by an earlier firing
     fb = [feedback(f"f-{s}", 1.0, response=s) for s in ("ok", "stale", "gate", "done")]
-    window = take(samples, fb, before={"done/0"})
-    assert window.taken == {"ok/0": "trained", "old/0": "expired", "stale/0": "stale", "gate/0": "gate"}
+    window = take(samples, fb, before={"done/0", "near/0"})
+    assert window.taken == {"ok/0": "trained", "old/0": "expired", "stale/0": "stale", "gate/0": "gate",
+                            "gate/1": "gate"}
     c = window.counts
     assert (c["new"], c["rewarded"], c["waiting"], c["expired"], c["stale"], c["gate_overlap"], c["trained"]) == (
-        5, 1, 1, 1, 1, 1, 1)
+        6, 1, 1, 1, 1, 2, 1)
     [[episode]] = window.iterations
     assert episode.prompt_id == "ok/0" and episode.reward == 1.0
     assert episode.input_ids == [1, 2, 7, 8] and episode.loss_mask == [0, 0, 1, 1]
@@ -72,7 +75,8 @@ def test_each_sample_is_judged_once_and_only_rewarded_fresh_ones_train():
     assert episode.messages[-1] == {"role": "assistant", "content": "2"}
     assert episode.metadata["response_id"] == "ok" and episode.metadata["source"] == "traffic"
     # the waiting one trains once its reward comes, in a later firing
-    later = take(samples, [*fb, feedback("f-wait", 0.0, response="wait")], before=set(window.taken) | {"done/0"})
+    later = take(samples, [*fb, feedback("f-wait", 0.0, response="wait")],
+                 before=set(window.taken) | {"done/0", "near/0"})
     assert later.taken == {"wait/0": "trained"} and later.counts["trained"] == 1
 
 
@@ -161,3 +165,15 @@ def test_a_reward_function_scores_samples_without_feedback_and_feedback_wins():
     assert score_samples([right], verifier, skip={"r/0"}) == {}
     with pytest.raises(ValueError, match="traffic_reward returned 'yes' for sample r/0"):
         score_samples([right], lambda messages, completion: "yes", skip=set())
+
+
+def test_a_gate_question_is_recognised_as_a_data_set_words_it_and_a_longer_number_is_not_one():
+    from areal_pipeline.online.traffic_batch import asks_a_gate_question
+
+    gate = {"What is 1+1?"}
+    assert asks_a_gate_question("What is 1+1?", gate)
+    assert asks_a_gate_question("What is 1+1? Answer with the number.", gate)
+    assert asks_a_gate_question("Please: What is 1+1?", gate)
+    assert not asks_a_gate_question("What is 11+1? Answer with the number.", gate)
+    assert not asks_a_gate_question("What is 1+12?", gate)
+    assert not asks_a_gate_question("What is 1+1?", set())
