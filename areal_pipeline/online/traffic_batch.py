@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -93,7 +94,15 @@ def sample_trajectory(sample: dict[str, Any], reward: float, group_id: str) -> T
         messages=messages,
         metadata={"source": "traffic", "response_id": sample["response_id"],
                   "conversation_id": sample["conversation_id"], "server": sample.get("server", ""),
-                  "recorded_at": sample["created_at"]})
+                  # a string: a number in an episode's metadata is reported as a workflow's fact (agent/<key>)
+                  "recorded_at": datetime.fromtimestamp(float(sample["created_at"]), timezone.utc).isoformat()})
+
+
+def asks_a_gate_question(message: str, gate_questions: set[str]) -> bool:
+    """Whether a user's message is one of the gate's questions, alone or with an instruction before or after it (as a
+    data set words a prompt: "What is 3+4? Answer with the number.")."""
+    return message in gate_questions or any(
+        message.startswith(q + " ") or message.endswith(" " + q) or f" {q} " in message for q in gate_questions if q)
 
 
 def reply_text(sample: dict[str, Any]) -> str:
@@ -144,7 +153,7 @@ def take_traffic(samples: list[dict[str, Any]], feedback: list[dict[str, Any]], 
         if sid in taken_before:
             continue
         counts["new"] += 1
-        if last_user_message(sample) in gate_questions and gate_questions:
+        if asks_a_gate_question(last_user_message(sample), gate_questions):
             taken[sid] = "gate"
         elif sid not in rewards:
             if now - float(sample["created_at"]) > feedback_window:
