@@ -18,7 +18,7 @@ import functools
 import time
 from typing import Any, Callable
 
-from areal_pipeline.data.shards import ShardError, has_manifest, keep_if_intact, read_manifest, shards_intact
+from areal_pipeline.data.shards import ShardError, keep_if_intact, read_manifest, shards_intact
 from areal_pipeline.rollout.executor import episode_seed, play_batch, refill_prompt, select_batch
 from areal_pipeline.rollout.failures import FailurePolicy
 from areal_pipeline.rollout.group import judge_group
@@ -34,7 +34,7 @@ class RolloutSteps:
     @timed
     def rollout(self, k: int, progress: bool = False) -> dict[str, Any]:
         out = self.paths.rollout(k)
-        refuse_to_replay_recorded_traffic(out)
+        refuse_to_replay_recorded_traffic(self.paths, k)
         # A corrupt earlier output is cleared and generated again: episodes are seeded, so the tokens are the same.
         if keep_if_intact(out):
             self.journal(k).remove()  # one left by a kill between the manifest and its removal
@@ -183,16 +183,11 @@ def shards_record(out, manifest: dict, cached: bool) -> dict[str, Any]:
     return {**manifest["stats"], "shards": str(out), "rows": manifest["num_rows"], "cached": cached}
 
 
-def refuse_to_replay_recorded_traffic(out) -> None:
+def refuse_to_replay_recorded_traffic(paths, k: int) -> None:
     """A recurring firing's traffic episodes (recurring/traffic.py) are what users were served: no rollout can play
     them again, so a damaged copy is an error, not a rollout to redo from the data set's rows."""
-    if not has_manifest(out) or shards_intact(out):
-        return
-    try:
-        source = read_manifest(out).get("source")
-    except ShardError:
-        return
-    if source == "traffic":
+    out = paths.rollout(k)
+    if paths.traffic_mark(k).is_file() and not shards_intact(out):
         raise ShardError(f"{out}: the recorded traffic placed here by a recurring firing is damaged and cannot be "
                          "played again; the firing keeps its own copy (<line>/firings/<n>/traffic/): run the firing "
                          "again to place it anew")

@@ -54,6 +54,11 @@ class RunPaths:
     def rollout(self, k: int) -> Path:
         return self.iteration(k) / "rollout"
 
+    def traffic_mark(self, k: int) -> Path:
+        """Where a recurring firing marks iteration k's rollout as recorded traffic (recurring/traffic.py): beside the
+        shards, so that a damaged manifest cannot hide it; such a rollout is never played again."""
+        return self.iteration(k) / "recorded_traffic.json"
+
     def episodes(self, k: int) -> Path:
         """Iteration k's episode journal (rollout/journal.py): beside its rollout shards, never among them."""
         return self.iteration(k) / "rollout.episodes"

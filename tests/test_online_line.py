@@ -7,18 +7,14 @@ line's real server process, real trainers."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from _learning_helpers import base_model
+from _online_helpers import CONFIG, fire, line_of, recorded, simulated_user, taken_by
 from _prefect_server import prefect_server
 from test_flows import REPO
-
-CONFIG = REPO / "configs" / "online_cpu.yaml"
-USER = REPO / "examples" / "simulated_user.py"
 
 
 @pytest.fixture(scope="module")
@@ -37,41 +33,14 @@ def overrides_for(tmp_path: Path, base: str, *extra: str) -> list[str]:
     return [f"output_dir={tmp_path}", f"dataset.path={tmp_path / 'data'}", f"model.path={base}", *extra]
 
 
-def line_of(overrides: list[str]):
-    from areal_pipeline.recurring.line import Line
-    from areal_pipeline.run_spec import load_config
-
-    return Line(load_config(CONFIG, overrides))
 
 
-def fire(api_url: str, overrides: list[str]) -> dict:
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from flows.recurring import recurring
-
-    with temporary_settings(updates={PREFECT_API_URL: api_url}):
-        return recurring(config_path=str(CONFIG), overrides=overrides)
 
 
-def simulated_user(overrides: list[str], round_: int, **options) -> dict:
-    args = [f"--{k}={v}" for k, v in {"questions": 96, "asks": 8, "feedback": 0.75, **options}.items()]
-    done = subprocess.run([sys.executable, str(USER), "--config", str(CONFIG), f"--round={round_}", *args,
-                           *overrides], capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def recorded(line) -> tuple[list[dict], list[dict]]:
-    from areal_pipeline.online.traffic_log import read_records
-
-    samples, problems = read_records(line.dir / "traffic", "requests")
-    feedback, feedback_problems = read_records(line.dir / "traffic", "feedback")
-    assert problems == [] and feedback_problems == []
-    return samples, feedback
 
 
-def taken_by(line, firing: int) -> dict[str, str]:
-    return json.loads((line.firing_dir(firing) / "traffic.json").read_text())["taken"]
 
 
 VERIFIER = f"recurring.traffic_reward={REPO / 'examples' / 'arithmetic_verifier.py'}:score"
@@ -98,7 +67,7 @@ def test_firings_on_rewarded_traffic_promote_a_better_champion_each_sample_train
     try:
         rounds, decisions = [], []
         for round_, feedback_share, extra in ((1, 0.75, []), (2, 0.75, []), (3, 0.0, [VERIFIER])):
-            rounds.append(simulated_user(overrides, round_, feedback=feedback_share))
+            rounds.append(simulated_user(overrides, round_, questions=96, asks=8, feedback=feedback_share))
             decisions.append(fire(server, [*overrides, *extra]))
         samples, feedback = recorded(line)
     finally:

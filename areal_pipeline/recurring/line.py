@@ -144,7 +144,7 @@ class Line:
         return cfg
 
     def place_traffic(self, firing: dict[str, Any], cfg: ExperimentConfig) -> None:
-        """The firing's traffic episodes as the candidate run's rollouts of their iterations (hard links)."""
+        """The firing's traffic episodes as the candidate run's rollouts of their iterations (copies)."""
         place_traffic(self.firing_dir(firing["id"]), read_json(self.firing_dir(firing["id"]) / "data.json"), cfg)
 
     def save_candidate_config(self, firing: dict[str, Any], cfg: ExperimentConfig) -> Path:

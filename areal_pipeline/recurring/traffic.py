@@ -11,15 +11,16 @@ its collected window (data.json), so nothing is taken twice or lost between two 
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from areal_pipeline.data.shards import is_complete, verify_shards
+from areal_pipeline.data.shards import shards_intact, verify_shards
 from areal_pipeline.online.traffic_batch import take_traffic
 from areal_pipeline.online.traffic_log import read_records, remove_older_than
 from areal_pipeline.run_dir import RunPaths, read_json, write_json
-from areal_pipeline.utils import get_logger, link_tree
+from areal_pipeline.utils import atomic_directory, get_logger
 
 if TYPE_CHECKING:
     from areal_pipeline.recurring.ledger import Ledger
@@ -101,18 +102,20 @@ def write_traffic_rollout(episodes: list, out: Path, run_id: str, k: int, rows_p
 
 
 def place_traffic(firing_dir: Path, data: dict[str, Any], cfg) -> None:
-    """Iteration k's traffic episodes as the candidate's rollout of k (verified first; a placed one kept)."""
+    """Iteration k's traffic episodes as the candidate's rollout of k: a copy of the firing's (verified first), not
+    hard links, so that damage to the run's copy leaves the firing's intact (the rollout step refuses a damaged one,
+    rollout_steps.py, and the firing run again places it anew); a placed one kept while its shards verify."""
     paths = RunPaths(Path(cfg.run_dir))
     for k in data.get("traffic_iterations", []):
         source, target = firing_dir / "traffic" / f"iter_{k}", paths.rollout(k)
         verify_shards(source)
-        if is_complete(target):
+        if shards_intact(target):
             continue
-        if target.exists():
-            import shutil
-
-            shutil.rmtree(target)
-        link_tree(source, target)
+        # the mark the rollout step reads, beside the shards (a damaged manifest cannot hide it)
+        write_json(paths.traffic_mark(k), {"source": str(source.resolve())})
+        with atomic_directory(target) as tmp:
+            shutil.copytree(source, tmp, ignore=shutil.ignore_patterns(".*"), dirs_exist_ok=True)
+        verify_shards(target)
 
 
 NOT_PLAYED = "(recorded traffic: rewarded by feedback, never played again)"
