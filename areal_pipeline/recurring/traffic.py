@@ -14,17 +14,13 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from areal_pipeline.data.shards import shards_intact, verify_shards
 from areal_pipeline.online.traffic_batch import take_traffic
 from areal_pipeline.online.traffic_log import read_records, remove_older_than
 from areal_pipeline.run_dir import RunPaths, read_json, write_json
 from areal_pipeline.utils import atomic_directory, get_logger
-
-if TYPE_CHECKING:
-    from areal_pipeline.recurring.ledger import Ledger
-    from areal_pipeline.recurring.line import Line
 
 logger = get_logger(__name__)
 
@@ -34,7 +30,9 @@ def traffic_dir(line_dir: Path) -> Path:
     return Path(line_dir) / "traffic"
 
 
-def taken_before(line: "Line", ledger: "Ledger") -> set[str]:
+def taken_before(line, ledger) -> set[str]:
+    """The samples earlier firings took, of `line` (a recurring.line.Line, passed in: line.py imports this module)
+    by its `ledger`."""
     taken: set[str] = set()
     for firing_id in ledger.data.get("traffic_taken", []):
         record = read_json(line.firing_dir(firing_id) / "traffic.json") or {}
@@ -42,7 +40,7 @@ def taken_before(line: "Line", ledger: "Ledger") -> set[str]:
     return taken
 
 
-def collect_traffic(line: "Line", ledger: "Ledger", firing: dict[str, Any], gate_questions: set[str], *,
+def collect_traffic(line, ledger, firing: dict[str, Any], gate_questions: set[str], *,
                     first: int, row_iterations: int) -> dict[str, Any]:
     """The firing's traffic episodes written as iterations first, first + 1, ... of its candidate; what
     data.json records of them."""
