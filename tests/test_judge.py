@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -142,11 +143,13 @@ def test_answers_that_are_no_scores_are_retried_then_a_clear_transient_error(tmp
 
 
 def test_a_judge_that_is_down_is_retried_then_a_clear_transient_error(tmp_path):
-    base_url = f"http://127.0.0.1:{find_free_port()}/v1"  # nothing listens there
-    judge = Judge(config(base_url, retries=2), tmp_path / "cache")
-    started = time.monotonic()
-    with pytest.raises(JudgeUnavailable, match=r"3 attempt\(s\); the last: ConnectionError") as error:
-        score_all(judge, GROUPS[:1])
+    with socket.socket() as down:  # bound, never listening: it refuses connections, and no other server takes it
+        down.bind(("127.0.0.1", 0))
+        base_url = f"http://127.0.0.1:{down.getsockname()[1]}/v1"
+        judge = Judge(config(base_url, retries=2), tmp_path / "cache")
+        started = time.monotonic()
+        with pytest.raises(JudgeUnavailable, match=r"3 attempt\(s\); the last: ConnectionError") as error:
+            score_all(judge, GROUPS[:1])
     assert base_url in str(error.value) and is_transient(error.value)
     assert time.monotonic() - started >= 0.05 + 0.1  # the backoff between the attempts
 
@@ -270,8 +273,12 @@ def test_a_judge_outage_fails_the_rollout_node_clearly_and_its_prefect_retry_sco
     import uuid
 
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
-    port = find_free_port()
-    base_url = f"http://127.0.0.1:{port}/v1"  # down until the rollout node has failed once
+    # down until the rollout node has failed once: a port held bound but not listening refuses connections, and no
+    # other test's server can take it meanwhile (one did, and its 401 reached the run in place of the judge's scores)
+    placeholder = socket.socket()
+    placeholder.bind(("127.0.0.1", 0))
+    port = placeholder.getsockname()[1]
+    base_url = f"http://127.0.0.1:{port}/v1"
     run_id = f"outage-{uuid.uuid4().hex[:6]}"
     log = tmp_path / "out.log"
     run = train([*run_overrides(tmp_path, tiny_model_dir, run_id, base_url, f"judge-test-{uuid.uuid4().hex[:8]}"),
@@ -285,9 +292,11 @@ def test_a_judge_outage_fails_the_rollout_node_clearly_and_its_prefect_retry_sco
             assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
         assert not (tmp_path / run_id / "iter_1" / "rollout" / "manifest.json").exists()
+        placeholder.close()
         with judge_server(tmp_path, port=port) as (_, calls_log):  # the judge is back for the node's retry
             assert run.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
+        placeholder.close()
         if run.poll() is None:
             run.kill()
             run.wait()
