@@ -16,24 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from _learning_helpers import base_model
-from _online_helpers import CONFIG, fire, line_of, recorded, simulated_user, taken_by
-from _prefect_server import client_env, prefect_server
+from _online_helpers import (CONFIG, base, fire, line_of, recorded, server, simulated_user,  # noqa: F401 (fixtures)
+                            taken_by)
+from _prefect_server import client_env
 from test_flows import cli, wait_until
 # an iteration of 4 x 4 = 16 episodes (rows or traffic); a quick gate
 SMALL = ["rollout.batch_size=4", "rollout.gconfig.n_samples=4", "recurring.gate_resamples=1000"]
 PER_ITERATION = 16
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def base(model_cache) -> str:
-    return base_model("online_cpu.yaml", model_cache)
 
 
 @dataclass

@@ -9,23 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 
-from _learning_helpers import base_model
-from _online_helpers import CONFIG, fire, line_of, recorded, simulated_user, taken_by
-from _prefect_server import prefect_server
+from _online_helpers import (CONFIG, base, fire, line_of, recorded, server, simulated_user,  # noqa: F401 (fixtures)
+                            taken_by)
 from test_flows import REPO
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def base(model_cache) -> str:
-    return base_model("online_cpu.yaml", model_cache)
 
 
 def overrides_for(tmp_path: Path, base: str, *extra: str) -> list[str]:

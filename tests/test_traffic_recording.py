@@ -142,24 +142,31 @@ def test_each_choice_is_recorded_token_for_token(recording, tokenizer):
     assert by_reply[bare.id]["prompt_sha256"] != by_reply[tagged.id]["prompt_sha256"]
 
 
+def generated_tokens(address: str) -> int:
+    return http(address, "/get_server_info")[1]["internal_states"][0]["generated_tokens"]
+
+
+async def a_long_generation_underway(c, address: str, seed: int) -> asyncio.Task:
+    """A 700-token chat completion, returned once the server has generated 20 tokens of it."""
+    before = await asyncio.to_thread(generated_tokens, address)
+    long = asyncio.create_task(c.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=700, seed=seed, extra_body={"ignore_eos": True}))
+    deadline = time.monotonic() + 60
+    while await asyncio.to_thread(generated_tokens, address) < before + 20:
+        assert time.monotonic() < deadline and not long.done(), "the generation never started"
+        await asyncio.sleep(0.01)
+    return long
+
+
 def test_each_token_keeps_the_version_that_made_it_across_a_weight_update(recording, tiny_model_dir):
     """A generation that a pause for a weight update interrupts is resent by the route: its tokens before the
     pause carry the old version, those after it the new one; requests after it are recorded with the new one."""
     address = recording.address
     old = int(http(address, "/get_model_info")[1]["weight_version"])
 
-    def generated() -> int:
-        return http(address, "/get_server_info")[1]["internal_states"][0]["generated_tokens"]
-
     async def go():
         async with client(address) as c:
-            before = await asyncio.to_thread(generated)
-            long = asyncio.create_task(c.chat.completions.create(
-                model="m", messages=MESSAGES, max_tokens=700, seed=3, extra_body={"ignore_eos": True}))
-            deadline = time.monotonic() + 60
-            while await asyncio.to_thread(generated) < before + 20:
-                assert time.monotonic() < deadline and not long.done(), "the generation never started"
-                await asyncio.sleep(0.01)
+            long = await a_long_generation_underway(c, address, seed=3)
             assert (await asyncio.to_thread(http, address, "/pause_generation", {}))[0] == 200
             await asyncio.sleep(0.2)
             assert not long.done()
@@ -189,23 +196,15 @@ def test_a_promotion_without_a_pause_labels_each_token_with_the_weights_that_sam
     generation running across it has tokens of both versions in one completion, each labelled with its own."""
     address = recording.address
 
-    def generated() -> int:
-        return http(address, "/get_server_info")[1]["internal_states"][0]["generated_tokens"]
-
     async def go():
         async with client(address) as c:
-            before = await asyncio.to_thread(generated)
-            long = asyncio.create_task(c.chat.completions.create(
-                model="m", messages=MESSAGES, max_tokens=700, seed=4, extra_body={"ignore_eos": True}))
-            deadline = time.monotonic() + 60
-            while await asyncio.to_thread(generated) < before + 20:
-                assert time.monotonic() < deadline and not long.done(), "the generation never started"
-                await asyncio.sleep(0.01)
+            before = await asyncio.to_thread(generated_tokens, address)
+            long = await a_long_generation_underway(c, address, seed=4)
             status, update = await asyncio.to_thread(http, address, "/update_weights_from_disk",
                                                      {"model_path": str(tiny_model_dir), "weight_version": "9"})
             assert status == 200 and update["success"], update
             spanning = await asyncio.wait_for(long, 120)
-            assert await asyncio.to_thread(generated) > before + 20  # it went on after the load
+            assert await asyncio.to_thread(generated_tokens, address) > before + 20  # it went on after the load
             return spanning
 
     spanning = run(go())

@@ -1,6 +1,6 @@
 """The configuration's rules of a run across hosts (config/rules.py holds them in CROSS_RULES): weight updates reach
 every server, the trainer's nodes meet at a rendezvous every node reaches, and every path another host opens
-names the same file there."""
+names the same file there; and the servers a line records its traffic on are the project's."""
 
 from __future__ import annotations
 
@@ -76,3 +76,11 @@ def hosts_reach_each_other(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
         yield (f"{key('trainer.weights_dir')}={t.weights_dir!r}: servers on other hosts ({hosts}) load each version "
                f"from a directory: set it (or {key('output_dir')}) to an absolute path they read at the same name "
                "(a shared file system)")
+
+
+def only_the_projects_server_records(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
+    serve = cfg.recurring.serve
+    backend = serve.backend or cfg.inference.backend
+    if serve.record and backend != "cpu":
+        yield (f"{key('recurring.serve.record')}=true: only the project's server records the traffic it serves; "
+               f"the line's servers speak {backend} ({key('recurring.serve.backend')} / {key('inference.backend')})")

@@ -22,7 +22,8 @@ from areal_pipeline.config.schema import (DatasetConfig, ExperimentConfig, Gener
                                           ModelConfig, NormConfig, OptimizerConfig, PPOConfig, RetrievalConfig,
                                           MlflowConfig, RolloutConfig, SGLangConfig, TinyModelConfig, TrackersConfig,
                                           TrainerConfig, VLLMConfig, WandbConfig)
-from areal_pipeline.config.host_rules import hosts_reach_each_other, weights_reach_the_servers
+from areal_pipeline.config.host_rules import (hosts_reach_each_other, only_the_projects_server_records,
+                                              weights_reach_the_servers)
 from areal_pipeline.errors import PermanentError
 
 
@@ -385,14 +386,6 @@ def _adapter_push_is_possible(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
         yield f"{key('trainer.lora.push')}='adapter': {problem}; 'merged' works with every backend"
 
 
-def _recording_server_is_the_projects(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
-    serve = cfg.recurring.serve
-    backend = serve.backend or cfg.inference.backend
-    if serve.record and backend != "cpu":
-        yield (f"{key('recurring.serve.record')}=true: only the project's server records the traffic it serves; "
-               f"the line's servers speak {backend} ({key('recurring.serve.backend')} / {key('inference.backend')})")
-
-
 CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {
     TinyModelConfig: (_attention_heads_divide,),
     RetrievalConfig: (_default_topk_within_max,),
@@ -400,7 +393,7 @@ CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {
     TrackersConfig: (_trackers_are_installed,),
     ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, weights_reach_the_servers,
                        hosts_reach_each_other, _vllm_serves_the_embedded_model, _judge_is_complete,
-                       _schedule_covers_the_run, _adapter_push_is_possible, _recording_server_is_the_projects),
+                       _schedule_covers_the_run, _adapter_push_is_possible, only_the_projects_server_records),
 }
 
 FieldRules = Mapping[type, Mapping[str, "Rule | tuple[Rule, ...]"]]

@@ -25,7 +25,7 @@ from areal_pipeline.checksums import has_checksums, verify_checksums
 from areal_pipeline.config import ConfigError, ExperimentConfig, save_config
 from areal_pipeline.recurring.incoming import (Window, check_dataset_reads_rows, gate_rows, iterations_for,
                                                take_window, write_rows)
-from areal_pipeline.recurring.traffic import collect_traffic, place_traffic, traffic_dir, traffic_rows
+from areal_pipeline.recurring.traffic import collect_traffic, place_traffic, traffic_rows
 from areal_pipeline.recurring.ledger import Ledger, line_lock
 from areal_pipeline.run_dir import RunPaths, pin_checkpoint, read_json, write_json
 from areal_pipeline.utils import atomic_directory, get_logger, link_tree
@@ -117,7 +117,7 @@ class Line:
         rows = window.rows + window.replay
         with atomic_directory(out / "data") as tmp:
             # a candidate of traffic alone plays no row, but its run loads a train split: the traffic's questions
-            write_rows(tmp / "train.jsonl", rows or traffic_rows(traffic_dir(self.dir)))
+            write_rows(tmp / "train.jsonl", rows or traffic_rows())
             write_rows(tmp / "test.jsonl", gate)
         iterations = iterations_for(len(rows), self.cfg.rollout.batch_size, r.iterations) if window.rows else 0
         record = {**window.record(), "gate_prompts": len(gate), "iterations": iterations,

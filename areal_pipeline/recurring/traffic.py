@@ -119,12 +119,7 @@ def place_traffic(firing_dir: Path, data: dict[str, Any], cfg) -> None:
 NOT_PLAYED = "(recorded traffic: rewarded by feedback, never played again)"
 
 
-def traffic_rows(directory: Path) -> list[dict[str, Any]]:
-    """Rows standing for the traffic's questions in a candidate of traffic alone: its run loads a train split, but
-    plays none of it (a damaged traffic rollout is refused, never played again: rollout_steps.py); one row where
-    nothing was recorded."""
-    from areal_pipeline.online.traffic_batch import last_user_message
-
-    samples, _ = read_records(directory, "requests")
-    questions = sorted({q for q in map(last_user_message, samples) if q}) or ["(no traffic recorded)"]
-    return [{"id": f"traffic-{i}", "question": q, "answer": NOT_PLAYED} for i, q in enumerate(questions)]
+def traffic_rows() -> list[dict[str, Any]]:
+    """The train split of a candidate of traffic alone: its run loads one, but plays none of it (a damaged traffic
+    rollout is refused, never played again: rollout_steps.py)."""
+    return [{"id": "traffic", "question": "(recorded traffic)", "answer": NOT_PLAYED}]
