@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import urllib.error
 from pathlib import Path
@@ -128,6 +129,16 @@ def http(address: str, path: str, body=None, method: str | None = None, timeout:
         return status, json.loads(raw) if raw else None
     except json.JSONDecodeError:
         return status, raw.decode()
+
+
+@pytest.fixture
+def dead_address():
+    """'127.0.0.1:PORT' where nothing answers: a socket holds the port bound but not listening for the test's length,
+    so every connection is refused and no other process (a parallel worker's server) can take the port meanwhile,
+    as it could a port chosen and left unbound."""
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{bound.getsockname()[1]}"
 
 
 # --- Nothing left behind ----------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from areal_pipeline.inference.client import RID_CACHE_SIZE, InferenceServerError
 from areal_pipeline.inference.launcher import launch_servers
 from areal_pipeline.inference.types import ModelRequest, SamplingParams
 from areal_pipeline.run_spec import load_config
-from areal_pipeline.utils import find_free_port
 from conftest import SESSION_TEMP
 from _http_helpers import serve_on_loopback
 
@@ -138,8 +137,8 @@ def test_rid_cache_is_lru():
     assert "rid-1" not in engine._rid_to_server  # the least recently used went first
 
 
-def test_dead_server_is_retried_then_named():
-    dead = f"127.0.0.1:{find_free_port()}"
+def test_dead_server_is_retried_then_named(dead_address):
+    dead = dead_address
 
     async def main():
         async with RemoteSGLangEngine([dead], request_retries=2, retry_delay=0.05) as engine:
@@ -167,7 +166,7 @@ def test_bad_request_surfaces_server_message(two_servers):
     assert "maximum context length" in str(info.value) and "/generate" in str(info.value)
 
 
-def test_a_generation_at_the_context_length_ends_by_length_without_a_request(two_servers):
+def test_a_generation_at_the_context_length_ends_by_length_without_a_request(two_servers, dead_address):
     """A prompt one token short of the context length leaves no room (SGLang refuses prompt + budget reaching the
     limit): the client ends it by length, with no tokens, and sends nothing; one more token of room generates."""
     req = _request(max_new_tokens=4)
@@ -177,7 +176,7 @@ def test_a_generation_at_the_context_length_ends_by_length_without_a_request(two
         async with RemoteSGLangEngine(addresses, context_length=context_length, request_retries=0) as engine:
             return await engine.agenerate(req)
 
-    full = run(main([f"127.0.0.1:{find_free_port()}"], prompt + 1))  # nothing listens there: a request would fail
+    full = run(main([dead_address], prompt + 1))  # nothing answers there: a request would fail
     assert (full.output_tokens, full.output_logprobs, full.stop_reason) == ([], [], "length")
     roomy = run(main(two_servers, prompt + 2))
     assert len(roomy.output_tokens) == 1 and roomy.stop_reason == "length"
@@ -339,8 +338,8 @@ def test_update_weights_full_sequence_and_failure_resumes(one_server, perturbed_
     assert last.output_versions == [5] * last.output_len and version == 5
 
 
-def test_wait_healthy_times_out_naming_the_dead_server(two_servers):
-    dead = f"127.0.0.1:{find_free_port()}"
+def test_wait_healthy_times_out_naming_the_dead_server(two_servers, dead_address):
+    dead = dead_address
 
     async def main():
         async with RemoteSGLangEngine([*two_servers, dead]) as engine:

@@ -71,10 +71,8 @@ def test_a_run_pushes_to_running_servers_over_a_process_group(tiny_model_dir, tm
     assert not (cfg.run_dir / "weights").exists()
 
 
-def test_servers_that_do_not_answer_are_named(tmp_path):
-    from areal_pipeline.utils import find_free_port
-
-    address = f"127.0.0.1:{find_free_port()}"  # nothing listens there
+def test_servers_that_do_not_answer_are_named(tmp_path, dead_address):
+    address = dead_address
     cfg = load_config(None, [f"output_dir={tmp_path}", f"inference.addresses=[{address}]",
                              "inference.setup_timeout=1"])
     services = Services(cfg, "unused", tmp_path)

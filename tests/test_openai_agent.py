@@ -32,7 +32,6 @@ from areal_pipeline.inference.openai_tools import chat_prompt_ids, parse_tool_ca
 from areal_pipeline.model import load_model, load_tokenizer
 from areal_pipeline.rollout.group import run_group
 from areal_pipeline.run_spec import load_config
-from areal_pipeline.utils import find_free_port
 from areal_pipeline.workflows.openai_agent import AgentError, OpenAIAgentWorkflow, load_agent
 from areal_pipeline.workflows.openai_recording import discounted_rewards
 from conftest import start_cpu_server
@@ -221,7 +220,7 @@ def test_an_agent_error_fails_the_rollout_naming_it_and_a_refused_request_reache
         run_episode(OpenAIAgentWorkflow(strange, g, tokenizer, entry="strange"), cpu_server)
 
 
-def test_a_server_failure_reaches_the_rollout_even_when_the_agent_swallows_it(tiny_model_dir):
+def test_a_server_failure_reaches_the_rollout_even_when_the_agent_swallows_it(tiny_model_dir, dead_address):
     tokenizer = load_tokenizer(tiny_model_dir)
     caught = []
 
@@ -233,7 +232,7 @@ def test_a_server_failure_reaches_the_rollout_even_when_the_agent_swallows_it(ti
         return 0.0
 
     async def go():
-        dead = RemoteSGLangEngine([f"127.0.0.1:{find_free_port()}"], request_retries=0)
+        dead = RemoteSGLangEngine([dead_address], request_retries=0)
         async with dead:
             return await OpenAIAgentWorkflow(forgiving, GenerationConfig(n_samples=1), tokenizer).arun_episode(
                 dead, RECORD)

@@ -356,8 +356,8 @@ def test_client_retries_server_errors_but_not_bad_requests():
     assert isinstance(result, RetrievalError) and "HTTP 400: busy" in str(result) and len(calls) == 1
 
 
-def test_client_reports_an_unreachable_server():
-    address = f"127.0.0.1:{find_free_port()}"
+def test_client_reports_an_unreachable_server(dead_address):
+    address = dead_address
     with pytest.raises(RetrievalError, match=f"retrieval server {address}: ClientConnectorError"):
         asyncio.run(RetrievalClient(address, retries=1, retry_delay=0.01).retrieve(["q"], 1))
 

@@ -301,12 +301,12 @@ def test_a_cancelled_run_ends_as_killed_in_mlflow_and_with_w_b_s_cancel_code(tmp
 
 
 def test_a_tracking_server_that_is_down_is_warned_about_and_the_run_completes(prefect_api, tiny_model_dir, tmp_path,
-                                                                               caplog):
+                                                                               caplog, dead_address):
     with socket.socket() as listening:  # takes connections into its backlog, never answers: a hung server
         listening.bind(("127.0.0.1", 0))
         listening.listen(8)
         hung = f"http://127.0.0.1:{listening.getsockname()[1]}"
-        down = f"http://127.0.0.1:{find_free_port()}"
+        down = f"http://{dead_address}"
         for uri in (down, hung):
             run_id = "down" if uri == down else "hung"
             started = time.monotonic()

@@ -24,7 +24,6 @@ from areal_pipeline.rewards import exact_match_reward, f1_reward
 from areal_pipeline.run_spec import build_workflow, load_config
 from areal_pipeline.tools.retrieval_client import RetrievalClient
 from areal_pipeline.tools.retrieval_server import launch_retrieval_server
-from areal_pipeline.utils import find_free_port
 from areal_pipeline.workflows.rlvr import chat_prompt_ids
 from areal_pipeline.services import Services
 from areal_pipeline.tools.retrieval_client import RetrievalError, check_retrieval_server
@@ -160,10 +159,10 @@ def test_max_tokens_bounds_the_whole_episode(tokenizer, retrieval):
         assert len(req.input_ids) + req.sampling.max_new_tokens <= budget
 
 
-def test_a_failing_retrieval_fails_the_episode_and_never_scores_zero(tokenizer, tmp_path):
+def test_a_failing_retrieval_fails_the_episode_and_never_scores_zero(tokenizer, tmp_path, dead_address):
     """A retrieval that fails after its retries is the episode's failure, named (server and cause): the failure
     policy drops the group (or retries it); no row with reward 0 stands in for it."""
-    dead = f"127.0.0.1:{find_free_port()}"
+    dead = dead_address
     cfg = load_config("configs/search_agent.yaml", [f"output_dir={tmp_path}", "rollout.gconfig.n_samples=2",
                                                     "rollout.agent.retrieval.request_retries=1"])
     workflow = build_workflow(cfg, tokenizer, InlinePool(), tool_addresses={"retrieval": dead})
@@ -332,7 +331,7 @@ def test_tutorial_prompt_and_information_against_a_real_server(cpu_server, tiny_
         assert t.messages[0]["content"] == TUTORIAL_PROMPT.format(question=DATA["question"])
 
 
-def test_a_running_retrieval_server_is_used_not_started(tokenizer, retrieval, tmp_path):
+def test_a_running_retrieval_server_is_used_not_started(tokenizer, retrieval, tmp_path, dead_address):
     """rollout.agent.retrieval.address: start_tools starts nothing, checks the server answers, and the workflow
     retrieves there; an address where nothing answers fails at start with the key and the address."""
     cfg = load_config("configs/search_agent.yaml", [f"output_dir={tmp_path}",
@@ -351,7 +350,7 @@ def test_a_running_retrieval_server_is_used_not_started(tokenizer, retrieval, tm
     assert len(trajectories) == cfg.rollout.gconfig.n_samples
     assert all(f"Doc 1 (Title: {PERSON})" in t.text for t in trajectories)
 
-    dead = f"127.0.0.1:{find_free_port()}"
+    dead = dead_address
     services = Services(load_config("configs/search_agent.yaml", [
         f"output_dir={tmp_path}", f"rollout.agent.retrieval.address={dead}"]), "unused", tmp_path / "logs")
     with pytest.raises(RetrievalError, match=f"rollout.agent.retrieval.address={dead}: no retrieval server answers"):
