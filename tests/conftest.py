@@ -72,6 +72,9 @@ def prefect_api(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     os.environ["PREFECT_HOME"] = str(home)
     import flows  # noqa: F401  (sets the project's Prefect defaults before Prefect is configured)
+    # Prefect configures logging when its main module is first imported, replacing the root logger's handlers: a
+    # test that imports it first (a flow run alone) would lose caplog's handler before anything is logged.
+    import prefect.main  # noqa: F401
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
