@@ -75,6 +75,7 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
         self._records: dict[str, list[dict]] = {}
         self.step_seconds: dict[int, dict[str, float]] = {}
         self._async_rollout = None
+        self._journals: dict = {}  # iteration -> its episode journal (rollout_steps)
         # where pushes send the LoRA adapter alone: the one the servers serve, named by every request
         self.served_adapter = ServedAdapter() if adapter_push(cfg) else None
         # the trainer runs one command at a time, and restoring its version is a sequence of commands
@@ -131,6 +132,7 @@ class Pipeline(RolloutSteps, PolicyVersions, LogprobSteps):
         if self._async_rollout is not None:
             self._async_rollout.stop()
             self._async_rollout = None
+        self.close_journals()
         if self._reward_pool is not None:
             self._reward_pool.close()
             self._reward_pool = None

@@ -38,6 +38,7 @@ class RolloutSteps:
         # A corrupt earlier output is cleared and generated again: episodes are seeded, so the tokens are the same.
         if keep_if_intact(out):
             self.journal(k).remove()  # one left by a kill between the manifest and its removal
+            self._journals.pop(k, None)
             return shards_record(out, read_manifest(out), cached=True)
         if self.cfg.rollout.max_head_offpolicyness > 0:
             served = self.sync_servers(k - 1 - self.cfg.rollout.max_head_offpolicyness, or_newer=True)["version"]
@@ -74,9 +75,18 @@ class RolloutSteps:
         return self._finish_rollout(k, [*groups.values(), *played], time.perf_counter() - started)
 
     def journal(self, k: int) -> EpisodeJournal:
-        """Iteration k's episode journal."""
-        return EpisodeJournal(self.paths.episodes(k), run_id=self.cfg.run_id, iteration=k,
-                              batch_size=self.cfg.rollout.batch_size, digest=self._episodes_digest)
+        """Iteration k's episode journal: one object for the run's process, whose writer thread the node, its
+        retries and the asynchronous executor share (and `close_journals` ends)."""
+        if k not in self._journals:
+            self._journals[k] = EpisodeJournal(self.paths.episodes(k), run_id=self.cfg.run_id, iteration=k,
+                                               batch_size=self.cfg.rollout.batch_size, digest=self._episodes_digest)
+        return self._journals[k]
+
+    def close_journals(self) -> None:
+        """End the journals' writer threads, each after what it was given is on disk."""
+        journals, self._journals = self._journals, {}
+        for journal in journals.values():
+            journal.close(raise_errors=False)
 
     @functools.cached_property
     def _episodes_digest(self) -> str:
@@ -104,6 +114,7 @@ class RolloutSteps:
                                   policy=FailurePolicy.of(self.cfg.rollout), seconds=seconds,
                                   rows_per_shard=self.cfg.rollout.shard_rows, extra_manifest={"policy_version": k - 1},
                                   extra_stats=usage)
+        self._journals.pop(k, None)  # removed with its writer
         return shards_record(self.paths.rollout(k), manifest, cached=False)
 
     def recover_hook(self, version: int, or_newer: bool = False) -> Callable[[], Any]:

@@ -12,7 +12,8 @@ iteration's child flow run to its report (`flows.overlap.run_iterations`), set-u
   server, inference servers, trainer, reward workers);
 - the Prefect API requests and events of the iteration;
 - files written under the run directory: those created or changed (a walk before and after the iteration), plus
-  the episode journal's group files, which the iteration deletes again before it ends; and the process's fsyncs
+  the episode journal's segment files, which the iteration deletes again before it ends (`journal_records`: the
+  groups appended to them); and the process's fsyncs
   and renames (`os.fsync`, `os.replace`): a shared file system's metadata traffic;
 - the orchestrating process's peak RSS (its whole life; set-up's part is the same at every size).
 Episode counts are prompts x samples. `--profile`: py-spy (`pip install --target /tmp/pyspy py-spy`, or on PATH)
@@ -78,6 +79,7 @@ def self_cpu_seconds() -> float:
 def measure_point(args) -> None:
     """One point, in this process: its figures as the last line."""
     import flows  # noqa: F401  (the project's Prefect defaults, before Prefect is imported)
+    import areal_pipeline.rollout.journal as journal_module
     from areal_pipeline.rollout.journal import EpisodeJournal
     from flows import overlap
     from flows.api_server import prefect_api
@@ -98,7 +100,8 @@ def measure_point(args) -> None:
         return wrapper
 
     os.fsync, os.replace = counted("fsyncs", os.fsync), counted("renames", os.replace)
-    EpisodeJournal.write = counted("journal_files", EpisodeJournal.write)
+    journal_module._new_segment = counted("journal_files", journal_module._new_segment)  # a segment: a file
+    EpisodeJournal.write = counted("journal_records", EpisodeJournal.write)  # a group appended to one
     run_iterations = overlap.run_iterations
 
     def measured_iterations(*a, **kw):
@@ -127,6 +130,7 @@ def measure_point(args) -> None:
                 "tree_cpu_ms_per_episode": round(1000 * tree / episodes, 3),
                 "api_requests": sum(calls.requests.values()), "events": sum(calls.events.values()),
                 "files_written": changed + counts["journal_files"], "journal_files": counts["journal_files"],
+                "journal_records": counts["journal_records"],
                 "files_left": len(after) - len(before), "fsyncs": counts["fsyncs"], "renames": counts["renames"],
                 "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 "requests_by_route": dict(calls.requests.most_common(8)),

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _learning_helpers import REPO, short_run
+from _rollouts import journaled_positions
 from areal_pipeline.data.shards import read_manifest, read_table, read_trajectories
 from areal_pipeline.model import load_model
 from areal_pipeline.training.losses import gather_logprobs
@@ -142,7 +143,7 @@ def test_a_server_killed_mid_rollout_comes_back_with_the_adapter_and_the_run_goe
 
     def kill_mid_rollout():
         # iteration 2's first groups are on disk (the groups are played a few at a time): the others are generating
-        wait_until(lambda: any(pipeline.paths.episodes(2).glob("g-*.parquet")), 300, "iteration 2's first group",
+        wait_until(lambda: journaled_positions(pipeline.paths.episodes(2)), 300, "iteration 2's first group",
                    interval=0.01)
         server = pipeline.services.inference[0]
         killed.append(server.popen.pid)

@@ -9,11 +9,10 @@ import logging
 import os
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
-from _rollouts import assert_same_episodes
+from _rollouts import assert_same_episodes, journal_records, journaled_positions
 from areal_pipeline.data.shards import content_sha256, read_manifest, read_table, read_trajectories
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.rollout.failures import (EpisodeFailure, EpisodesFailed, FailurePolicy, GroupResult,
@@ -48,11 +47,13 @@ def test_groups_written_are_loaded_back_with_their_outcome_and_failures(tmp_path
     failure = EpisodeFailure("retrieval", True, "HTTP 503", peer="127.0.0.1:9", sample_idx=1, attempt=3)
     write(_group(0))
     write(GroupResult(2, "p2", [], failures=[failure], retried=[failure], outcome="dropped"))
+    journal.flush()  # on disk once flushed: another process's journal (a resumed run's) reads them
     loaded = _journal(tmp_path).load(slots)
     assert sorted(loaded) == [0, 2]
     assert loaded[2].trajectories == [] and loaded[2].outcome == "dropped"
     assert loaded[2].failures == [failure] and loaded[2].retried == [failure]
-    assert pq.read_table(journal.path(2)).num_rows == 0  # a dropped group is a file of no rows
+    [segment] = journal.segments()  # one file appended to, not a file per group
+    assert [(meta["slot"], rows) for meta, rows in journal_records(segment)] == [(0, 2), (2, 0)]  # dropped: no rows
     got = loaded[0].trajectories
     assert [(t.prompt_id, t.sample_idx, t.input_ids, t.metadata) for t in got] == [
         (t.prompt_id, t.sample_idx, t.input_ids, t.metadata) for t in _group(0).trajectories]
@@ -60,40 +61,85 @@ def test_groups_written_are_loaded_back_with_their_outcome_and_failures(tmp_path
     assert got[0].logprobs[2] == float(torch.tensor(-1 / 3, dtype=torch.float32)) != -1 / 3
 
 
-def test_a_corrupt_or_foreign_group_file_is_deleted_and_named(tmp_path, caplog):
+def test_many_groups_are_one_file_and_a_later_record_of_a_position_replaces_the_earlier(tmp_path):
+    slots, journal = _slots(300), _journal(tmp_path)
+    for slot in range(300):
+        journal.writer(slots)(_group(slot, outcome="ok"))
+    journal.writer(slots)(_group(7, outcome="retried"))
+    journal.close()
+    later = _journal(tmp_path)  # another opening: a segment of its own, read after the first
+    later.writer(slots)(_group(8, outcome="refilled", replaced_prompt_id="p8"))
+    later.close()
+    assert len(journal.segments()) == 2
+    loaded = _journal(tmp_path).load(slots)
+    assert sorted(loaded) == list(range(300))
+    assert (loaded[7].outcome, loaded[8].outcome, loaded[9].outcome) == ("retried", "refilled", "ok")
+
+
+def test_a_torn_tail_or_a_foreign_group_is_left_out_named_and_played_again(tmp_path, caplog):
     slots, journal = _slots(), _journal(tmp_path)
-    journal.open()
     for slot in range(3):
         journal.writer(slots)(_group(slot))
-    data = journal.path(0).read_bytes()
-    journal.path(0).write_bytes(data[: len(data) // 2])  # truncated
-    # the group of another prompt at position 1 (another batch's file)
-    journal.writer({1: {"sampling_seed": 101}})(GroupResult(1, "other", _group(1).trajectories))
+    journal.close()
+    [segment] = journal.segments()
+    data = segment.read_bytes()
+    segment.write_bytes(data[: len(data) - 200])  # a kill in the middle of the last group's append
+    assert [meta["slot"] for meta, _ in journal_records(segment)] == [0, 1]
+    # the group of another prompt at position 1 (another batch's record), in a later segment
+    foreign = _journal(tmp_path)
+    foreign.writer({1: {"sampling_seed": 101}})(GroupResult(1, "other", _group(1).trajectories))
+    foreign.close()
+    foreign_segment = journal.segments()[-1]
     caplog.set_level(logging.WARNING, logger="areal_pipeline")
-    loaded = journal.load(slots)
-    assert sorted(loaded) == [2]
+    loaded = _journal(tmp_path).load(slots)
+    assert sorted(loaded) == [0]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(str(journal.path(0)) in w for w in warnings), warnings
-    assert any(str(journal.path(1)) in w and "'other'" in w for w in warnings), warnings
-    assert not journal.path(0).exists() and not journal.path(1).exists() and journal.path(2).exists()
+    assert any(str(segment) in w and "torn" in w for w in warnings), warnings
+    assert any(str(foreign_segment) in w and "position 1" in w and "'other'" in w for w in warnings), warnings
+    caplog.clear()
+    assert sorted(_journal(tmp_path).load(slots)) == [0]  # position 1 was discarded: no second warning about it
+    assert not any("'other'" in r.getMessage() for r in caplog.records)
 
 
 def test_a_bit_flip_in_a_group_is_caught_by_its_digest(tmp_path, caplog):
     slots, journal = _slots(), _journal(tmp_path)
-    journal.open()
     journal.writer(slots)(GroupResult(0, "p0", [_trajectory("p0", 0, reward=0.25)]))
-    data = bytearray(journal.path(0).read_bytes())
+    journal.close()
+    [segment] = journal.segments()
+    data = bytearray(segment.read_bytes())
     import struct
 
-    at = bytes(data).index(struct.pack("<f", 0.25))  # the reward's float32, uncompressed in the data page
+    at = bytes(data).index(struct.pack("<f", 0.25))  # the reward's float32, uncompressed in the record
     data[at: at + 4] = struct.pack("<f", 0.75)
-    journal.path(0).write_bytes(bytes(data))
+    segment.write_bytes(bytes(data))
     caplog.set_level(logging.WARNING, logger="areal_pipeline")
-    assert journal.load(slots) == {}
-    assert any(str(journal.path(0)) in r.getMessage() and "digest" in r.getMessage() for r in caplog.records)
+    assert _journal(tmp_path).load(slots) == {}
+    assert any(str(segment) in r.getMessage() and "digest" in r.getMessage() for r in caplog.records)
 
 
-def test_a_journal_of_other_settings_is_cleared(tmp_path, caplog):
+def test_a_writer_that_fails_fails_the_next_write_and_a_load_starts_a_new_segment(tmp_path, monkeypatch, caplog):
+    import areal_pipeline.rollout.journal as journal_module
+
+    slots, journal = _slots(), _journal(tmp_path)
+    journal.open()
+    not_a_file = tmp_path / "iter_1" / "rollout.episodes" / "segment-00001.arrows"
+    not_a_file.mkdir()  # the writer cannot open it: as a full disk or a lost mount fails a write
+    monkeypatch.setattr(journal_module, "_new_segment", lambda directory: not_a_file)
+    with pytest.raises(OSError, match=r"episode journal .*segment-00001.arrows: writing failed: IsADirectory"):
+        journal.writer(slots)(_group(0))  # raises here where the writer failed before it was given the group
+        journal.flush()
+    with pytest.raises(OSError, match="writing failed"):
+        journal.writer(slots)(_group(1))
+    monkeypatch.undo()
+    not_a_file.rmdir()
+    caplog.set_level(logging.WARNING, logger="areal_pipeline")
+    assert journal.load(slots) == {}  # what it failed to write is played again
+    assert any("writing failed" in r.getMessage() and "new segment" in r.getMessage() for r in caplog.records)
+    journal.writer(slots)(_group(1))
+    assert sorted(journal.load(slots)) == [1]
+
+
+def test_a_journal_of_other_settings_or_format_is_cleared(tmp_path, caplog):
     base = ["rollout.batch_size=4"]
     digest = episodes_digest(load_config(None, base))
     assert digest == episodes_digest(load_config(None, base))
@@ -101,24 +147,32 @@ def test_a_journal_of_other_settings_is_cleared(tmp_path, caplog):
     assert digest != episodes_digest(load_config(None, [*base, "seed=2"]))
     slots = _slots()
     old = _journal(tmp_path, digest)
-    old.open()
     old.writer(slots)(_group(0))
+    old.close()
     assert sorted(_journal(tmp_path, digest).load(slots)) == [0]
     changed = episodes_digest(load_config(None, [*base, "rollout.gconfig.temperature=0.5"]))
     caplog.set_level(logging.WARNING, logger="areal_pipeline")
     assert _journal(tmp_path, changed).load(slots) == {}
-    assert not old.path(0).exists()
+    assert not old.segments()
     assert any("other settings (digest)" in r.getMessage() for r in caplog.records)
     assert json.loads((old.directory / "journal.json").read_text())["digest"] == changed
+    # a journal of the first format (a Parquet file per group, no format in its header) is cleared the same way
+    header = json.loads((old.directory / "journal.json").read_text())
+    del header["format"]
+    (old.directory / "journal.json").write_text(json.dumps(header))
+    (old.directory / "g-00000.parquet").write_bytes(b"PAR1")
+    caplog.clear()
+    assert _journal(tmp_path, changed).load(slots) == {}
+    assert not (old.directory / "g-00000.parquet").exists()
+    assert any("other settings (format)" in r.getMessage() for r in caplog.records)
 
 
 def test_groups_older_than_the_staleness_bound_are_played_again(tmp_path):
     slots, journal = _slots(), _journal(tmp_path)
-    journal.open()
     journal.writer(slots)(_group(0, version=1))
     journal.writer(slots)(_group(1, version=2))
     assert sorted(journal.load(slots, oldest_version=2)) == [1]
-    assert not journal.path(0).exists()
+    assert sorted(_journal(tmp_path).load(slots)) == [1]  # discarded on disk, whatever reads it next
 
 
 def test_resumed_and_uninterrupted_rollouts_write_the_same_content(tmp_path):
@@ -215,14 +269,19 @@ def test_a_retried_rollout_node_plays_only_the_missing_groups(tiny_model_dir, tm
                 pipeline.rollout(1)
             failing.clear()
             journal = pipeline.journal(1)
-            assert sorted(p.name for p in journal.directory.glob("g-*")) == [f"g-0000{i}.parquet" for i in range(3)]
+            journal.flush()
+            [segment] = journal.segments()
+            order = [meta["slot"] for meta, _ in journal_records(segment)]  # as the groups ended
+            assert sorted(order) == [0, 1, 2]
             assert not (cfg.run_dir / "iter_1" / "rollout" / "manifest.json").exists()
-            journal.path(1).write_bytes(journal.path(1).read_bytes()[:100])  # a torn file
+            journal.close()  # as a killed process leaves it: its last append torn
+            segment.write_bytes(segment.read_bytes()[:-100])
+            torn = order[-1]
             played.clear()
             resumed = pipeline.rollout(1)  # the retry
-            assert played == [ids[1], ids[3]]  # the corrupt group and the failed one, nothing else
+            assert played == [ids[slot] for slot in sorted({torn, 3})]  # the torn group and the failed one only
             assert "resuming iteration 1: 2/4 groups on disk" in caplog.text
-            assert f"{journal.path(1)} is unusable" in caplog.text
+            assert f"{segment} ends in a torn or unreadable record" in caplog.text
             assert not journal.directory.exists()
             manifest = read_manifest(cfg.run_dir / "iter_1" / "rollout")
 
@@ -303,8 +362,8 @@ def _kill_when(run, predicate, what: str) -> None:
     wait_until(lambda: processes_of(run.pid) == [], 30, "the killed run's services to exit")
 
 
-def _groups_on_disk(run_dir: Path, k: int) -> list[str]:
-    return sorted(p.name for p in (run_dir / f"iter_{k}" / "rollout.episodes").glob("g-*.parquet"))
+def _groups_on_disk(run_dir: Path, k: int) -> list[int]:
+    return sorted(journaled_positions(run_dir / f"iter_{k}" / "rollout.episodes"))
 
 
 def test_a_killed_rollout_resumes_from_its_journal_to_the_same_weights(prefect_api, tiny_model_dir, tmp_path):

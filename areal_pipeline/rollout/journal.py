@@ -1,21 +1,29 @@
 """The episode journal: an interrupted rollout resumes where it stopped.
 
-Every group of an iteration's rollout is written to disk as it ends, so that a killed command, a retried node or a
-restarted asynchronous executor plays only the groups that are missing:
+Every group of an iteration's rollout is appended to the journal as it ends, so that a killed command, a retried
+node or a restarted asynchronous executor plays only the groups that are missing:
 
-    iter_k/rollout.episodes/journal.json        written first: run_id, k, the batch size and a digest of what
-                                                determines the episodes (sampling, workflow and agent, model,
-                                                data set, seed)
-    iter_k/rollout.episodes/g-00003.parquet     batch position 3's group: TRAJECTORY_SCHEMA rows (none when it
-                                                was dropped) and, in the file's key-value metadata, the prompt,
-                                                its seed, the outcome, the failures and retried attempts and a
-                                                digest of the rows
+    iter_k/rollout.episodes/journal.json           written first: the format, run_id, k, the batch size and a digest
+                                                   of what determines the episodes (sampling, workflow and agent,
+                                                   model, data set, seed)
+    iter_k/rollout.episodes/segment-00001.arrows   the groups one opening of the journal wrote, in the order they
+                                                   ended: an Arrow IPC stream of TRAJECTORY_SCHEMA record batches, a
+                                                   batch a group (no rows for a dropped one), each with the group's
+                                                   record in its custom metadata: batch position, prompt, its seed,
+                                                   the outcome, the failures and retried attempts, a digest of the
+                                                   rows. A record marked `discarded` takes its position's group back.
 
-The directory sits beside `iter_k/rollout/`, never inside it, so that clearing unfinished shards never touches it.
-Each file is written atomically. Loading checks each one (it parses, its rows match their digest, it is the group
-of that batch position's prompt and seed) and deletes, with a warning naming it, one that fails: its group is
-played again, and episodes are seeded, so it comes back the same. A journal of other settings is cleared whole.
-Nothing here is unpickled: Parquet and JSON only.
+One file appended to, not a file per group: a rollout of thousands of groups is one create and a few thousand
+appends, not thousands of files created, renamed and deleted (a metadata storm on NFS or Lustre). A writer thread
+appends the groups and shares one fsync among those that ended while it wrote, off the event loop that dispatches
+the requests. A group counts once its fsync is done: one that ended just before a kill may be missing, and is
+played again (episodes are seeded, so it comes back the same).
+
+Each opening writes a segment of its own, so nothing is ever appended after a torn tail. Loading reads the segments
+in order, a later record of a batch position replacing an earlier one, and checks each record (its rows match their
+digest, it is the group of that batch position's prompt and seed); one that fails is left out with a warning naming
+the segment and the position, and its group is played again. A torn or unreadable tail ends a segment. A journal of
+other settings, or of another format, is cleared whole. Nothing here is unpickled: Arrow IPC and JSON only.
 
 When every group is there, `finish_rollout` assembles them in batch order as one table, checks the failure rate,
 computes the stats from that table (so that a resumed rollout's stats went through the same float32 columns as an
@@ -26,24 +34,29 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from areal_pipeline.data.shards import (TRAJECTORY_SCHEMA, content_sha256, table_trajectories, trajectory_table,
                                         write_table)
 from areal_pipeline.rollout.executor import rollout_stats
 from areal_pipeline.rollout.failures import (EpisodeFailure, FailurePolicy, GroupResult, RolloutFailureRate,
                                              check_failure_rate, failure_records)
-from areal_pipeline.utils import atomic_write_bytes, atomic_write_text, get_logger
+from areal_pipeline.utils import atomic_write_text, get_logger
 
 logger = get_logger(__name__)
 
 JOURNAL_NAME = "journal.json"
+JOURNAL_FORMAT = 2  # 1: a Parquet file per group
+SEGMENT_PATTERN = "segment-*.arrows"
 META_KEY = b"areal_pipeline.group"
+# How long a flush waits for the writer thread: the groups queued before it, appended and fsynced.
+FLUSH_TIMEOUT_S = 300.0
 
 
 def episodes_digest(cfg: Any) -> str:
@@ -62,13 +75,16 @@ def episodes_digest(cfg: Any) -> str:
 
 
 class EpisodeJournal:
+    """One iteration's journal. Writes are queued to a writer thread (started on the first write); `load`, `discard`
+    and `flush` wait for what was queued before them; `close` or `remove` ends the thread."""
+
     def __init__(self, directory: Path, *, run_id: str, iteration: int, batch_size: int, digest: str):
         self.directory = Path(directory)
-        self.header = {"run_id": run_id, "iteration": iteration, "batch_size": batch_size, "digest": digest}
+        self.header = {"format": JOURNAL_FORMAT, "run_id": run_id, "iteration": iteration, "batch_size": batch_size,
+                       "digest": digest}
         self.run_id, self.iteration = run_id, iteration
-
-    def path(self, slot: int) -> Path:
-        return self.directory / f"g-{slot:05d}.parquet"
+        self._writer: Optional[SegmentWriter] = None
+        self._lock = threading.RLock()  # opening a journal of other settings closes the writer under it
 
     def open(self) -> None:
         """Start the journal, or keep the one on disk where it was written under the same settings."""
@@ -85,79 +101,245 @@ class EpisodeJournal:
         self.remove()
         atomic_write_text(path, json.dumps(self.header, sort_keys=True) + "\n")
 
+    def segments(self) -> list[Path]:
+        return sorted(self.directory.glob(SEGMENT_PATTERN))
+
     def load(self, slots: dict[int, dict[str, Any]], oldest_version: Optional[int] = None) -> dict[int, GroupResult]:
-        """The groups of `slots` (batch position -> seeded record) on disk, checked; a file that fails a check is
-        deleted with a warning. `oldest_version`: a group with a generated token of an older policy version is
-        deleted too (asynchronous mode: its staleness would pass the bound)."""
+        """The groups of `slots` (batch position -> seeded record) on disk, checked; a record that fails a check is
+        left out with a warning, and its position discarded. `oldest_version`: a group with a generated token of an
+        older policy version is discarded too (asynchronous mode: its staleness would pass the bound)."""
+        try:
+            self.flush()
+        except (OSError, TimeoutError) as error:  # what it failed to write is played again
+            logger.warning("%s: starting a new segment", error)
+            self.close(raise_errors=False)
         self.open()
-        groups = {}
-        for slot, record in sorted(slots.items()):
-            path = self.path(slot)
-            if not path.is_file():
+        last_records = {slot: (segment, meta, batch) for segment in self.segments()
+                        for slot, meta, batch in _records(segment) if slot in slots}
+        groups, unusable, stale = {}, [], []
+        for slot, (segment, meta, batch) in sorted(last_records.items()):
+            if meta.get("discarded"):
                 continue
             try:
-                group = self._read(path, slot, record)
+                group = _group(meta, batch, slot, slots[slot])
             except Exception as error:  # whatever is wrong with it, the group is played again
-                logger.warning("episode journal: %s is unusable (%s): deleting it, its group is played again",
-                               path, error)
-                path.unlink(missing_ok=True)
+                logger.warning("episode journal: %s: the group at batch position %d is unusable (%s): it is "
+                               "played again", segment, slot, error)
+                unusable.append(slot)
                 continue
             oldest = min((v for t in group.trajectories for v, m in zip(t.versions, t.loss_mask) if m), default=None)
             if oldest_version is not None and oldest is not None and oldest < oldest_version:
-                logger.info("episode journal: %s has tokens of policy version %d, older than %d allows: playing "
-                            "its group again", path, oldest, oldest_version)
-                path.unlink(missing_ok=True)
+                logger.info("episode journal %s: the group at batch position %d has tokens of policy version %d, "
+                            "older than %d allows: playing it again", self.directory, slot, oldest, oldest_version)
+                stale.append(slot)
                 continue
             groups[slot] = group
+        self.discard(unusable + stale)
         return groups
 
-    def _read(self, path: Path, slot: int, record: dict[str, Any]) -> GroupResult:
-        meta = json.loads((pq.read_schema(path).metadata or {})[META_KEY])
-        table = pq.read_table(path, schema=TRAJECTORY_SCHEMA).replace_schema_metadata(None)
-        if table.num_rows != meta["rows"] or content_sha256(table) != meta["rows_sha256"]:
-            raise ValueError("its rows do not match their digest")
-        prompt = meta["replaced_prompt_id"] if meta["outcome"] == "refilled" else meta["prompt_id"]
-        if (meta["slot"], prompt, meta["sampling_seed"]) != (slot, record.get("prompt_id"),
-                                                             record.get("sampling_seed")):
-            raise ValueError(f"it holds prompt {prompt!r} seeded {meta['sampling_seed']} at position {meta['slot']}, "
-                             f"not prompt {record.get('prompt_id')!r} seeded {record.get('sampling_seed')}")
-        return GroupResult(slot, meta["prompt_id"], table_trajectories(table),
-                           failures=[EpisodeFailure.from_record(f) for f in meta["failures"]],
-                           retried=[EpisodeFailure.from_record(f) for f in meta["retried"]],
-                           outcome=meta["outcome"], replaced_prompt_id=meta["replaced_prompt_id"],
-                           episodes=meta.get("episodes", 0), judged=meta.get("judged", True))
-
     def write(self, group: GroupResult, sampling_seed: Optional[int] = None) -> None:
-        """Write a finished group (its file replaces any earlier one atomically). `sampling_seed`: the seed of the
-        batch position's prompt (the record's), checked when the file is loaded."""
-        table = trajectory_table(group.trajectories, self.run_id, self.iteration)
-        meta = {"slot": group.slot, "prompt_id": group.prompt_id, "replaced_prompt_id": group.replaced_prompt_id,
-                "sampling_seed": sampling_seed, "outcome": group.outcome,
-                "failures": [f.as_record() for f in group.failures],
-                "retried": [f.as_record() for f in group.retried], "episodes": group.episodes, "judged": group.judged,
-                "rows": table.num_rows, "rows_sha256": content_sha256(table)}
-        sink = pa.BufferOutputStream()
-        pq.write_table(table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()}), sink)
-        atomic_write_bytes(self.path(group.slot), sink.getvalue().to_pybytes())
+        """Queue a finished group for the journal (it replaces any earlier one of its position). `sampling_seed`: the
+        seed of the batch position's prompt (the record's), checked when the group is loaded."""
+        self._segment_writer().put(("group", group, sampling_seed))
 
     def writer(self, slots: dict[int, dict[str, Any]]):
         """`write` as an `on_group` callback of `executor.play_batch` for the records `slots`."""
         return lambda group: self.write(group, slots[group.slot].get("sampling_seed"))
 
     def discard(self, slots: list[int]) -> None:
-        for slot in slots:
-            self.path(slot).unlink(missing_ok=True)
+        """Take back the groups of these batch positions (they are played again); on disk when this returns."""
+        if slots:
+            writer = self._segment_writer()
+            for slot in slots:
+                writer.put(("discard", slot, None))
+            writer.flush()
+
+    def flush(self) -> None:
+        """Wait until every group queued so far is on disk; raises the writer's error where it failed."""
+        with self._lock:
+            writer = self._writer
+        if writer is not None:
+            writer.flush()
+
+    def close(self, raise_errors: bool = True) -> None:
+        """Flush and end the writer thread (a later write starts another, on a new segment)."""
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        try:
+            writer.close()
+        except (OSError, TimeoutError) as error:
+            if raise_errors:
+                raise
+            logger.warning("%s", error)
 
     def remove(self) -> None:
+        self.close(raise_errors=False)  # what it failed to write is deleted anyway
         shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _segment_writer(self) -> "SegmentWriter":
+        with self._lock:
+            if self._writer is None:
+                self.open()
+                self._writer = SegmentWriter(_new_segment(self.directory), self.run_id, self.iteration)
+            return self._writer
+
+
+def _new_segment(directory: Path) -> Path:
+    """The next segment's path, created empty (exclusively: two writers never share one)."""
+    numbers = [int(p.stem.split("-")[1]) for p in directory.glob(SEGMENT_PATTERN) if p.stem.split("-")[1].isdigit()]
+    number = max(numbers, default=0) + 1
+    while True:
+        path = directory / f"segment-{number:05d}.arrows"
+        try:
+            path.touch(exist_ok=False)
+            return path
+        except FileExistsError:
+            number += 1
+
+
+class SegmentWriter:
+    """Appends to one segment from a thread of its own: the records queued while it writes and fsyncs are appended
+    next and share one fsync. An error (a full disk) is raised to the next `put` or `flush`."""
+
+    def __init__(self, path: Path, run_id: str, iteration: int):
+        self.path, self.run_id, self.iteration = path, run_id, iteration
+        self._queue: list[tuple] = []
+        self._busy = False
+        self._closing = False
+        self._error: Optional[BaseException] = None
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"episode-journal-{iteration}", daemon=True)
+        self._thread.start()
+
+    def put(self, item: tuple) -> None:
+        with self._changed:
+            self._raise_if_failed()
+            if self._closing:
+                raise RuntimeError(f"episode journal {self.path}: written to after it was closed")
+            self._queue.append(item)
+            self._changed.notify_all()
+
+    def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._error is not None or not (self._queue or self._busy), timeout):
+                raise TimeoutError(f"episode journal {self.path}: {len(self._queue)} record(s) not written within "
+                                   f"{timeout:.0f} s")
+            self._raise_if_failed()
+
+    def close(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"episode journal {self.path}: its writer did not finish within {timeout:.0f} s")
+        with self._changed:
+            self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise OSError(f"episode journal {self.path}: writing failed: {self._error!r}") from self._error
+
+    def _run(self) -> None:
+        try:
+            with open(self.path, "ab") as file, pa.ipc.new_stream(file, TRAJECTORY_SCHEMA) as stream:
+                _fsync_directory(self.path.parent)  # the segment's name, durable before anything in it counts
+                while True:
+                    with self._changed:
+                        self._changed.wait_for(lambda: self._queue or self._closing)
+                        if not self._queue:
+                            return
+                        items, self._queue, self._busy = self._queue, [], True
+                    for item in items:
+                        batch, meta = self._encode(*item)
+                        stream.write_batch(batch, custom_metadata={META_KEY: json.dumps(meta).encode()})
+                    file.flush()
+                    os.fsync(file.fileno())
+                    with self._changed:
+                        self._busy = False
+                        self._changed.notify_all()
+        except BaseException as error:
+            with self._changed:
+                self._error, self._busy, self._queue = error, False, []
+                self._changed.notify_all()
+
+    def _encode(self, kind: str, what: Any, sampling_seed: Optional[int]) -> tuple[pa.RecordBatch, dict]:
+        if kind == "discard":
+            return _one_batch(TRAJECTORY_SCHEMA.empty_table()), {"slot": what, "discarded": True}
+        group: GroupResult = what
+        table = trajectory_table(group.trajectories, self.run_id, self.iteration).replace_schema_metadata(None)
+        meta = {"slot": group.slot, "prompt_id": group.prompt_id, "replaced_prompt_id": group.replaced_prompt_id,
+                "sampling_seed": sampling_seed, "outcome": group.outcome,
+                "failures": [f.as_record() for f in group.failures],
+                "retried": [f.as_record() for f in group.retried], "episodes": group.episodes, "judged": group.judged,
+                "rows": table.num_rows, "rows_sha256": content_sha256(table)}
+        return _one_batch(table), meta
+
+
+def _one_batch(table: pa.Table) -> pa.RecordBatch:
+    table = table.combine_chunks()
+    batches = table.to_batches()
+    if len(batches) == 1:
+        return batches[0]
+    return pa.record_batch([pa.array([], type=field.type) for field in TRAJECTORY_SCHEMA], schema=TRAJECTORY_SCHEMA)
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _records(segment: Path):
+    """(batch position, record, rows) of each record of a segment in order, up to a torn or unreadable tail."""
+    if segment.stat().st_size == 0:  # created, nothing written before a kill
+        return
+    with pa.OSFile(str(segment)) as source:
+        try:
+            reader = pa.ipc.open_stream(source)
+            while True:
+                try:
+                    batch, custom = reader.read_next_batch_with_custom_metadata()
+                except StopIteration:
+                    return
+                try:
+                    meta = json.loads(custom[META_KEY])
+                    slot = int(meta["slot"])
+                except Exception as error:
+                    logger.warning("episode journal: %s: a record without a readable batch position (%r): left out",
+                                   segment, error)
+                    continue
+                yield slot, meta, batch
+        except (pa.ArrowInvalid, OSError) as error:
+            logger.warning("episode journal: %s ends in a torn or unreadable record (%s): the groups after it are "
+                           "played again", segment, error)
+
+
+def _group(meta: dict[str, Any], batch: pa.RecordBatch, slot: int, record: dict[str, Any]) -> GroupResult:
+    table = pa.Table.from_batches([batch])
+    if table.num_rows != meta["rows"] or content_sha256(table) != meta["rows_sha256"]:
+        raise ValueError("its rows do not match their digest")
+    prompt = meta["replaced_prompt_id"] if meta["outcome"] == "refilled" else meta["prompt_id"]
+    if (meta["slot"], prompt, meta["sampling_seed"]) != (slot, record.get("prompt_id"), record.get("sampling_seed")):
+        raise ValueError(f"it holds prompt {prompt!r} seeded {meta['sampling_seed']} at position {meta['slot']}, "
+                         f"not prompt {record.get('prompt_id')!r} seeded {record.get('sampling_seed')}")
+    return GroupResult(slot, meta["prompt_id"], table_trajectories(table),
+                       failures=[EpisodeFailure.from_record(f) for f in meta["failures"]],
+                       retried=[EpisodeFailure.from_record(f) for f in meta["retried"]],
+                       outcome=meta["outcome"], replaced_prompt_id=meta["replaced_prompt_id"],
+                       episodes=meta.get("episodes", 0), judged=meta.get("judged", True))
 
 
 def finish_rollout(groups: list[GroupResult], out: Path, journal: EpisodeJournal, *, policy: FailurePolicy,
                    seconds: float, rows_per_shard: int,
                    extra_manifest: Optional[dict] = None, extra_stats: Optional[dict] = None) -> dict[str, Any]:
     """An iteration's groups (every batch position's) -> its rollout shards; the manifest (returned) gets the stats,
-    the failures and `content_sha256`. Past `policy.max_failure_rate`, RolloutFailureRate, after the failed groups'
-    journal files are deleted: a retry plays those again and keeps the others."""
+    the failures and `content_sha256`. Past `policy.max_failure_rate`, RolloutFailureRate, after the failed groups
+    are discarded from the journal: a retry plays those again and keeps the others."""
     groups = sorted(groups, key=lambda g: g.slot)
     run_id, k = journal.run_id, journal.iteration
     unjudged = [g.slot for g in groups if not g.judged]
