@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_AGAINST = "63aedea"  # after #34, before #35 (the episode journal) and the failure policy
-REPORT = re.compile(r"^(\d\d:\d\d:\d\d\.\d+) .*iteration (\d+): reward")
+REPORT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .*: iteration (\d+): reward")  # train.log's lines
 
 
 def worktree(revision: str, root: Path) -> Path:
@@ -56,8 +56,8 @@ def run_once(source: Path, work: Path, run_id: str, iterations: int, overrides: 
     for line in (run_dir / "logs" / "train.log").read_text().splitlines():
         match = REPORT.search(line)
         if match:
-            reported[int(match.group(2))] = datetime.strptime(match.group(1), "%H:%M:%S.%f")
-    walls = [(reported[k] - reported[k - 1]).total_seconds() % 86400 for k in sorted(reported) if k - 1 in reported]
+            reported[int(match.group(2))] = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f")
+    walls = [(reported[k] - reported[k - 1]).total_seconds() for k in sorted(reported) if k - 1 in reported]
     nodes = sorted({key for r in records for key in r if key.startswith("time_")})
     return {"command_s": round(wall, 2), "iteration_wall_s": walls,
             "nodes": {key[5:]: [r[key] for r in records[1:] if r.get(key) is not None] for key in nodes},
