@@ -84,14 +84,22 @@ def wait_for_api(server: subprocess.Popen, url: str, log: Path, timeout: float) 
 
 
 def stop_group(process: subprocess.Popen, timeout: float = 30) -> None:
-    """SIGINT to the process group (as Ctrl-C), then SIGKILL if it is still there after `timeout`."""
+    """SIGINT to the process group (as Ctrl-C), then, if it is still there after `timeout`, SIGABRT to the process
+    (with PYTHONFAULTHANDLER set, as `client_env` sets it, its threads' stacks go to its output: where it hung) and
+    SIGKILL to the group."""
     if process.poll() is not None:
         return
     try:
         os.killpg(process.pid, signal.SIGINT)
         process.wait(timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        process.send_signal(signal.SIGABRT)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):  # the group is gone with it
+            os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout)  # a SIGKILLed process is gone at once: a longer wait is a kernel problem, raised
     except ProcessLookupError:
         pass
@@ -99,7 +107,7 @@ def stop_group(process: subprocess.Popen, timeout: float = 30) -> None:
 
 def client_env(api_url: str, home: Path) -> dict[str, str]:
     """The environment of a command run against the server (CLI, worker, a train run)."""
-    return {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_HOME": str(home)}
+    return {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_HOME": str(home), "PYTHONFAULTHANDLER": "1"}
 
 
 def no_postgres() -> str:

@@ -153,3 +153,38 @@ def test_a_stopped_trainer_rank_fails_the_command_at_the_collective_timeout_nami
         assert "the trainer stops" in (tmp_path / "logs" / "trainer.log").read_text()
     finally:
         process.stop()
+
+
+RANK_JOINING = """
+import datetime, sys, time
+import torch, torch.distributed as dist
+from areal_pipeline.training.trainer_server import join_process_group
+rank, delay, store = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+time.sleep(delay)
+join_process_group("gloo", f"file://{store}?rank={rank}&world_size=2", datetime.timedelta(seconds=2),
+                   datetime.timedelta(seconds=120))
+total = torch.tensor([rank + 1.0])
+dist.all_reduce(total)
+print("sum", total.item(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_that_start_further_apart_than_the_collective_timeout_still_form_the_group(tmp_path):
+    """trainer.collective_timeout bounds the collectives, not the ranks' start: gloo's connection of the ranks waits
+    only the group's timeout, so the ranks first meet on the rendezvous store (within trainer.setup_timeout). Rank 1
+    starts 6 s after rank 0, three times the 2 s collective timeout."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_JOINING, str(rank), str(delay), str(store)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank, delay in ((0, 0.0), (1, 6.0))]
+    try:
+        outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    assert all("sum 3.0" in out for out in outputs), outputs

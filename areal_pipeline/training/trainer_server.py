@@ -319,6 +319,21 @@ class Trainer:
             raise CommandError(str(e), "corrupt_file", 409, file=str(e.path), problem=e.problem) from e
 
 
+def join_process_group(backend: str, init_method: str | None, collective: timedelta, startup: timedelta) -> None:
+    """The default process group, whose collectives error out past `collective`. The ranks first meet on the
+    rendezvous store, waiting up to `startup` for each other: gloo's connection of the ranks waits only the group's
+    timeout, so ranks whose start-ups drifted further apart than a short collective timeout (a loaded machine, a slow
+    node) would fail there instead."""
+    store, rank, world_size = next(dist.rendezvous(init_method or "env://", timeout=startup))
+    store.set_timeout(startup)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives a restarted round
+    if store.add(f"areal/ranks-started/{attempt}", 1) == world_size:
+        store.set(f"areal/all-started/{attempt}", "1")
+    store.wait([f"areal/all-started/{attempt}"], startup)
+    store.set_timeout(collective)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=collective)
+
+
 def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int, announce: Optional[str] = None,
           credentials: Optional[tuple] = None) -> None:
     """`credentials`: (token, TLS context) of rank 0's endpoint (auth.py; None: neither)."""
@@ -338,7 +353,8 @@ def serve(cfg: ExperimentConfig, model_path: str, host: str, port: int, announce
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
         os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "0"
     # every collective of the default group (barriers, FSDP's gathers) errors out past trainer.collective_timeout
-    dist.init_process_group(backend=backend, init_method=os.environ.get(TRAINER_INIT_METHOD_ENV), timeout=collective)
+    join_process_group(backend, os.environ.get(TRAINER_INIT_METHOD_ENV), collective,
+                       timedelta(seconds=cfg.trainer.setup_timeout))
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     token, ssl_context = credentials if credentials is not None else (None, None)
     torch.manual_seed(cfg.seed)
