@@ -326,10 +326,10 @@ def join_process_group(backend: str, init_method: str | None, collective: timede
     node) would fail there instead."""
     store, rank, world_size = next(dist.rendezvous(init_method or "env://", timeout=startup))
     store.set_timeout(startup)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives a restarted round
-    if store.add(f"areal/ranks-started/{attempt}", 1) == world_size:
-        store.set(f"areal/all-started/{attempt}", "1")
-    store.wait([f"areal/all-started/{attempt}"], startup)
+    # a store of this start's own: torchrun's agent makes a new one each round, a single rank's file is new a launch
+    if store.add("areal/ranks-started", 1) == world_size:
+        store.set("areal/all-started", "1")
+    store.wait(["areal/all-started"], startup)
     store.set_timeout(collective)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=collective)
 
