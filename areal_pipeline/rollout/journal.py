@@ -11,7 +11,8 @@ node or a restarted asynchronous executor plays only the groups that are missing
                                                    batch a group (no rows for a dropped one), each with the group's
                                                    record in its custom metadata: batch position, prompt, its seed,
                                                    the outcome, the failures and retried attempts, a digest of the
-                                                   rows. A record marked `discarded` takes its position's group back.
+                                                   batch's encoding. A record marked `discarded` takes its
+                                                   position's group back.
 
 One file appended to, not a file per group: a rollout of thousands of groups is one create and a few thousand
 appends, not thousands of files created, renamed and deleted (a metadata storm on NFS or Lustre). A writer thread
@@ -175,7 +176,12 @@ class EpisodeJournal:
             logger.warning("%s", error)
 
     def remove(self) -> None:
-        self.close(raise_errors=False)  # what it failed to write is deleted anyway
+        """Delete the journal; what is still queued is never written (the shards written from the groups in memory
+        make it moot: at the end of a rollout, the groups that ended last need not wait for their fsync)."""
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.abandon()
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def _segment_writer(self) -> "SegmentWriter":
@@ -207,7 +213,7 @@ class SegmentWriter:
         self.path, self.run_id, self.iteration = path, run_id, iteration
         self._queue: list[tuple] = []
         self._busy = False
-        self._closing = False
+        self._closing = self._abandoned = False
         self._error: Optional[BaseException] = None
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"episode-journal-{iteration}", daemon=True)
@@ -238,6 +244,13 @@ class SegmentWriter:
         with self._changed:
             self._raise_if_failed()
 
+    def abandon(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
+        """End the thread without writing what is queued (the journal is being deleted)."""
+        with self._changed:
+            self._closing, self._abandoned, self._queue = True, True, []
+            self._changed.notify_all()
+        self._thread.join(timeout)
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise OSError(f"episode journal {self.path}: writing failed: {self._error!r}") from self._error
@@ -253,6 +266,8 @@ class SegmentWriter:
                             return
                         items, self._queue, self._busy = self._queue, [], True
                     for item in items:
+                        if self._abandoned:
+                            return
                         batch, meta = self._encode(*item)
                         stream.write_batch(batch, custom_metadata={META_KEY: json.dumps(meta).encode()})
                     file.flush()
@@ -274,8 +289,10 @@ class SegmentWriter:
                 "sampling_seed": sampling_seed, "outcome": group.outcome,
                 "failures": [f.as_record() for f in group.failures],
                 "retried": [f.as_record() for f in group.retried], "episodes": group.episodes, "judged": group.judged,
-                "rows": table.num_rows, "rows_sha256": content_sha256(table)}
-        return _one_batch(table), meta
+                "rows": table.num_rows}
+        batch = _one_batch(table)
+        meta["batch_sha256"] = batch_digest(batch)
+        return batch, meta
 
 
 def _one_batch(table: pa.Table) -> pa.RecordBatch:
@@ -284,6 +301,12 @@ def _one_batch(table: pa.Table) -> pa.RecordBatch:
     if len(batches) == 1:
         return batches[0]
     return pa.record_batch([pa.array([], type=field.type) for field in TRAJECTORY_SCHEMA], schema=TRAJECTORY_SCHEMA)
+
+
+def batch_digest(batch: pa.RecordBatch) -> str:
+    """sha256 of a record batch's Arrow IPC encoding: the same for the batch written and the batch read back, and a
+    fraction of the cost of a digest of its values."""
+    return hashlib.sha256(batch.serialize()).hexdigest()
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -320,9 +343,9 @@ def _records(segment: Path):
 
 
 def _group(meta: dict[str, Any], batch: pa.RecordBatch, slot: int, record: dict[str, Any]) -> GroupResult:
-    table = pa.Table.from_batches([batch])
-    if table.num_rows != meta["rows"] or content_sha256(table) != meta["rows_sha256"]:
+    if batch.num_rows != meta["rows"] or batch_digest(batch) != meta["batch_sha256"]:
         raise ValueError("its rows do not match their digest")
+    table = pa.Table.from_batches([batch])
     prompt = meta["replaced_prompt_id"] if meta["outcome"] == "refilled" else meta["prompt_id"]
     if (meta["slot"], prompt, meta["sampling_seed"]) != (slot, record.get("prompt_id"), record.get("sampling_seed")):
         raise ValueError(f"it holds prompt {prompt!r} seeded {meta['sampling_seed']} at position {meta['slot']}, "
