@@ -10,20 +10,14 @@ import sys
 import pytest
 
 from _learning_helpers import base_model
-from _prefect_server import prefect_server
+from _prefect_server import server  # noqa: F401 (server: a fixture)
 from test_flows import REPO
 
 CONFIG = REPO / "configs" / "online_cpu.yaml"
 USER = REPO / "examples" / "simulated_user.py"
 
 
-# module fixtures the test files import: a Prefect server of their own, and the line's embedded base model
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
-        yield url
-
-
+# module fixtures the test files import: a Prefect server of their own (_prefect_server.py), and the line's embedded base model
 @pytest.fixture(scope="module")
 def base(model_cache) -> str:
     return base_model("online_cpu.yaml", model_cache)

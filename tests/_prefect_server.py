@@ -13,6 +13,8 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+import pytest
+
 from areal_pipeline.utils import find_free_port
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -52,6 +54,13 @@ def prefect_server(home: Path, timeout: float = 180) -> Iterator[str]:
         drain_prefect_workers()
         stop_group(server)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A `prefect server start` of the test module's own (a module that imports this fixture), its API URL."""
+    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
+        yield url
 
 
 def drain_prefect_workers(timeout: float = 30) -> None:

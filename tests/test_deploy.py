@@ -10,16 +10,10 @@ import subprocess
 import psutil
 import pytest
 
-from _prefect_server import PREFECT, client_env, prefect_server, stop_group
+from _prefect_server import PREFECT, client_env, stop_group, server  # noqa: F401 (server: a fixture)
 from test_flows import REPO, fast_overrides, wait_until
 
 POOL = "areal-process"  # the work pool prefect.yaml names
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
-        yield url
 
 
 def prefect_cli(*args: str, env: dict, timeout: float = 300) -> str:

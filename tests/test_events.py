@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from _learning_helpers import base_model
-from _prefect_server import client_env, prefect_server, stop_group
+from _prefect_server import client_env, stop_group, server  # noqa: F401 (server: a fixture)
 from flows.events import TOP_LEVEL, above_patterns, at_least_patterns, level
 from areal_pipeline.forkserver import processes_of
 from test_flows import cli, wait_until
@@ -47,12 +47,6 @@ def test_levels_match_thresholds_as_numbers():
         assert matches(value, at_least_patterns(threshold)) == at_least, (threshold, value)
         assert matches(value, above_patterns(threshold)) == above, (threshold, value)
     assert len(at_least_patterns(0.3)) < 50  # a short list in the automation
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -21,19 +21,13 @@ from safetensors.torch import load_file
 from _learning_helpers import base_model
 from areal_pipeline.recurring.incoming import DataChangedError
 from areal_pipeline.recurring.publish import PublishError
-from _prefect_server import client_env, prefect_server
+from _prefect_server import client_env, server  # noqa: F401 (server: a fixture)
 from conftest import http, start_cpu_server
 from test_flows import REPO, cli, wait_until
 
 CONFIG = REPO / "configs" / "recurring_cpu.yaml"
 HARMFUL = "trainer.optimizer.lr=0.05"  # collapses the tiny policy onto one answer
 NORM = "model.norm.weight"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -296,11 +296,8 @@ class SegmentWriter:
 
 
 def _one_batch(table: pa.Table) -> pa.RecordBatch:
-    table = table.combine_chunks()
-    batches = table.to_batches()
-    if len(batches) == 1:
-        return batches[0]
-    return pa.record_batch([pa.array([], type=field.type) for field in TRAJECTORY_SCHEMA], schema=TRAJECTORY_SCHEMA)
+    """The table as one record batch (one of no rows where the table has none)."""
+    return pa.RecordBatch.from_arrays([column.combine_chunks() for column in table.columns], schema=table.schema)
 
 
 def batch_digest(batch: pa.RecordBatch) -> str:
