@@ -7,8 +7,8 @@ watches (reward, pass@1, speed, time left) scroll away. While `quiet_console` is
 - every record still goes where it went (Prefect's run logs, through its API handler) and to a log file,
   `<run_dir>/logs/train.log` (appended, one header line per command);
 - the terminal shows records of WARNING and above only, and one progress line: the iteration, the reward, the
-  last eval pass@1, seconds an iteration and the time left; redrawn in place on a terminal, and on a pipe (CI,
-  `| tee`) printed as a line about every tenth of the run;
+  last eval pass@1, seconds an iteration and the time left; redrawn in place on a terminal (rich's live display),
+  and on a pipe (CI, `| tee`) printed as a line about every tenth of the run;
 - `verbose=True` leaves the terminal as it was (every record), with no progress line.
 """
 
@@ -23,9 +23,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, Iterator, Optional
 
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PIPE_LINES = 10  # a progress line about every 1/PIPE_LINES of the run where the output is not a terminal
 PIPE_SECONDS = 30.0  # ... and at least this often
+BAR_WIDTH = 28  # characters
 
 
 class RunFormatter(logging.Formatter):
@@ -57,22 +61,34 @@ def failures_text(record: dict[str, Any]) -> str:
 
 
 class ProgressLine:
-    """The run's progress as one line; fed by the run's events (`started`, `iteration`, `finished`, `failed`)."""
+    """The run's progress as one line, fed by the run's events (`started`, `iteration`, `finished`, `failed`).
 
-    def __init__(self, run_id: str, stream: IO[str], live: Optional[bool] = None, width: int = 28):
+    On a terminal rich's live display redraws it in place, and what goes through `write` (log records included)
+    is printed above it; elsewhere (CI logs, `| tee`) it is printed as a plain line about every tenth of the run.
+    """
+
+    def __init__(self, run_id: str, stream: IO[str], live: Optional[bool] = None):
+        """`live`: redraw in place; by default where rich finds an interactive terminal (not a pipe, a file or a
+        dumb terminal)."""
         self.run_id = run_id
-        self.stream = stream
-        self.live = stream.isatty() if live is None else live
-        self.width = width
+        self.console = Console(file=stream, force_terminal=live, force_interactive=live, highlight=False)
+        self.live = self.console.is_interactive
         self.first = self.last = 0
         self.done = 0
         self.reward: Optional[float] = None
         self.pass_at_1: Optional[float] = None
         self.failures = ""  # the last iteration's episodes that failed for good, per cause: "fail 3 (...)"
         self._times: list[float] = []  # wall time at each finished iteration (the start first)
-        self._shown = False  # a live line is on the screen
         self._printed_at = (0, 0.0)  # (iteration, time) of the last line printed to a pipe
         self._lock = threading.RLock()
+        # Redrawn on the run's events only, and sys.stdout/sys.stderr left alone: no refresh thread and no
+        # process-wide stream swap for a display that changes once an iteration. A finished bar in green: rich's
+        # own colour for it turns grey on a 16-colour terminal (TERM=xterm), where the bar would look empty.
+        bar = BarColumn(bar_width=BAR_WIDTH, finished_style="green")
+        self._bar = Progress(TextColumn("{task.description}", markup=False), bar,
+                             TextColumn("{task.fields[status]}", markup=False), console=self.console,
+                             auto_refresh=False, redirect_stdout=False, redirect_stderr=False)
+        self._task = self._bar.add_task(run_id, status="")
 
     # ----- the run's events ---------------------------------------------------------------------------
     def started(self, first: int, last: int) -> None:
@@ -82,6 +98,11 @@ class ProgressLine:
             if first > 1:
                 self.write(f"run {self.run_id}: iterations 1..{first - 1} are finished; continuing at {first}")
             self.draw(force=True)
+            if self.live:
+                self._bar.start()
+                # rich hides the cursor until the display stops; a command that ends by os._exit (a forced
+                # stop, the API gone) would leave the terminal without one
+                self.console.show_cursor(True)
 
     def iteration(self, k: int, record: dict[str, Any]) -> None:
         with self._lock:
@@ -97,10 +118,10 @@ class ProgressLine:
         with self._lock:
             if self.live or self._printed_at[0] != self.done:  # a pipe has had the last line already
                 self.draw(force=True)
-            self.end_line()
+            self.stop()
 
     def failed(self) -> None:
-        self.end_line()
+        self.stop()
 
     # ----- rendering ----------------------------------------------------------------------------------
     def seconds_per_iteration(self) -> Optional[float]:
@@ -111,77 +132,64 @@ class ProgressLine:
             times = times[1:]
         return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
 
-    def text(self) -> str:
-        total = max(1, self.last - self.first + 1)
-        done = max(0, self.done - self.first + 1)
-        filled = int(self.width * done / total)
-        bar = "#" * filled + "-" * (self.width - filled)
-        parts = [f"{self.run_id} [{bar}] {self.done}/{self.last}"]
-        parts.append(f"reward {self.reward:.3f}" if self.reward is not None else "reward -")
-        parts.append(f"pass@1 {self.pass_at_1:.3f}" if self.pass_at_1 is not None else "pass@1 -")
+    def status(self) -> str:
+        """"3/30  reward 0.711  pass@1 0.500  0.71 s/it  ETA 0:19": what follows the bar."""
+        parts = [f"{self.done}/{self.last}", f"reward {self.reward:.3f}" if self.reward is not None else "reward -",
+                 f"pass@1 {self.pass_at_1:.3f}" if self.pass_at_1 is not None else "pass@1 -"]
         if self.failures:
             parts.append(self.failures)
         rate = self.seconds_per_iteration()
-        if rate is not None:
-            parts.append(f"{rate:.2f} s/it")
-            parts.append(f"ETA {_duration(rate * (self.last - self.done))}")
-        else:
+        if rate is None:
             parts.append("starting")
+        else:
+            parts += [f"{rate:.2f} s/it", f"ETA {_duration(rate * (self.last - self.done))}"]
         return "  ".join(parts)
+
+    def text(self) -> str:
+        """The line as printed to a pipe: "demo [##---...] 3/30  reward ..."."""
+        filled = int(BAR_WIDTH * self._fraction())
+        return f"{self.run_id} [{'#' * filled}{'-' * (BAR_WIDTH - filled)}] {self.status()}"
+
+    def _fraction(self) -> float:
+        return max(0, self.done - self.first + 1) / max(1, self.last - self.first + 1)
 
     def draw(self, force: bool = False) -> None:
         with self._lock:
             if self.live:
-                self.stream.write("\r\x1b[2K" + self.text())
-                self._shown = True
-            else:
-                k, at = self._printed_at
-                step = max(1, (self.last - self.first + 1) // PIPE_LINES)
-                if not (force or self.done - k >= step or time.monotonic() - at >= PIPE_SECONDS):
-                    return
-                self.stream.write(self.text() + "\n")
+                self._bar.update(self._task, total=1.0, completed=self._fraction(), status=self.status(),
+                                 refresh=self._bar.live.is_started)
+                return
+            k, at = self._printed_at
+            step = max(1, (self.last - self.first + 1) // PIPE_LINES)
+            if force or self.done - k >= step or time.monotonic() - at >= PIPE_SECONDS:
+                self.write(self.text())
                 self._printed_at = (self.done, time.monotonic())
-            self.stream.flush()
 
-    def clear(self) -> None:
-        """Take the live line off the screen (a log record is about to be written)."""
-        if self.live and self._shown:
-            self.stream.write("\r\x1b[2K")
-            self.stream.flush()
-
-    def end_line(self) -> None:
+    def stop(self) -> None:
+        """End the live display, leaving its last line on the screen (nothing to do on a pipe)."""
         with self._lock:
-            if self.live and self._shown:
-                self.stream.write("\n")
-                self.stream.flush()
-                self._shown = False
+            if self.live:
+                self._bar.stop()
 
     def write(self, line: str) -> None:
-        """A line of its own above the progress line."""
+        """A line of its own, above the live line."""
         with self._lock:
-            self.clear()
-            self.stream.write(line + "\n")
-            self._shown = False
-            self.stream.flush()
+            self.console.out(line)
 
 
-class _AroundProgress(logging.StreamHandler):
-    """The terminal's log handler while the progress line is shown: a record is written above the line, which
-    is then drawn again."""
+class _AboveProgress(logging.Handler):
+    """The terminal's log handler while the progress line is shown: records are written above the line."""
 
     def __init__(self, progress: ProgressLine, level: int):
-        super().__init__(progress.stream)
+        super().__init__(level)
         self.progress = progress
-        self.setLevel(level)
         self.setFormatter(RunFormatter())
 
     def emit(self, record: logging.LogRecord) -> None:
-        with self.progress._lock:
-            self.progress.clear()
-            super().emit(record)
-            if self.progress.live and self.progress._shown:
-                self.progress.stream.write(self.progress.text())
-                self.progress.stream.flush()
+        try:
+            self.progress.write(self.format(record))
+        except Exception:
+            self.handleError(record)
 
 
 def _terminal_handlers(root: logging.Logger) -> list[logging.Handler]:
@@ -235,14 +243,14 @@ def _quiet_terminal(run_id: str, log_path: Path, verbose: bool, stream: IO[str],
     if progress is not None:
         for handler in muted:
             handler.setLevel(logging.CRITICAL + 1)
-        around = _AroundProgress(progress, logging.WARNING)
+        around = _AboveProgress(progress, logging.WARNING)
         root.addHandler(around)
         progress.write(f"run {run_id}: full logs in {log_path} and the Prefect run logs (--verbose shows them here)")
     try:
         yield progress
     finally:
         if progress is not None:
-            progress.end_line()
+            progress.stop()
         for handler, level in zip(muted, levels):
             handler.setLevel(level)
         if around is not None:

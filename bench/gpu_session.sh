@@ -11,7 +11,7 @@
 #       --platform manylinux_2_28_x86_64 [--platform manylinux_2_N_x86_64 ...] -c constraints.txt -d .whl \
 #       prefect==3.8.8 omegaconf math-verify pebble setproctitle "fastapi<0.151" "sqlalchemy[asyncio]<2.1"
 # (the train steps alone need omegaconf antlr4-python3-runtime math-verify latex2sympy2_extended pebble setproctitle
-# tensordict pyvers orjson datasets dill multiprocess)
+# orjson datasets dill multiprocess)
 # On a GPU machine of your own, `pip install -e .` instead, and run the steps' commands as they are.
 # Steps, each under its own time limit, each one's output in $OUT/<step>.log (the last lines printed here):
 #   train     bench/train_throughput.py: a Qwen2.5-0.5B-shaped model, bf16 FSDP2 on one GPU, 64 packed 4096-token
