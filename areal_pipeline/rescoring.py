@@ -244,7 +244,7 @@ async def _score(plan: RescorePlan, trajectories: list[Trajectory]) -> tuple[lis
         finally:
             pool.close()
     from areal_pipeline.rewards.group import make_group_reward
-    from areal_pipeline.rollout.group import group_scores
+    from areal_pipeline.rollout.judging import group_scores
 
     scorer = make_group_reward(plan.group_reward, plan.cfg)
     groups: dict[str, list[int]] = {}

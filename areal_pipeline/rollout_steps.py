@@ -19,9 +19,8 @@ import time
 from typing import Any, Callable
 
 from areal_pipeline.data.shards import ShardError, keep_if_intact, read_manifest, shards_intact
-from areal_pipeline.rollout.executor import episode_seed, play_batch, refill_prompt, select_batch
-from areal_pipeline.rollout.failures import FailurePolicy
-from areal_pipeline.rollout.group import judge_group
+from areal_pipeline.rollout.executor import episode_seed, refill_prompt, resume_batch, select_batch
+from areal_pipeline.rollout.failures import FailurePolicy, RolloutFailureRate
 from areal_pipeline.rollout.journal import EpisodeJournal, episodes_digest, finish_rollout
 from areal_pipeline.run_spec import build_workflow
 from areal_pipeline.steps import timed
@@ -40,39 +39,23 @@ class RolloutSteps:
             self.journal(k).remove()  # one left by a kill between the manifest and its removal
             self._journals.pop(k, None)
             return shards_record(out, read_manifest(out), cached=True)
+        group_reward = self.start_group_reward()
         if self.cfg.rollout.max_head_offpolicyness > 0:
             served = self.sync_servers(k - 1 - self.cfg.rollout.max_head_offpolicyness, or_newer=True)["version"]
-            return self._collect_async(k, served)
+            return self._collect_async(k, served, group_reward)
         self.sync_servers(k - 1)
-        slots = dict(enumerate(self._episodes(k)))
-        journal = self.journal(k)
-        groups = journal.load(slots)
-        if groups:
-            logger.info("resuming iteration %d: %d/%d groups on disk", k, len(groups), len(slots))
-        missing = {slot: record for slot, record in slots.items() if slot not in groups}
         workflow, baseline = self._workflow(), self._baseline_workflow()
         started = time.perf_counter()
 
-        unjudged = {slot: group for slot, group in groups.items() if not group.judged}
-        if unjudged:
-            logger.warning("iteration %d: %d group(s) on disk await the group reward's scores (it failed before): "
-                           "judging them, not playing them again", k, len(unjudged))
-
-        async def judge_journaled():  # played before the judge failed: judged now, not played again
-            return {slot: await judge_group(self.group_reward, group, slots[slot], journal.writer(slots))
-                    for slot, group in unjudged.items()}
-        if unjudged:
-            groups.update(run_async(judge_journaled()))
-
         async def run():
             async with self._engine() as engine:
-                return await play_batch(
-                    workflow, engine, missing, max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
+                return await resume_batch(
+                    workflow, engine, dict(enumerate(self._episodes(k))), self.journal(k),
+                    max_concurrent_rollouts=self.cfg.rollout.max_concurrent_rollouts,
                     n_samples=self.cfg.rollout.gconfig.n_samples, policy=FailurePolicy.of(self.cfg.rollout),
-                    baseline=baseline, recover=self.recover_hook(k - 1), refill=self._refill(k),
-                    on_group=journal.writer(missing), progress=progress, group_reward=self.group_reward)
-        played = run_async(run()) if missing else []
-        return self._finish_rollout(k, [*groups.values(), *played], time.perf_counter() - started)
+                    baseline=baseline, recover=self.recover_hook(k - 1), refill=self._refill(k), progress=progress,
+                    group_reward=group_reward)
+        return self._finish_rollout(k, run_async(run()), time.perf_counter() - started)
 
     def journal(self, k: int) -> EpisodeJournal:
         """Iteration k's episode journal: one object for the run's process, whose writer thread the node, its
@@ -92,12 +75,13 @@ class RolloutSteps:
     def _episodes_digest(self) -> str:
         return episodes_digest(self.cfg)
 
-    @property
-    def group_reward(self) -> Any:
-        """The run's group reward (`rollout.group_reward`, rewards/group.py), built on first use; None without one."""
+    def start_group_reward(self) -> Any:
+        """The run's group reward (`rollout.group_reward`, rewards/group.py), ready to score: a judge the run serves is
+        started where it is not running (again at its address, where it died), and the reward is built on first use.
+        The rollout calls it before it plays or judges a group; None without a group reward."""
         if not self.cfg.rollout.group_reward:
             return None
-        judge_address = self.services.start_judge()  # a judge the run serves: running, or started again
+        judge_address = self.services.start_judge()
         if self._group_reward is None:
             from areal_pipeline.rewards.group import make_group_reward
             from areal_pipeline.rewards.local_judge import served_judge_config
@@ -106,10 +90,15 @@ class RolloutSteps:
             self._group_reward = make_group_reward(self.cfg.rollout.group_reward, cfg)
         return self._group_reward
 
+    def take_group_reward_usage(self) -> dict[str, float]:
+        """What the group reward's calls cost since the last take (judge/calls, judge/cost_usd, ...), as metrics; {}
+        where the rollout has built none. It starts nothing."""
+        return self._group_reward.take_usage() if self._group_reward is not None else {}
+
     def _finish_rollout(self, k: int, groups: list, seconds: float) -> dict[str, Any]:
         # what the group reward's calls cost since the last rollout (asynchronous mode: the calls of the iterations
         # played ahead since, too)
-        usage = self.group_reward.take_usage() if self.group_reward is not None else {}
+        usage = self.take_group_reward_usage()
         manifest = finish_rollout(groups, self.paths.rollout(k), self.journal(k),
                                   policy=FailurePolicy.of(self.cfg.rollout), seconds=seconds,
                                   rows_per_shard=self.cfg.rollout.shard_rows, extra_manifest={"policy_version": k - 1},
@@ -154,7 +143,7 @@ class RolloutSteps:
         cfg = dataclasses.replace(self.cfg, rollout=dataclasses.replace(self.cfg.rollout, gconfig=greedy))
         return build_workflow(self.spec, self.tokenizer, self.reward_pool, cfg=cfg, **self._tool_kwargs())
 
-    def _collect_async(self, k: int, served_version: int) -> dict[str, Any]:
+    def _collect_async(self, k: int, served_version: int, group_reward: Any) -> dict[str, Any]:
         """Asynchronous mode: iteration k's groups from the background executor (started on first use, from this
         iteration on; it journals every group it plays), written as the iteration's shards."""
         from areal_pipeline.rollout.async_executor import AsyncRolloutExecutor
@@ -168,7 +157,7 @@ class RolloutSteps:
                 n_samples=self.cfg.rollout.gconfig.n_samples, baseline=self._baseline_workflow(),
                 policy=FailurePolicy.of(self.cfg.rollout), journal_for=self.journal,
                 recover=self.recover_hook(k - 1 - eta, or_newer=True), refill_for=self._refill,
-                group_reward=self.group_reward)
+                group_reward=group_reward)
             self._async_rollout.start()
         started = time.perf_counter()
         try:
@@ -179,10 +168,19 @@ class RolloutSteps:
         except Exception:
             # The executor keeps iteration k's failure for good: drop it, so that this node's retry starts a
             # fresh one at iteration k. What it played of any iteration is in the journals, and is not played again.
-            self._async_rollout.stop()
-            self._async_rollout = None
+            self._stop_async_rollout()
             raise
-        return self._finish_rollout(k, groups, time.perf_counter() - started)
+        try:
+            return self._finish_rollout(k, groups, time.perf_counter() - started)
+        except RolloutFailureRate:
+            # The executor would hand the same failed groups to the retry: a fresh one plays (or judges) them again
+            # from the journal, which keeps the rest.
+            self._stop_async_rollout()
+            raise
+
+    def _stop_async_rollout(self) -> None:
+        self._async_rollout.stop()
+        self._async_rollout = None
 
     def _tool_kwargs(self) -> dict[str, Any]:
         tools = {name: p.address for name, p in self.services.tools.items()}

@@ -12,6 +12,7 @@ In the UI the flow run carries the tags `rescore` and `rescore-of:<run>`, and a 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -23,6 +24,7 @@ from prefect.cache_policies import NO_CACHE
 from areal_pipeline.rescoring import (RescoreError, RescorePlan, check_sources, plan_rescore, rescore_iteration,
                                       write_lineage)
 from flows.artifacts import artifact_key
+from tasks.judge_limit import shared_judge_limit
 
 
 @task(name="rescore_iteration", task_run_name="rescore_iteration-{k}", cache_policy=NO_CACHE)
@@ -67,7 +69,9 @@ def rescore(run_id: str, scorer: str, output_dir: str = "runs", reward: Optional
     plan = plan_rescore(Path(output_dir) / run_id, reward=reward, group_reward=group_reward, iterations=iterations,
                         name=name, overrides=overrides)
     check_sources(plan)  # every iteration refused or none: no re-scoring stops half-way on a bad shard
-    with plan.judge_served() as served:  # the run's own judge (judge.serve), served for the re-scoring
+    # a group reward's calls take the Prefect limit every run on the server shares (tasks/judge_limit.py), and the
+    # run's own judge (judge.serve) is served for the re-scoring
+    with shared_judge_limit() if plan.group_reward else contextlib.nullcontext(), plan.judge_served() as served:
         summaries = [rescore_iteration_task(served, k) for k in plan.iterations]
     record = write_lineage(plan, summaries)
     _tag_and_record(plan, record)

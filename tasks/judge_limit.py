@@ -1,7 +1,8 @@
 """The judge's shared limit under Prefect: a global concurrency limit on the Prefect server (one per judge endpoint by
-default, `judge.limit_name`), held around every judge call, so that every run and sweep using that server keeps to
-`judge.max_concurrency` calls at once between them (ten runs do not exceed one API's rate). The library's judge takes
-it as its limiter (rewards/judge.py `install_limiter`); without Prefect it keeps a local semaphore.
+default, `judge.limit_name`), held around every judge call, so that every run, sweep and re-scoring using that server
+keeps to `judge.max_concurrency` calls at once between them (ten runs do not exceed one API's rate). A judge built
+inside `shared_judge_limit()` (a live run: tasks/runs.py; a re-scoring: flows/rescore.py) takes it as its limiter
+(rewards/judge.py `limiter_installed`); outside, as without Prefect, it keeps a local semaphore.
 
 The limit is created with `judge.max_concurrency` slots when missing; an existing one keeps its slots (a person may
 have set them in the UI: `prefect gcl update <name> --limit N`).
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 from areal_pipeline.utils import get_logger
 
@@ -64,8 +65,10 @@ async def prefect_judge_slot(name: str, slots: int, wait_s: float) -> AsyncItera
         yield
 
 
-def install() -> None:
-    """Judges built in this process from now on hold the Prefect limit around their calls."""
-    from areal_pipeline.rewards.judge import install_limiter
+@contextlib.contextmanager
+def shared_judge_limit() -> Iterator[None]:
+    """Judges built in the block hold the Prefect limit around their calls; those built after it, no longer."""
+    from areal_pipeline.rewards.judge import limiter_installed
 
-    install_limiter(prefect_judge_slot)
+    with limiter_installed(prefect_judge_slot):
+        yield

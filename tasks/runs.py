@@ -24,6 +24,8 @@ class LiveRun:
     artifacts_published_at: float = -math.inf  # when its last iteration card was published (monotonic)
     last_card: Optional[int] = None  # the iteration of that card (None: no card yet in this command)
     tags: tuple[str, ...] = ()  # the Prefect tags of its flow runs (flows/labels.py)
+    # what holds while the run is live and is undone when it ends (its judge's share of the Prefect limit)
+    scopes: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
     def run_id(self) -> str:
@@ -38,14 +40,17 @@ def register(pipeline: Pipeline) -> LiveRun:
         raise RuntimeError(f"run '{pipeline.cfg.run_id}' is already live in this process")
     run = _LIVE[pipeline.cfg.run_id] = LiveRun(pipeline)
     if pipeline.cfg.rollout.group_reward:
-        from tasks.judge_limit import install
+        from tasks.judge_limit import shared_judge_limit
 
-        install()  # its judge's calls share the Prefect server's limit with every other run on it
+        # its judge's calls share the Prefect server's limit with every other run and re-scoring on it
+        run.scopes.enter_context(shared_judge_limit())
     return run
 
 
 def unregister(run_id: str) -> None:
-    _LIVE.pop(run_id, None)
+    run = _LIVE.pop(run_id, None)
+    if run is not None:
+        run.scopes.close()
 
 
 @contextlib.contextmanager

@@ -81,6 +81,38 @@ def test_the_run_serves_its_judge_starts_it_again_where_it_died_and_stops_it(tmp
         services.start_judge()
 
 
+def test_reading_the_judge_s_usage_starts_nothing_only_the_rollout_s_step_starts_the_judge(tmp_path, tiny_model_dir):
+    """The figures a reader asks for (what the judge's calls cost) start no judge server, and do not start a dead
+    one again; `start_group_reward`, the step the rollout takes before it judges, does both."""
+    import psutil
+
+    from areal_pipeline.pipeline import Pipeline
+
+    def children() -> set[int]:
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+
+    pipeline = Pipeline(served_cfg(tmp_path, tiny_model_dir, f"model.path={tiny_model_dir}"))
+    try:
+        before = children()
+        assert pipeline.take_group_reward_usage() == {}
+        assert pipeline.services.judge is None and children() == before
+        judge = pipeline.start_group_reward()
+        server = pipeline.services.judge
+        assert judge.url == f"http://{server.address}/v1/chat/completions" and server.popen.poll() is None
+
+        os.killpg(server.popen.pid, signal.SIGKILL)
+        server.popen.wait(timeout=30)
+        running = children()
+        assert pipeline.take_group_reward_usage()["judge/calls"] == 0
+        assert pipeline.services.judge is server and children() == running  # still dead: nothing started
+        assert pipeline.start_group_reward() is judge  # the same judge, its server started again where it was
+        assert pipeline.services.judge.address == server.address and pipeline.services.judge.popen.poll() is None
+        assert ask(f"http://{server.address}/v1")["object"] == "chat.completion"
+    finally:
+        pipeline.close()
+        pipeline.services.stop()
+
+
 def test_a_run_without_a_served_judge_starts_none(tmp_path, tiny_model_dir):
     from areal_pipeline.services import Services
 

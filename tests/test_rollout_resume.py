@@ -412,7 +412,7 @@ def test_a_killed_async_run_keeps_the_groups_it_played_ahead(prefect_api, tiny_m
     out, _ = rerun.communicate(timeout=600)
     assert rerun.returncode == 0, out
     log = (run_dir / "logs" / "train.log").read_text()
-    assert f"async rollout: reusing {len(on_disk)}/8 groups of iteration 3 from its journal" in log, log[-3000:]
+    assert f"resuming iteration 3: {len(on_disk)}/8 groups on disk" in log, log[-3000:]
 
     cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", overrides)
     pipeline = Pipeline(cfg)
@@ -481,4 +481,6 @@ def test_an_async_failure_keeps_every_iteration_s_finished_groups(tmp_path, capl
     assert played == [(1, 3)]
     assert [g.prompt_id for g in groups[1]] == [f"p1-{n}" for n in range(4)]
     assert [g.prompt_id for g in groups[2]] == [f"p2-{n}" for n in range(4)]
-    assert "reusing 3/4 groups of iteration 1" in caplog.text and "reusing 4/4 groups of iteration 2" in caplog.text
+    # the synchronous rollout's resume, written once (executor.resume_batch)
+    assert "resuming iteration 1: 3/4 groups on disk" in caplog.text
+    assert "resuming iteration 2: 4/4 groups on disk" in caplog.text

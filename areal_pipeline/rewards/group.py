@@ -9,7 +9,8 @@ A builder makes the group reward from the run's config, `build(cfg) -> GroupRewa
     GroupReward.score_group(candidates) -> list[float]     async; one score per candidate, in their order. A score
                                                             is never made up: a judge that cannot answer raises
                                                             (the rollout's failure policy decides, as for any
-                                                            episode's error), it never returns 0
+                                                            episode's error: rollout/judging.py), it never
+                                                            returns 0
     GroupReward.take_usage() -> dict[str, float]            what the calls since the last take cost, as metrics
                                                             (e.g. judge/calls, judge/cache_hits, judge/prompt_tokens,
                                                             judge/completion_tokens, judge/cost_usd); {} for none

@@ -12,12 +12,12 @@ the run's services: it is sent the run's token (areal_pipeline/auth.py) instead.
 - is looked up first in a cache on disk keyed by a content hash (the model, the messages, the sampling settings):
   a rerun, a retried rollout node or `areal-pipeline rescore` asks again for nothing it already asked;
 - holds a slot of a limiter around the HTTP call: a local semaphore of `judge.max_concurrency` by default, a Prefect
-  global concurrency limit that every run on one Prefect server shares where the Prefect layer installs one
-  (`install_limiter`, done by tasks/judge_limit.py);
+  global concurrency limit that every run on one Prefect server shares for a judge built while the Prefect layer
+  has one installed (`limiter_installed`: tasks/judge_limit.py, for a run or a re-scoring);
 - is retried on transient faults (no connection, a timeout, 429 after its Retry-After, 5xx) and on an answer that
   is no valid scores JSON (wrong count, not numbers, out of range), every wait bounded. When the retries run out it
-  raises JudgeUnavailable, naming the endpoint and the last cause: a transient error (the rollout node's retry goes
-  again, the groups already judged served from the cache), never a made-up score.
+  raises JudgeUnavailable, naming the endpoint and the last cause: a transient error, which the rollout's failure
+  policy takes as a failure of the group (rollout/judging.py), never a made-up score.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import ssl
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, AsyncContextManager, Callable, Optional
+from typing import Any, AsyncContextManager, Callable, Iterator, Optional
 from urllib.parse import urlparse
 
 from areal_pipeline.errors import PermanentError
@@ -44,7 +44,9 @@ logger = get_logger(__name__)
 
 # A limiter factory: (limit name, slots, seconds to wait for one) -> an async context manager held around one call.
 LimiterFactory = Callable[[str, int, float], AsyncContextManager]
-_installed_limiter: Optional[LimiterFactory] = None
+# the factories of the `limiter_installed` blocks open now, the newest last (two runs of one process overlap)
+_installed_limiters: list[LimiterFactory] = []
+_installed_limiters_lock = threading.Lock()
 
 SYSTEM_PROMPT = (
     "You are a strict grader. You are given a question, possibly its reference answer, and several candidate "
@@ -54,7 +56,12 @@ SYSTEM_PROMPT = (
 
 
 class JudgeUnavailable(ConnectionError):
-    """The judge gave no valid answer within its retries: transient (errors.is_transient), never a score of 0."""
+    """The judge gave no valid answer within its retries: transient (errors.is_transient), never a score of 0.
+    `peer`: the endpoint (what the rollout's failure records name)."""
+
+    def __init__(self, message: str, peer: Optional[str] = None):
+        super().__init__(message)
+        self.peer = peer
 
 
 class JudgeRefused(PermanentError):
@@ -74,11 +81,24 @@ class JudgeHTTPError(Exception):
         self.status, self.retry_after = status, retry_after
 
 
-def install_limiter(factory: Optional[LimiterFactory]) -> None:
-    """Make every judge built from now on hold a slot of `factory(name, slots, wait_s)` around each call (the
-    Prefect layer installs its global concurrency limit); None: each judge's own local semaphore."""
-    global _installed_limiter
-    _installed_limiter = factory
+@contextlib.contextmanager
+def limiter_installed(factory: LimiterFactory) -> Iterator[None]:
+    """Every judge built in the block holds a slot of `factory(name, slots, wait_s)` around each of its calls (the
+    Prefect layer installs its global concurrency limit for a run or a re-scoring); once no such block is open, a
+    judge built keeps a local semaphore of its own. Blocks may overlap: the newest open one's factory is used."""
+    with _installed_limiters_lock:
+        _installed_limiters.append(factory)
+    try:
+        yield
+    finally:
+        with _installed_limiters_lock:
+            _installed_limiters.remove(factory)
+
+
+def installed_limiter() -> Optional[LimiterFactory]:
+    """The factory a judge built now takes (`limiter_installed`); None: its own local semaphore."""
+    with _installed_limiters_lock:
+        return _installed_limiters[-1] if _installed_limiters else None
 
 
 def default_limit_name(base_url: str) -> str:
@@ -175,7 +195,7 @@ class Judge:
         self.ssl_context = ssl_context
         self.cache = JudgeCache(cache_dir)
         self.limit_name = judge_cfg.limit_name or default_limit_name(judge_cfg.base_url)
-        self._limiter = limiter or _installed_limiter or self._local_limiter
+        self._limiter = limiter or installed_limiter() or self._local_limiter
         self._semaphores: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = (
             weakref.WeakKeyDictionary())
         self._lock = threading.Lock()
@@ -241,7 +261,8 @@ class Judge:
                                attempt + 1, self.cfg.retries + 1, type(last).__name__, last, delay)
                 await asyncio.sleep(delay)
         raise JudgeUnavailable(f"the judge at {self.url} (model {self.cfg.model}) gave no valid answer in "
-                               f"{self.cfg.retries + 1} attempt(s); the last: {type(last).__name__}: {last}") from last
+                               f"{self.cfg.retries + 1} attempt(s); the last: {type(last).__name__}: {last}",
+                               peer=self.url) from last
 
     async def _post(self, body: dict[str, Any]) -> dict[str, Any]:
         import aiohttp

@@ -13,13 +13,14 @@ under the new weights, each token tagged with the version that produced it; the 
 (k - 1 minus its oldest token's version) never exceeds eta.
 
 `collect(k)` waits for iteration k's groups (`failures.GroupResult`s, played under the run's failure policy by
-`group.play_group`, as in synchronous mode) and hands them over; the rollout node writes them as shards, and from
+`executor.resume_batch`, as in synchronous mode) and hands them over; the rollout node writes them as shards, and from
 then on they are the iteration's inputs (a rerun trains on exactly them).
 
 With `journal_for`, every group of every iteration is written to that iteration's episode journal as it ends
 (rollout/journal.py), so the work done ahead survives a killed orchestrator and a stopped or failed executor: a new
-executor loads the journal of each iteration it admits and plays only the missing groups. A group on disk with a
-token older than its iteration's bound (k - 1 - eta) is played again, so the staleness bound holds across restarts.
+executor resumes each iteration it admits from its journal as the synchronous rollout does (`resume_batch`), playing
+only the missing groups. A group on disk with a token older than its iteration's bound (k - 1 - eta) is played again,
+so the staleness bound holds across restarts.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import concurrent.futures
 import threading
 from typing import Any, Callable, Optional
 
+from areal_pipeline.rollout.executor import resume_batch
 from areal_pipeline.rollout.failures import FailurePolicy, GroupResult
-from areal_pipeline.rollout.group import judge_group, play_group
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -136,45 +137,20 @@ class AsyncRolloutExecutor:
             await asyncio.gather(*iterations)
 
     async def _iteration(self, k: int, engine, in_flight: asyncio.Semaphore) -> None:
-        episodes: list[asyncio.Future] = []
         try:
-            slots = dict(enumerate(self.batch_for(k)))
-            journal = self.journal_for(k) if self.journal_for is not None else None
-            # Loaded here, not in a thread: the groups of iteration k must queue for `in_flight` before those of
-            # any later iteration (a journal is empty but after a restart, when reading it is all there is to do).
-            done = journal.load(slots, k - 1 - self.eta) if journal is not None else {}
-            if done:
-                logger.info("async rollout: reusing %d/%d groups of iteration %d from its journal",
-                            len(done), len(slots), k)
-
-            refill = self.refill_for(k) if self.refill_for is not None else None
-
-            async def group(slot, data):
-                async with in_flight:
-                    result = await play_group(self.workflow, engine, data, self.n_samples, self.baseline, slot=slot,
-                                              policy=self.policy, recover=self.recover, refill=refill)
-                write = journal.writer(slots) if journal is not None else None
-                if self.group_reward is not None:  # it journals the group, before and after its scores
-                    result = await judge_group(self.group_reward, result, data, write)
-                elif write is not None:
-                    await asyncio.to_thread(write, result)
-                return result
-
-            # groups journaled before their judge answered: judged now, not played again
-            unjudged = [slot for slot, g in done.items() if not g.judged]
-            if unjudged:
-                logger.warning("iteration %d: %d group(s) on disk await the group reward's scores (it failed "
-                               "before): judging them, not playing them again", k, len(unjudged))
-            for slot in unjudged:
-                done[slot] = await judge_group(self.group_reward, done[slot], slots[slot],
-                                               journal.writer(slots) if journal is not None else None)
-            episodes = [asyncio.ensure_future(group(slot, d)) for slot, d in slots.items() if slot not in done]
-            played = await asyncio.gather(*episodes)
-            self._batches[k].set_result(sorted([*done.values(), *played], key=lambda g: g.slot))
+            # The journal is loaded in this coroutine, not in a thread: the groups of iteration k must queue for
+            # `in_flight` before those of any later iteration (a journal is empty but after a restart, when reading
+            # it is all there is to do).
+            groups = await resume_batch(
+                self.workflow, engine, dict(enumerate(self.batch_for(k))),
+                self.journal_for(k) if self.journal_for is not None else None, oldest_version=k - 1 - self.eta,
+                gate=in_flight, max_concurrent_rollouts=self.max_concurrent_rollouts, n_samples=self.n_samples,
+                policy=self.policy, baseline=self.baseline, recover=self.recover,
+                refill=self.refill_for(k) if self.refill_for is not None else None, progress=False,
+                group_reward=self.group_reward)
+            self._batches[k].set_result(groups)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # surfaces in collect(k), i.e. in iteration k's rollout node
-            for task in episodes:  # its groups still playing need not finish (the finished ones are journaled)
-                task.cancel()
             logger.exception("async rollout of iteration %d failed", k)
             self._batches[k].set_exception(e)

@@ -11,7 +11,8 @@ from typing import Any, Callable, Optional
 from tqdm.auto import tqdm
 
 from areal_pipeline.data.trajectory import Trajectory
-from areal_pipeline.rollout.group import judge_group, play_group
+from areal_pipeline.rollout.group import play_group
+from areal_pipeline.rollout.judging import judge_group
 from areal_pipeline.utils import get_logger
 
 logger = get_logger(__name__)
@@ -63,32 +64,65 @@ async def play_batch(workflow, engine, slots: dict[int, dict[str, Any]], *, max_
                      n_samples: int, policy: Any, baseline: Any = None, recover: Any = None,
                      refill: Optional[Callable[[int, int], dict[str, Any]]] = None,
                      on_group: Optional[Callable[[Any], None]] = None, progress: bool = True,
-                     group_reward: Any = None) -> list[Any]:
+                     group_reward: Any = None, played: Optional[dict[int, Any]] = None,
+                     gate: Optional[asyncio.Semaphore] = None) -> list[Any]:
     """The groups of the prompts `slots` (batch position -> record) under the failure policy `policy`
-    (group.play_group; None: strict, as `run_episodes`), at most `max_concurrent_rollouts` episodes in flight: their
-    `failures.GroupResult`s in slot order. `on_group(result)` is called as each group ends (the episode journal
-    writes it then); `refill(slot, j)` gives the j-th reserve prompt of a group that `rollout.on_failure=refill`
-    replaces (a pure function, so a rerun refills with the same prompts; `refill_prompt` is one); `group_reward`
-    scores each kept group (`rollout.group_reward`, group.judge_group)."""
-    gate = asyncio.Semaphore(max(1, max_concurrent_rollouts // max(1, n_samples)))
+    (group.play_group; None: strict, as `run_episodes`), at most `max_concurrent_rollouts` episodes in flight (or as
+    many groups as `gate` lets through, where batches share one): their `failures.GroupResult`s in slot order.
+    `refill(slot, j)` gives the j-th reserve prompt of a group that `rollout.on_failure=refill` replaces (a pure
+    function, so a rerun refills with the same prompts; `refill_prompt` is one); `group_reward` scores each group
+    played (`rollout.group_reward`, judging.judge_group); `played` (batch position -> a group whose episodes were
+    played, awaiting its scores) are judged, not played again.
+
+    `on_group(result)` is called as each group ends (the episode journal writes it then), but for a group the judge
+    dropped: the journal keeps it played and unjudged, for the next attempt to judge. The first error that fails a
+    group (one that is no episode's fault, `rollout.on_failure=fail`) cancels the others and is raised."""
+    gate = gate or asyncio.Semaphore(max(1, max_concurrent_rollouts // max(1, n_samples)))
+    played = played or {}
+    judge = None
+    if group_reward is not None:
+        judge = functools.partial(judge_group, group_reward, policy=policy, on_group=on_group)
     bar = tqdm(total=len(slots), desc="rollout", unit="group", disable=not progress, leave=False)
 
     async def one(slot, data):
-        async with gate:
-            result = await play_group(workflow, engine, data, n_samples, baseline, slot=slot, policy=policy,
-                                      recover=recover, refill=refill)
-        if group_reward is not None:  # it journals the group, before and after its scores
-            result = await judge_group(group_reward, result, data, on_group)
-        elif on_group is not None:
-            on_group(result)
+        result = await play_group(workflow, engine, data, n_samples, baseline, slot=slot, policy=policy,
+                                  recover=recover, refill=refill, judge=judge, gate=gate, played=played.get(slot))
+        if on_group is not None and not result.judge_failed:
+            await asyncio.to_thread(on_group, result)
         bar.update(1)
         return result
 
+    groups = [asyncio.ensure_future(one(slot, data)) for slot, data in sorted(slots.items())]
     try:
-        results = await asyncio.gather(*(one(slot, data) for slot, data in sorted(slots.items())))
+        return list(await asyncio.gather(*groups))
     finally:
+        for group in groups:  # finished unless one failed: the others need not finish (the finished are journaled)
+            group.cancel()
+        await asyncio.gather(*groups, return_exceptions=True)
         bar.close()
-    return list(results)
+
+
+async def resume_batch(workflow, engine, slots: dict[int, dict[str, Any]], journal: Any, *,
+                       oldest_version: Optional[int] = None, **settings: Any) -> list[Any]:
+    """An iteration's groups (`slots`: batch position -> seeded record), resumed from its episode journal
+    (journal.EpisodeJournal; None: none kept): the groups on disk as they are, those of them awaiting the group
+    reward's scores judged, not played again, and the rest played; each written to the journal as it ends. `settings`
+    are `play_batch`'s; `oldest_version` as `EpisodeJournal.load` takes it. The one path of the synchronous rollout
+    node and of the asynchronous executor's iterations (async_executor.py): both resume the same way."""
+    loaded = journal.load(slots, oldest_version) if journal is not None else {}
+    if loaded:
+        logger.info("resuming iteration %d: %d/%d groups on disk", journal.iteration, len(loaded), len(slots))
+    unjudged = {slot: group for slot, group in loaded.items() if not group.judged}
+    if unjudged:
+        logger.warning("iteration %d: %d group(s) on disk await the group reward's scores (it failed before): "
+                       "judging them, not playing them again", journal.iteration, len(unjudged))
+    todo = {slot: record for slot, record in slots.items() if slot not in loaded or slot in unjudged}
+    played = []
+    if todo:
+        played = await play_batch(workflow, engine, todo, played=unjudged,
+                                  on_group=journal.writer(slots) if journal is not None else None, **settings)
+    done = [group for slot, group in loaded.items() if slot not in unjudged]
+    return sorted([*done, *played], key=lambda group: group.slot)
 
 
 def refill_prompt(records: list[dict[str, Any]], seed: int, iteration: int, slot: int, j: int,

@@ -16,6 +16,8 @@ from typing import Any, Iterable, Optional
 from areal_pipeline.data.trajectory import Trajectory
 
 ON_FAILURE = ("drop", "mask", "refill", "fail")
+# the cause of a group's failure to get the group reward's scores (rollout.group_reward: the judge, rollout/judging.py)
+JUDGE_CAUSE = "judge"
 MESSAGE_CHARS = 300  # of an error's words kept per failure: the manifest and metrics stay small
 
 
@@ -41,8 +43,8 @@ class FailurePolicy:
 @dataclass(frozen=True)
 class EpisodeFailure:
     """One failed attempt at an episode: `cause` (inference, inference_refused, retrieval, tool, reward_timeout,
-    reward_crash, agent, episode_timeout), whether another attempt may succeed, the peer that failed (an address, a
-    worker) where known, and the error's own words."""
+    reward_crash, agent, episode_timeout; judge: its group's scores), whether another attempt may succeed, the peer
+    that failed (an address, a worker) where known, and the error's own words."""
 
     cause: str
     retryable: bool
@@ -83,8 +85,15 @@ class GroupResult:
     # denominator. 0 where unknown (a result built elsewhere): then its kept trajectories' and failures' episodes
     episodes: int = 0
     # False between the end of its episodes and the group reward's scores (rollout.group_reward), so that a group
-    # journaled then is judged, not played, again (group.judge_group)
+    # journaled then is judged, not played, again (judging.judge_group)
     judged: bool = True
+
+    @property
+    def judge_failed(self) -> bool:
+        """Dropped for want of the group reward's scores (rollout/judging.py). Such a group is dropped in memory only:
+        the episode journal keeps its record as played and unjudged, so that the node's retry or a rerun judges it
+        again and plays nothing again."""
+        return self.outcome == "dropped" and any(f.cause == JUDGE_CAUSE for f in self.failures)
 
     def episodes_played(self) -> int:
         if self.episodes:

@@ -15,8 +15,9 @@ sent them, rather than one HTTP request each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.utils import get_logger
@@ -124,7 +125,9 @@ REFILL_TRIES = 3  # reserve prompts tried, one after another, for a group that o
 
 async def play_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples: int, baseline: Optional[Any] = None,
                      *, slot: int, policy: Any, recover: Optional[Any] = None,
-                     refill: Optional[Callable[[int, int], dict[str, Any]]] = None) -> Any:
+                     refill: Optional[Callable[[int, int], dict[str, Any]]] = None,
+                     judge: Optional[Callable[[Any, dict[str, Any]], Awaitable[Any]]] = None,
+                     gate: Optional[asyncio.Semaphore] = None, played: Optional[Any] = None) -> Any:
     """The group of prompt `data` (batch position `slot`) under the failure policy `policy` (failures.FailurePolicy):
     a `failures.GroupResult`. `recover`, where given, is awaited before an episode that failed at an inference server
     is played again (it brings a restarted server back to the expected weights). `refill(slot, j)` gives the j-th
@@ -133,16 +136,27 @@ async def play_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples
     Each episode (and the baseline's) plays in its own attempts: a failure that classify() calls retryable is played
     again, from a fresh `arun_episode` with the same seed (so a retry that succeeds makes the tokens an undisturbed
     run makes), after `episode_retry_delay` seconds, doubling; each attempt has `episode_timeout` seconds. Its
-    siblings go on meanwhile. An error classify() does not call an episode's fault fails the group as itself."""
+    siblings go on meanwhile. An error classify() does not call an episode's fault fails the group as itself.
+
+    `judge(result, record)` (judging.judge_group, bound to the run's group reward) scores every group played, a
+    reserve's too, before the policy decides: a group it could not score is a failed group like any other. `played`:
+    the group's episodes played already (a group on disk awaiting its scores): judged, not played again. `gate` is
+    held while episodes play, not while they are judged (the batch's bound on groups in flight)."""
     from areal_pipeline.rollout.failures import EpisodesFailed, GroupResult, describe_failures
 
-    if policy is None:  # strict (run_group, run_episodes)
-        return await _play(workflow, engine, data, n_samples, baseline, slot, None, None)
-    if policy.on_failure == "refill" and refill is None:
+    if policy is not None and policy.on_failure == "refill" and refill is None:
         raise ValueError("rollout.on_failure=refill: the rollout passes no refill(slot, j) to take reserve prompts "
                          "from")
-    result = await _play(workflow, engine, data, n_samples, baseline, slot, policy, recover)
-    if not result.failures:
+
+    async def play(record: dict[str, Any]) -> Any:
+        async with gate or contextlib.nullcontext():
+            return await _play(workflow, engine, record, n_samples, baseline, slot, policy, recover)
+
+    async def judged(result: Any, record: dict[str, Any]) -> Any:
+        return await judge(result, record) if judge is not None else result
+
+    result = await judged(played if played is not None else await play(data), data)
+    if policy is None or not result.failures:  # policy None: strict (run_group, run_episodes)
         return result
     if policy.on_failure == "fail":
         first = result.failures[0]
@@ -152,13 +166,18 @@ async def play_group(workflow: Any, engine: Any, data: dict[str, Any], n_samples
         failures, retried, episodes = list(result.failures), list(result.retried), result.episodes
         for j in range(REFILL_TRIES):
             reserve = refill(slot, j)
-            tried = await _play(workflow, engine, reserve, n_samples, baseline, slot, policy, recover)
+            tried = await play(reserve)
             failures += tried.failures
             retried += tried.retried
             episodes += tried.episodes
-            if not tried.failures:
-                return GroupResult(slot, reserve.get("prompt_id"), tried.trajectories, failures, retried, "refilled",
-                                   replaced_prompt_id=data.get("prompt_id"), episodes=episodes)
+            if tried.failures:
+                continue
+            refilled = await judged(GroupResult(slot, reserve.get("prompt_id"), tried.trajectories, list(failures),
+                                                list(retried), "refilled", replaced_prompt_id=data.get("prompt_id"),
+                                                episodes=episodes), reserve)
+            if not refilled.judge_failed:
+                return refilled
+            failures, retried = list(refilled.failures), list(refilled.retried)
         return GroupResult(slot, data.get("prompt_id"), [], failures, retried, "dropped", episodes=episodes)
     return result
 
@@ -181,7 +200,9 @@ async def _play(workflow: Any, engine: Any, data: dict[str, Any], n_samples: int
     if baseline is not None:
         unseeded = {key: value for key, value in data.items() if key != "sampling_seed"}
         players.append(player(baseline, {**unseeded, "sample_idx": n_samples}))
-    tasks = [asyncio.ensure_future(_attempts(play, i, prompt_id, policy, recover)) for i, play in enumerate(players)]
+    tasks = [asyncio.ensure_future(attempts(play, policy, what=f"episode {i}", sample_idx=i, prompt_id=prompt_id,
+                                            recover=recover, timeout=policy.episode_timeout if policy else 0.0))
+             for i, play in enumerate(players)]
     try:
         outcomes = await asyncio.gather(*tasks)
     finally:
@@ -215,89 +236,39 @@ async def _play(workflow: Any, engine: Any, data: dict[str, Any], n_samples: int
     return GroupResult(slot, prompt_id, [], failures, retried, "dropped", episodes=len(players))
 
 
-async def judge_group(group_reward: Any, result: Any, record: Optional[dict[str, Any]] = None,
-                      on_group: Optional[Callable[[Any], None]] = None) -> Any:
-    """Score a played group (a failures.GroupResult) with `group_reward` (rewards/group.GroupReward,
-    `rollout.group_reward`): each kept trajectory's reward becomes its score, the workflow's own kept as
-    `metadata["workflow_reward"]`. `record` is the data set's record of the group's prompt (its question and
-    reference answer), where at hand; else the trajectories' prompt and `metadata["answer"]`.
-
-    With `on_group` (the episode journal's writer), a group with trajectories is written before it is judged, marked
-    unjudged, and every group once judged: a judge that stays down fails the rollout node (its error is transient),
-    and the node's retry judges the journaled group without playing it again."""
-    if result.trajectories:  # a dropped group has nothing to score
-        result.judged = False
-        if on_group is not None:
-            await asyncio.to_thread(on_group, result)
-        group = result.trajectories
-        if any(t.token_returns is not None for t in group):
-            raise TypeError("rollout.group_reward: the workflow's trajectories carry per-turn returns (token_returns), "
-                            "which a group score cannot replace; use a workflow with one reward per trajectory")
-        if any(t.baseline_reward is not None for t in group):
-            raise TypeError("rollout.group_reward: the advantage's baseline episode (ReMax's greedy completion) is "
-                            "scored by the workflow, not the group reward; use another ppo.advantage")
-        if record is None or record.get("prompt_id") != result.prompt_id:  # a refilled group: the reserve's prompt
-            record = {}
-        for t, score in zip(group, await group_scores(group_reward, group, record)):
-            t.metadata["workflow_reward"] = t.reward
-            t.reward = score
-    result.judged = True
-    if on_group is not None:
-        await asyncio.to_thread(on_group, result)
-    return result
-
-
-async def group_scores(group_reward: Any, group: list[Trajectory], record: dict[str, Any]) -> list[float]:
-    """`group_reward`'s scores of one prompt's trajectories (`record`: the prompt's data set record, {} where
-    unknown), as the rollout and `areal-pipeline rescore` both ask for them."""
-    scores = await group_reward.score_group([candidate(t, record) for t in group])
-    if len(scores) != len(group):
-        raise ValueError(f"the group reward gave {len(scores)} scores for the {len(group)} trajectories of prompt "
-                         f"{group[0].prompt_id}")
-    return [float(score) for score in scores]
-
-
-def candidate(t: Trajectory, record: dict[str, Any]) -> Any:
-    """What a group reward sees of trajectory `t` of the prompt `record` ({} where unknown)."""
-    from areal_pipeline.rewards.group import Candidate
-
-    question = record.get("question") or _first_user_message(record.get("messages") or t.messages)
-    answer = record["answer"] if "answer" in record else t.metadata.get("answer")
-    return Candidate(prompt_id=str(t.prompt_id), sample_idx=t.sample_idx, question=question, completion=t.text,
-                     answer=answer, messages=list(t.messages))
-
-
-def _first_user_message(messages: list[dict[str, Any]]) -> str:
-    return next((str(m.get("content", "")) for m in messages if m.get("role") == "user"), "")
-
-
-async def _attempts(play: Callable[[], Any], sample_idx: int, prompt_id: Any, policy: Any,
-                    recover: Optional[Any]) -> tuple[Any, list, Any]:
-    """(the episode's result or None, the failed attempts a later one got past, the failure that ended it or
-    None)."""
+async def attempts(play: Callable[[], Any], policy: Any, *, what: str, sample_idx: int = -1, prompt_id: Any = None,
+                   recover: Optional[Any] = None, timeout: float = 0.0, cause: Optional[str] = None
+                   ) -> tuple[Any, list, Any]:
+    """`play()` under the failure policy `policy`: (its result or None, the failed attempts a later one got past, the
+    failure that ended it or None). `what` names it in the log ("episode 2", "the group reward's scores"). A failure
+    classify() calls retryable is tried again up to `episode_retries` times, after `episode_retry_delay` seconds
+    doubling (and `recover()` first where it failed at an inference server); each attempt has `timeout` seconds (0:
+    no limit). `cause`, where given, is every failure's cause in place of the one classify() reads from the error.
+    An error classify() does not call an episode's fault is raised as itself, as is every error where `policy` is
+    None."""
     from areal_pipeline.rollout.failures import MESSAGE_CHARS, EpisodeFailure, classify
 
-    if policy is None:  # run_group: the error as itself, its siblings cancelled
+    if policy is None:  # strict: the error as itself
         return await play(), [], None
     retried: list[EpisodeFailure] = []
     for attempt in range(1, policy.episode_retries + 2):
         try:
-            async with asyncio.timeout(policy.episode_timeout or None) as limit:
+            async with asyncio.timeout(timeout or None) as limit:
                 return await play(), retried, None
         except Exception as error:
             if limit.expired():
                 failure = EpisodeFailure("episode_timeout", True,
-                                         f"the episode ran past rollout.episode_timeout={policy.episode_timeout:g} s"
-                                         [:MESSAGE_CHARS])
+                                         f"the episode ran past rollout.episode_timeout={timeout:g} s"[:MESSAGE_CHARS])
             else:
                 failure = classify(error)
                 if failure is None:
                     raise
-        failure = dataclasses.replace(failure, sample_idx=sample_idx, attempt=attempt, prompt_id=prompt_id)
+        failure = dataclasses.replace(failure, cause=cause or failure.cause, sample_idx=sample_idx, attempt=attempt,
+                                      prompt_id=prompt_id)
         if not failure.retryable or attempt > policy.episode_retries:
             return None, retried, failure
         retried.append(failure)
-        logger.warning("episode %d of prompt %s failed (%s: %s); attempt %d of %d in %g s", sample_idx, prompt_id,
+        logger.warning("%s of prompt %s failed (%s: %s); attempt %d of %d in %g s", what, prompt_id,
                        failure.where(), failure.message, attempt + 1, policy.episode_retries + 1,
                        policy.episode_retry_delay * 2 ** (attempt - 1))
         await asyncio.sleep(policy.episode_retry_delay * 2 ** (attempt - 1))

@@ -359,7 +359,8 @@ def finish_rollout(groups: list[GroupResult], out: Path, journal: EpisodeJournal
                    extra_manifest: Optional[dict] = None, extra_stats: Optional[dict] = None) -> dict[str, Any]:
     """An iteration's groups (every batch position's) -> its rollout shards; the manifest (returned) gets the stats,
     the failures and `content_sha256`. Past `policy.max_failure_rate`, RolloutFailureRate, after the failed groups
-    are discarded from the journal: a retry plays those again and keeps the others."""
+    are discarded from the journal: a retry plays those again and keeps the others (and judges again, not plays,
+    those the judge dropped: `GroupResult.judge_failed`)."""
     groups = sorted(groups, key=lambda g: g.slot)
     run_id, k = journal.run_id, journal.iteration
     unjudged = [g.slot for g in groups if not g.judged]
@@ -369,7 +370,7 @@ def finish_rollout(groups: list[GroupResult], out: Path, journal: EpisodeJournal
     try:
         check_failure_rate(k, groups, policy)
     except RolloutFailureRate:
-        journal.discard([g.slot for g in groups if g.failures])
+        journal.discard([g.slot for g in groups if g.failures and not g.judge_failed])
         raise
     table = trajectory_table([t for g in groups for t in g.trajectories], run_id, k)
     trajectories = table_trajectories(table)
