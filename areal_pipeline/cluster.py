@@ -21,6 +21,7 @@ from typing import Optional
 
 from areal_pipeline import auth
 from areal_pipeline.config import ExperimentConfig, adapter_push
+from areal_pipeline.config.addresses import is_loopback, split_address
 
 CLI = "areal-pipeline"
 
@@ -37,16 +38,12 @@ class ClusterConfigError(ValueError):
     pass
 
 
-def _host(address: str) -> str:
-    return address.rpartition(":")[0].strip("[]")
-
-
 def server_argv(cfg: ExperimentConfig, model_path: str, address: str, index: int) -> list[str]:
     """The server at `address`, as the run would launch it (the same flags, seed `seed + index`)."""
     from areal_pipeline.inference.launcher import build_cpu_server_command, build_sglang_command, build_vllm_command
 
     inf = cfg.inference
-    host, port = _host(address), int(address.rpartition(":")[2])
+    host, port = split_address(address)
     seed = cfg.seed + index
     if inf.backend == "cpu":
         command = build_cpu_server_command(model_path, host, port, inf, seed, experiment=cfg)
@@ -97,10 +94,12 @@ def launch_plan(cfg: ExperimentConfig, config_path: str, overrides: list[str], m
         server_env["PYTHONPATH"] = project_on_path({})["PYTHONPATH"]
     if cfg.inference.backend == "vllm" and adapter_push(cfg):  # vLLM's /v1/load_lora_adapter exists only so
         server_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
-    plan = [Launch("inference-server", _host(a), tuple(server_argv(cfg, model_path, a, i)), server_env)
+    plan = [Launch("inference-server", split_address(a)[0], tuple(server_argv(cfg, model_path, a, i)), server_env)
             for i, a in enumerate(cfg.inference.addresses)]
     if t.address:
-        first = _host(t.rdzv_endpoint) if t.rdzv_endpoint else (_host(t.address) if t.address != "auto" else "")
+        # the first node runs where the rendezvous is hosted, else at rank 0's given address; with auto, anywhere
+        anchor = t.rdzv_endpoint or ("" if t.address == "auto" else t.address)
+        first = split_address(anchor)[0] if anchor else ""
         plan += [Launch("trainer-node", first if node == 0 else "", (CLI, "trainer-node", *config), credentials)
                  for node in range(t.nnodes)]
     env = {**credentials, **({"PREFECT_API_URL": prefect_api_url} if prefect_api_url else {})}
@@ -111,8 +110,6 @@ def launch_plan(cfg: ExperimentConfig, config_path: str, overrides: list[str], m
 def prefect_api_warning(url: str) -> Optional[str]:
     """What is wrong with the Prefect API URL the run is given, for a run across hosts (None: nothing)."""
     from urllib.parse import urlparse
-
-    from areal_pipeline.training.nodes import is_loopback
 
     if not url:
         return ("PREFECT_API_URL is not set: the run would use a temporary Prefect server on the head, seen by no "

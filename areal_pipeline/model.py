@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -154,11 +153,6 @@ def resolve_model_path(model_cfg: Any, output_dir: str | Path, seed: int) -> str
     if not (path / "config.json").is_file():
         build_tiny_model(path, model_cfg.tiny, seed)
     return str(path)
-
-
-def preimport_tokenizer() -> None:
-    """Import what `load_tokenizer` needs (transformers' auto classes: most of a second), ahead of the load."""
-    importlib.import_module("transformers.models.auto.tokenization_auto")
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):

@@ -54,7 +54,7 @@ from areal_pipeline.run_spec import RunSpec, assemble
 from areal_pipeline.services import Services
 from areal_pipeline.steps import STEPS, Step, due_steps, run_steps, timed
 from areal_pipeline.training.loss_registry import make_loss
-from areal_pipeline.training.ppo import write_batch
+from areal_pipeline.training.batches import write_batch
 from areal_pipeline.utils import atomic_write_text, get_logger, import_in_background, run_async
 
 logger = get_logger(__name__)

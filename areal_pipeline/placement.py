@@ -13,7 +13,9 @@ Automatic placement (both lists empty) is AReaL's disjoint default, `sglang:dN+f
 num_servers x tp_size x dp_size GPUs, the trainer the next nproc. With `trainer.colocate` both start at GPU 0 and
 share it, their memory split by `inference.sglang.mem_fraction_static` and `trainer.memory_fraction`.
 
-No torch import at module level: the config checks use the counting functions below.
+No torch import at module level: the config checks use the counting functions below. What the lists must be to
+each other and to the processes (a GPU per NCCL rank, tp_size x dp_size per server, shared ones only colocated) is a
+rule of the config (run_spec.py), checked at load; `plan` checks them against the GPUs this machine has.
 """
 
 from __future__ import annotations
@@ -41,10 +43,6 @@ def gpus_per_server(inf: "InferenceConfig") -> int:
     if inf.backend == "sglang":
         return inf.sglang.tp_size * inf.sglang.dp_size
     return 1 if inf.device == "cuda" else 0
-
-
-def inference_gpu_count(inf: "InferenceConfig") -> int:
-    return gpus_per_server(inf) * inf.num_servers
 
 
 def trainer_gpu_count(t: "TrainerConfig", cuda_available: bool) -> int:
@@ -119,18 +117,9 @@ def plan(cfg: "ExperimentConfig", visible: Optional[int] = None, cuda_available:
     if beyond:
         raise PlacementError(f"GPU(s) {beyond} are placed (inference.gpus={server_ids}, trainer.gpus={trainer_ids}) "
                              f"but this machine has {seen}: indices count from 0 within CUDA_VISIBLE_DEVICES")
-    if len(server_ids) != n_inf:
-        raise PlacementError(f"inference.gpus={server_ids}: the {inf.num_servers} server(s) need {n_inf} GPU(s)")
-    if t.device != "cpu" and cuda_available and t.backend != "gloo" and len(trainer_ids) < t.nproc:
-        raise PlacementError(f"trainer.gpus={trainer_ids}: {t.nproc} NCCL ranks need a GPU each (NCCL never puts two "
-                             f"ranks on one GPU): give as many GPUs as trainer.nproc")
     servers = tuple(tuple(server_ids[i * per_server:(i + 1) * per_server]) for i in range(inf.num_servers)) \
         if not inf.addresses else ()
-    placement = Placement(servers=servers, trainer=tuple(trainer_ids))
-    if placement.shared and not t.colocate:
-        raise PlacementError(f"GPU(s) {list(placement.shared)} are given to both the inference servers and the "
-                             "trainer: set trainer.colocate=true (and split their memory) or place them apart")
-    return placement
+    return Placement(servers=servers, trainer=tuple(trainer_ids))
 
 
 def gpu_env(gpus: tuple[int, ...] | list[int], environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:

@@ -8,6 +8,10 @@ tool servers the workflow needs.
 It sits above the registries (workflows, placement, the loss registry, the warm-start curricula, the run
 directory) and below whatever runs a run (pipeline, services, tasks, flows, the command line), which are handed
 the RunSpec. The configuration below it (areal_pipeline/config/) knows none of them.
+
+Each rule lives in one place, by what it needs: one that reads the config alone is config/rules.py's; one that
+needs a registry (a name that must load, the GPUs a server takes, a curriculum's format) is here; what a selected
+workflow or advantage requires of the rest of the config is its `config_problems` hook, beside its code.
 """
 
 from __future__ import annotations

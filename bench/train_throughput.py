@@ -37,7 +37,7 @@ from areal_pipeline.run_spec import load_config
 from areal_pipeline.training.client import launch_trainer
 from areal_pipeline.training.profiling import PROFILE_ENV, PROFILE_ITERATIONS_ENV
 from areal_pipeline.utils import environment
-from areal_pipeline.training.ppo import write_batch
+from areal_pipeline.training.batches import write_batch
 
 
 def synthetic_batch(out: Path, n: int, min_len: int, max_len: int, cfg, seed: int = 0) -> Path:

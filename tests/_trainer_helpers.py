@@ -17,7 +17,7 @@ from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.model import load_model
 from areal_pipeline.run_spec import load_config
 from areal_pipeline.training.losses import gather_logprobs
-from areal_pipeline.training.ppo import write_batch
+from areal_pipeline.training.batches import write_batch
 from areal_pipeline.utils import find_free_port
 
 # Behaviour logprob = the model's + STALENESS[j % 4] on completion token j: PPO ratios exp(-offset) of 0.61 and

@@ -227,7 +227,7 @@ def test_compute_batch_lays_ragged_rows_out_as_compute_advantages_sees_them():
     length; groups are numbered in order of first appearance and only "stop" ends count as EOS."""
     import pyarrow as pa
 
-    from areal_pipeline.training.ppo import compute_batch, pad
+    from areal_pipeline.training.batches import compute_batch, pad
 
     rows = [  # (group, input_ids, loss_mask, logprobs, reward, stop_reason)
         ("b", [1, 2, 3], [0, 1, 1], [0.0, -0.5, -1.0], 1.0, "stop"),
@@ -304,7 +304,7 @@ def test_an_advantage_of_your_own_from_a_file(tmp_path):
     from areal_pipeline.data.shards import read_table, write_shards
     from areal_pipeline.data.trajectory import Trajectory
     from areal_pipeline.training.advantage_registry import make_advantage
-    from areal_pipeline.training.ppo import compute_batch
+    from areal_pipeline.training.batches import compute_batch
 
     (tmp_path / "mine.py").write_text(
         "from areal_pipeline.training.advantage_registry import Advantage\n"

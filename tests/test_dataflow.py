@@ -123,7 +123,7 @@ def test_proximal_logprobs_that_do_not_fit_the_batch_are_refused(tmp_path):
     import pytest
 
     from areal_pipeline.checksums import IntegrityError
-    from areal_pipeline.training.ppo import read_logprobs
+    from areal_pipeline.training.batches import read_logprobs
 
     path = tmp_path / "prox_logprobs.parquet"
     pq.write_table(pa.table({"logprobs": pa.array([[-0.5, -1.25, 0.0], [-2.0, -0.125]], pa.list_(pa.float32()))}),

@@ -14,7 +14,7 @@ from areal_pipeline.data.trajectory import Trajectory
 from areal_pipeline.training.advantage_registry import make_advantage
 from areal_pipeline.training.advantages import compute_advantages
 from areal_pipeline.training.gigpo import anchor_key, combine, per_token, step_advantages, step_index, step_returns
-from areal_pipeline.training.ppo import compute_batch
+from areal_pipeline.training.batches import compute_batch
 from areal_pipeline.workflows.grid_world import Puzzle, observation, state_key, step
 
 S = 1 / math.sqrt(2)  # 0.7071

@@ -24,7 +24,7 @@ from areal_pipeline.evaluation import evaluate_checkpoint, resolve_checkpoint
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.run_dir import run_lock
 from areal_pipeline.training.client import TrainerClient, TrainerError
-from areal_pipeline.training.ppo import read_batch
+from areal_pipeline.training.batches import read_batch
 from test_trainer import weights
 
 

@@ -14,7 +14,7 @@ from areal_pipeline.model import load_model
 from areal_pipeline.training import lora
 from areal_pipeline.training.engine import TrainEngine
 from areal_pipeline.training.loss_registry import make_loss
-from areal_pipeline.training.ppo import read_batch
+from areal_pipeline.training.batches import read_batch
 from _trainer_helpers import make_batch, single_process_group, trainer_config, weights  # noqa: F401
 
 LORA = ("trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=8",

@@ -14,7 +14,7 @@ from areal_pipeline.run_spec import load_config
 from areal_pipeline.training.client import TrainerError, launch_trainer
 from areal_pipeline.training.engine import lr_lambda
 from areal_pipeline.training.losses import gather_logprobs
-from areal_pipeline.training.ppo import read_batch
+from areal_pipeline.training.batches import read_batch
 from areal_pipeline.utils import find_free_port
 from _trainer_helpers import make_batch, plain_logprobs, trainer_config, weights  # noqa: F401 (weights: test_integrity)
 from conftest import http, start_cpu_server

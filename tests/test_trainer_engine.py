@@ -14,7 +14,7 @@ from areal_pipeline.training.engine import TrainEngine
 from areal_pipeline.training.losses import gather_logprobs
 from areal_pipeline.training.loss_registry import make_loss
 from areal_pipeline.training.packing import unpack
-from areal_pipeline.training.ppo import read_batch
+from areal_pipeline.training.batches import read_batch
 from _trainer_helpers import (hand_ppo_loss, make_batch, plain_logprobs, single_process_group,  # noqa: F401
                               stale_offset, trainer_config, weights)
 

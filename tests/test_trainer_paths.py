@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from areal_pipeline.training.client import launch_trainer
 from areal_pipeline.training.engine import TrainEngine
 from areal_pipeline.training.loss_registry import make_loss
-from areal_pipeline.training.ppo import read_batch, write_batch
+from areal_pipeline.training.batches import read_batch, write_batch
 from areal_pipeline.training.trainer_server import Trainer
 from _trainer_helpers import (hand_ppo_loss, make_batch, make_rollout, plain_logprobs,  # noqa: F401
                               single_process_group, trainer_config, weights)

@@ -20,7 +20,7 @@ from areal_pipeline.inference.types import ModelRequest, ModelResponse
 from areal_pipeline.rollout.group import run_group
 from areal_pipeline.run_spec import build_workflow, load_config
 from areal_pipeline.training.advantages import normalize_advantages
-from areal_pipeline.training.ppo import compute_batch, pad
+from areal_pipeline.training.batches import compute_batch, pad
 from areal_pipeline.workflows import WORKFLOWS
 
 # ---------------------------------------------------------------------------------------------- helpers

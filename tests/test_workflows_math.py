@@ -19,7 +19,7 @@ from areal_pipeline.rewards.pool import RewardPool
 from areal_pipeline.rollout.executor import run_episodes
 from areal_pipeline.rollout.group import run_group
 from areal_pipeline.run_spec import assemble, build_workflow, load_config
-from areal_pipeline.training.ppo import compute_batch, read_batch, write_batch
+from areal_pipeline.training.batches import compute_batch, read_batch, write_batch
 from areal_pipeline.workflows.multi_turn import CORRECT_MESSAGE, WRONG_MESSAGE, MultiTurnWorkflow, per_version_log
 from areal_pipeline.workflows.reflection import REFLECTION_MESSAGE, ReflectionWorkflow
 from areal_pipeline.workflows.turns import user_turn_ids

@@ -4,15 +4,17 @@ names the same file there; and the servers a line records its traffic on are the
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Callable, Iterator
 
+from areal_pipeline.config.addresses import is_loopback, split_address
 from areal_pipeline.config.schema import ExperimentConfig
 
 Key = Callable[[str], str]  # as config/rules.py's
 
-_LOOPBACK = re.compile(r"(127\.\d+\.\d+\.\d+|localhost|::1)")
+
+def _on_other_hosts(addresses: list[str]) -> list[str]:
+    return [a for a in addresses if not is_loopback(split_address(a)[0])]
 
 
 def weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
@@ -32,10 +34,10 @@ def weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
                f"{key('trainer.weight_sync')}='distributed' (SGLang updates weights from a process group only "
                f"without data parallelism inside a server); run more servers ({key('inference.num_servers')}) or "
                f"use {key('trainer.weight_sync')}=disk")
-    remote = [a for a in inf.addresses if not _LOOPBACK.fullmatch(a.rsplit(":", 1)[0])]
+    remote = _on_other_hosts(inf.addresses)
     # empty: the host of the trainer's endpoint, loopback for a trainer this run launches
     master = t.weight_sync_master_address or ("" if t.address else "127.0.0.1")
-    if remote and t.weight_sync == "distributed" and _LOOPBACK.fullmatch(master):
+    if remote and t.weight_sync == "distributed" and is_loopback(master):
         where = "" if t.weight_sync_master_address else " (the launched trainer's address, 127.0.0.1)"
         yield (f"{key('trainer.weight_sync_master_address')}={t.weight_sync_master_address!r}{where}: servers on "
                f"other hosts ({', '.join(remote)}) cannot reach it; set it to this host's address they reach")
@@ -50,20 +52,21 @@ def hosts_reach_each_other(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
         yield (f"{key('trainer.nnodes')}={t.nnodes}: a trainer of several nodes runs on them, each node started by "
                f"`areal-pipeline trainer-node` (`areal-pipeline cluster` prints the commands); set "
                f"{key('trainer.address')}=auto (or rank 0's host:port) for this run to use it")
-    if t.nnodes > 1 and (not t.rdzv_endpoint or _LOOPBACK.fullmatch(t.rdzv_endpoint.rsplit(":", 1)[0])):
+    if t.nnodes > 1 and (not t.rdzv_endpoint or is_loopback(split_address(t.rdzv_endpoint)[0])):
         yield (f"{key('trainer.rdzv_endpoint')}={t.rdzv_endpoint!r}: {t.nnodes} trainer nodes meet at a rendezvous "
                "every node reaches: host:port of the first node's address")
-    if t.address not in ("", "auto") and t.port != int(t.address.rsplit(":", 1)[1]):
+    endpoint = split_address(t.address) if t.address not in ("", "auto") else None
+    if endpoint is not None and t.port != endpoint[1]:
         yield (f"{key('trainer.port')}={t.port}: the trainer's nodes serve rank 0's endpoint on it, and the run looks "
-               f"for it at {key('trainer.address')}={t.address!r}: set it to {t.address.rsplit(':', 1)[1]} (or "
+               f"for it at {key('trainer.address')}={t.address!r}: set it to {endpoint[1]} (or "
                f"{key('trainer.address')}=auto, which finds any port)")
-    remote_trainer = bool(t.address) and (t.address == "auto" or not _LOOPBACK.fullmatch(t.address.rsplit(":", 1)[0]))
-    remote_servers = [a for a in inf.addresses if not _LOOPBACK.fullmatch(a.rsplit(":", 1)[0])]
-    if remote_trainer and t.weight_sync_master_address and _LOOPBACK.fullmatch(t.weight_sync_master_address):
+    remote_trainer = t.address == "auto" or (endpoint is not None and not is_loopback(endpoint[0]))
+    remote_servers = _on_other_hosts(inf.addresses)
+    if remote_trainer and t.weight_sync_master_address and is_loopback(t.weight_sync_master_address):
         yield (f"{key('trainer.weight_sync_master_address')}={t.weight_sync_master_address!r}: the trainer runs on "
                "other hosts, where loopback is their own; leave it empty (the trainer's own address) or name an "
                "address of rank 0's node")
-    if remote_trainer and t.weight_sync == "distributed" and not inf.addresses and _LOOPBACK.fullmatch(inf.host):
+    if remote_trainer and t.weight_sync == "distributed" and not inf.addresses and is_loopback(inf.host):
         yield (f"{key('inference.host')}={inf.host!r}: the trainer on other hosts sends weights to the servers this "
                "run launches; set it to an address of this host the trainer's nodes reach")
     if remote_trainer and not Path(cfg.output_dir).is_absolute():

@@ -2,7 +2,8 @@
 to each other (CROSS_RULES), checked by `validate`. A bad value is an error naming its dotted key, what it is and
 what is allowed. These are the generic rules, which need nothing but the config; the rules that need the
 project's registries (the workflow, the loss, the warm start, GPU placement) are the run assembly's
-(areal_pipeline/run_spec.py), which passes them to `validate` alongside these.
+(areal_pipeline/run_spec.py), which passes them to `validate` alongside these; and what a selected workflow or
+advantage requires of the rest of the config is its own `config_problems`, so that a user's brings its rules along.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from areal_pipeline.config.schema import (DatasetConfig, ExperimentConfig, Gener
                                           ModelConfig, NormConfig, OptimizerConfig, PPOConfig, RetrievalConfig,
                                           MlflowConfig, RolloutConfig, SGLangConfig, TinyModelConfig, TrackersConfig,
                                           TrainerConfig, VLLMConfig, WandbConfig)
+from areal_pipeline.config.addresses import split_address
 from areal_pipeline.config.host_rules import (hosts_reach_each_other, only_the_projects_server_records,
                                               weights_reach_the_servers)
 from areal_pipeline.errors import PermanentError
@@ -67,7 +69,17 @@ def each(rule: Rule) -> Rule:
 
 # A hub repo id: "name" or "namespace/name", what transformers and datasets load when it is no local path.
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
-_ADDRESS = re.compile(r"[\w.-]+:\d{1,5}")  # a server's host:port
+# a host name or IPv4 address: a bare IPv6 host would need brackets in the URLs the processes build from an address
+_ADDRESS_HOST = re.compile(r"[\w.-]+")
+
+
+def _is_address(value: Any) -> bool:
+    """host:port, the port in range (addresses.split_address's check) and the host a name or an IPv4 address."""
+    try:
+        host, _ = split_address(value)
+    except (ValueError, AttributeError):
+        return False
+    return bool(_ADDRESS_HOST.fullmatch(host))
 
 
 def looks_like_local_path(location: str) -> bool:
@@ -112,7 +124,7 @@ _NON_NEGATIVE = at_least(0)
 _POSITIVE = above(0)
 _FRACTION = within(0, 1)
 _PORT = within(0, 65535)  # 0: a free port
-_HOST_PORT = Rule("empty or host:port", lambda value: not value or bool(_ADDRESS.fullmatch(value)))
+_HOST_PORT = Rule("empty or host:port", lambda value: not value or _is_address(value))
 _ADAM_BETA = within(0, 1, open_high=True)
 # the linear layers of a Qwen2/Llama-style decoder an adapter may sit on (the output head is not one: tied to the
 # embedding in the embedded model, and vLLM and SGLang serve no adapter on it)
@@ -120,7 +132,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 _GPU_LIST = Rule("a list of distinct GPU indices >= 0",
                  lambda ids: all(type(i) is int and i >= 0 for i in ids) and len(set(ids)) == len(ids))
 _ADDRESSES = Rule("a list of distinct host:port addresses",
-                  lambda addresses: all(isinstance(a, str) and _ADDRESS.fullmatch(a) for a in addresses)
+                  lambda addresses: all(_is_address(a) for a in addresses)
                   and len(set(addresses)) == len(addresses))
 _NAMED = Rule("a non-empty name", lambda name: bool(name.strip()))
 _HOST = Rule("a host name or IP address", lambda host: bool(re.fullmatch(r"[\w.:-]+", host)))
@@ -211,7 +223,7 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
                                                        lambda host: not host or _HOST.holds(host)),
                     "weight_sync_master_port": _PORT, "weight_sync_bucket_mb": _COUNT,
                     "address": Rule("empty, auto or host:port",
-                                    lambda value: value in ("", "auto") or bool(_ADDRESS.fullmatch(value))),
+                                    lambda value: value in ("", "auto") or _is_address(value)),
                     "rdzv_endpoint": _HOST_PORT, "port": _PORT, "max_restarts": _NON_NEGATIVE},
     LoRAConfig: {"rank": _COUNT, "alpha": _POSITIVE, "dropout": within(0, 1, open_high=True),
                  "target_modules": Rule(f"[all-linear] or names among {', '.join(LORA_TARGETS)}",

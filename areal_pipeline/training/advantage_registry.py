@@ -1,7 +1,18 @@
 """How rewards become advantages, beside the loss (loss_registry.py): `ppo.advantage` names one of `ADVANTAGES`, or a
 user's own as "module:attr" or "path/to/file.py:attr" (loaded by `user_code.load_attr`, as every extension point is).
-An algorithm is a loss and/or an advantage plus a config: ReMax is `ppo.advantage: remax` with `ppo.loss: reinforce`
-(configs/remax.yaml) on the ordinary single-turn workflow.
+An algorithm is a loss and/or an advantage plus a config. The registered advantages, for generated token t of
+trajectory i (the math: advantages.py, gigpo.py), each then normalised by `ppo.adv_norm`:
+
+    grpo    A_i,t = GAE_t(r_i,t)      r_i,t = -kl_ctl * KL_i,t, plus (r_i - mean_g r) / (std_g r + eps) on i's last
+                                      token; g: i's group (the prompt's samples) or the batch, per `ppo.reward_norm`
+    remax   A_i,t = r_i - r_greedy    r_greedy: the reward of the prompt's greedy completion
+    gigpo   A_i,t = A^E_i,t + omega * A^S_i,t
+                                      A^E: grpo's; A^S: the return of t's step against those of the steps of i's
+                                      group taken from the same environment state
+
+and the losses (loss_registry.py, math in losses.py): `ppo` (the clipped surrogate; GRPO is `grpo` with it, the
+default) and `reinforce` (-A_i,t * log pi(token t); ReMax is `ppo.advantage: remax` with `ppo.loss: reinforce`,
+configs/remax.yaml, on the ordinary single-turn workflow).
 
 An advantage is made from the run's `ppo` config section by a builder, `build(ppo_cfg) -> Advantage`:
 
@@ -87,17 +98,11 @@ remax.config_problems = _remax_config_problems
 def gigpo(ppo_cfg) -> Advantage:
     """GiGPO (Feng et al. 2025): GRPO's episode advantage plus `ppo.gigpo_step_weight` times a step-level one, each
     step's discounted return (`ppo.gigpo_discount`) against the steps of its group that acted from the same
-    environment state (training/gigpo.py); then `ppo.adv_norm`. Needs a workflow that records step states."""
-    import dataclasses
-
-    episode_cfg = dataclasses.replace(ppo_cfg, adv_norm=dataclasses.replace(ppo_cfg.adv_norm, mean_level="none",
-                                                                             std_level="none"))
-
+    environment state (`gigpo.gigpo_advantages`); then `ppo.adv_norm`. Needs a workflow that records step states."""
     def fn(batch):
-        from areal_pipeline.training.advantages import compute_advantages
         from areal_pipeline.training.gigpo import gigpo_advantages
 
-        return gigpo_advantages(batch, ppo_cfg, lambda b: compute_advantages(b, episode_cfg))
+        return gigpo_advantages(batch, ppo_cfg)
     return Advantage(fn)
 
 

@@ -14,8 +14,8 @@ The pipeline, for one iteration's batch:
     A      = normalize_advantages(A)
 
 A workflow's own per-token returns (`token_returns`, multi_turn's discounted per-turn rewards) and ReMax's
-baseline-subtracted reward take the place of the shaped reward and its GAE (`returns_as_advantages`). Which of these
-a run uses is `ppo.advantage` (advantage_registry.py).
+baseline-subtracted reward take the place of the shaped reward and its GAE (`returns_as_advantages`); GiGPO adds a
+step-level term to this (gigpo.py). Which of these a run uses is `ppo.advantage` (advantage_registry.py).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def transform_rewards(r: Tensor, bias: float, scaling: float, clip: float) -> Te
     return torch.clamp((r + bias) * scaling, -clip, clip)
 
 
-def _segment_mean_std(x: Tensor, w: Tensor, seg: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per element of flat `x`: count, mean and unbiased std of the weight-1 elements of its segment.
+def segment_mean_std(x: Tensor, w: Tensor, seg: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per element of flat `x`: count, mean and unbiased std of the weight-1 elements of its segment (a GRPO group,
+    the batch, a GiGPO step group).
 
     Segments with fewer than two elements get std 0 (there is no spread to measure).
     """
@@ -76,7 +77,7 @@ def _normalize(x: Tensor, mask: Tensor, group_ids: Optional[Tensor], cfg: NormCo
 
     out = flat
     if cfg.mean_level != "none":
-        count, mean, _ = _segment_mean_std(flat, w, segments(cfg.mean_level))
+        count, mean, _ = segment_mean_std(flat, w, segments(cfg.mean_level))
         if cfg.mean_leave_one_out:
             # baseline_i = mean of the others = (n * mean - x_i) / (n - 1). A sample with no
             # peers keeps itself as baseline (advantage 0), as a plain mean of one would:
@@ -85,7 +86,7 @@ def _normalize(x: Tensor, mask: Tensor, group_ids: Optional[Tensor], cfg: NormCo
             mean = torch.where(count > 1, others, flat)
         out = out - mean
     if cfg.std_level != "none":
-        _, _, std = _segment_mean_std(flat, w, segments(cfg.std_level))
+        _, _, std = segment_mean_std(flat, w, segments(cfg.std_level))
         out = out / (std + cfg.eps)
     return (out * w).reshape(x.shape).to(x.dtype)
 

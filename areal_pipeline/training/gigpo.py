@@ -21,12 +21,14 @@ each step once, whatever its length in tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from areal_pipeline.training.advantages import _segment_mean_std
+from areal_pipeline.config import PPOConfig
+from areal_pipeline.training.advantages import compute_advantages, normalize_advantages, segment_mean_std
 
 NORMS = ("std", "none")
 
@@ -73,7 +75,7 @@ def step_advantages(step_rewards: Tensor, step_states: Tensor, loss_mask: Tensor
     returns, rows = step_returns(step_rewards, loss_mask, gamma)
     keys = torch.stack([group_ids[rows].long(), step_states[starts].long()], dim=1)
     step_group = torch.unique(keys, dim=0, return_inverse=True)[1]
-    count, mean, std = _segment_mean_std(returns, torch.ones_like(returns), step_group)
+    count, mean, std = segment_mean_std(returns, torch.ones_like(returns), step_group)
     advantage = returns - mean
     if norm == "std":
         advantage = advantage / (std + eps)
@@ -88,18 +90,18 @@ def combine(episode_advantages: Tensor, step_advantages_: Tensor, loss_mask: Ten
     return (episode_advantages + omega * step_advantages_) * loss_mask
 
 
-def gigpo_advantages(batch: dict[str, Tensor], ppo_cfg, episode_fn) -> dict[str, Tensor]:
-    """`episode_fn(batch)` (GRPO's advantages, without `ppo.adv_norm`) plus omega times the step advantages, then
-    `ppo.adv_norm`. Needs `step_rewards` and `step_states` ([B, T]) in the batch: a workflow that records them."""
-    from areal_pipeline.training.advantages import normalize_advantages
-
+def gigpo_advantages(batch: dict[str, Tensor], ppo_cfg: PPOConfig) -> dict[str, Tensor]:
+    """`A = A^E + omega * A^S`, then `ppo.adv_norm`: A^E is GRPO's advantage (`compute_advantages` without
+    `ppo.adv_norm`, which applies to the sum), A^S the step advantages. Needs `step_rewards` and `step_states`
+    ([B, T]) in the batch: a workflow that records them."""
     missing = [name for name in ("step_rewards", "step_states") if batch.get(name) is None]
     if missing:
         raise ValueError("ppo.advantage=gigpo needs each step's state and return (step_states, step_rewards), and this "
                          "rollout has none: use a workflow that records them (rollout.workflow=grid_world, or your "
                          "own that sets Trajectory.step_states / step_rewards)")
     loss_mask = batch["loss_mask"].float()
-    out = episode_fn(batch)
+    no_norm = dataclasses.replace(ppo_cfg.adv_norm, mean_level="none", std_level="none")
+    out = compute_advantages(batch, dataclasses.replace(ppo_cfg, adv_norm=no_norm))
     step = step_advantages(batch["step_rewards"], batch["step_states"], loss_mask, batch["group_ids"],
                            ppo_cfg.gigpo_discount, ppo_cfg.gigpo_norm)
     advantages = combine(out["advantages"], step, loss_mask, ppo_cfg.gigpo_step_weight)

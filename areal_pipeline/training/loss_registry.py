@@ -29,15 +29,21 @@ A loss of your own is a builder in your module, named in the config, with nothin
         return Loss(fn, weight=lambda mb: float(mb.tensors["loss_mask"].sum()), columns=("loss_mask", "advantages"))
 
     areal-pipeline train --config configs/tiny_cpu.yaml ppo.loss=my_losses:clipped_reinforce
+
+The registered builders below are written the same way, on the math of losses.py; their advantages are
+advantage_registry.py's. This module imports no torch: the config names a loss before any trainer runs.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+
+if TYPE_CHECKING:
+    from areal_pipeline.training.packing import MicroBatch
 
 LOSSES: dict[str, str] = {
-    "ppo": "areal_pipeline.training.ppo:ppo_loss",
-    "reinforce": "areal_pipeline.training.ppo:reinforce",
+    "ppo": "areal_pipeline.training.loss_registry:ppo",
+    "reinforce": "areal_pipeline.training.loss_registry:reinforce",
 }
 
 
@@ -46,6 +52,43 @@ class Loss(NamedTuple):
     weight: Callable[..., float]
     columns: tuple[str, ...]
     policy_columns: tuple[str, ...] = ()
+
+
+def tokens_in_loss(mb: MicroBatch) -> float:
+    """A micro-batch's weight in an update's mean: its loss tokens."""
+    return float(mb.tensors["loss_mask"].sum())
+
+
+def ppo(ppo_cfg) -> Loss:
+    """PPO's clipped objective (`losses.ppo_actor_loss`), decoupled (a proximal policy between the behaviour and
+    the current one) where `ppo_cfg.use_decoupled_loss` says so."""
+    from areal_pipeline.training.losses import ppo_actor_loss
+
+    decoupled = ppo_cfg.use_decoupled_loss
+    uses_prox = decoupled or ppo_cfg.recompute_logprob
+
+    def fn(logp, entropy, mb):
+        t = mb.tensors
+        # Without the decoupled loss, a recomputed logprob simply replaces the behaviour one as "old".
+        old = t["prox_logprobs"] if uses_prox and not decoupled else t["logprobs"]
+        return ppo_actor_loss(
+            logp, old, t["advantages"], t["loss_mask"], eps_clip=ppo_cfg.eps_clip,
+            eps_clip_higher=ppo_cfg.eps_clip_higher, c_clip=ppo_cfg.c_clip,
+            proximal_logprobs=t["prox_logprobs"] if decoupled else None,
+            behav_imp_weight_cap=ppo_cfg.behav_imp_weight_cap,
+            importance_sampling_level=ppo_cfg.importance_sampling_level, seq_ids=mb.seq_ids)
+
+    prox = ("prox_logprobs",) if uses_prox else ()
+    return Loss(fn, tokens_in_loss, ("loss_mask", "logprobs", "advantages") + prox, policy_columns=prox)
+
+
+def reinforce(ppo_cfg) -> Loss:
+    """REINFORCE (`losses.reinforce_loss`): ReMax trains with it."""
+    from areal_pipeline.training.losses import reinforce_loss
+
+    def fn(logp, entropy, mb):
+        return reinforce_loss(logp, mb.tensors["advantages"], mb.tensors["loss_mask"])
+    return Loss(fn, tokens_in_loss, ("loss_mask", "advantages"))
 
 
 def loss_builder(name: str) -> Callable[[Any], Loss]:

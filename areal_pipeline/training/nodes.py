@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from areal_pipeline.config import ExperimentConfig, to_dict
+from areal_pipeline.config.addresses import is_loopback, split_address
 from areal_pipeline.utils import atomic_write_text, get_logger
 
 if TYPE_CHECKING:
@@ -31,20 +32,8 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-LOOPBACK_HOSTS = ("localhost", "ip6-localhost")
-
-
 class TrainerNodeError(RuntimeError):
     pass
-
-
-def is_loopback(host: str) -> bool:
-    return host in LOOPBACK_HOSTS or host.startswith("127.") or host == "::1"
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 def announce_path(cfg: ExperimentConfig) -> Path:
@@ -231,10 +220,6 @@ def connect_trainer(cfg: ExperimentConfig):
     logger.info("using the trainer at %s (world size %s; started on its own nodes, not stopped by this run)",
                 address, health.get("world_size"))
     return client
-
-
-def host_of(address: str) -> str:
-    return split_address(address)[0]
 
 
 def trainer_threads(cfg: ExperimentConfig, device: torch.device, cores: Optional[int] = None) -> int:

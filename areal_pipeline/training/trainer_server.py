@@ -56,7 +56,7 @@ from areal_pipeline.training.engine import TrainEngine, resolve_device
 from areal_pipeline.training.lora import LoRAMismatchError
 from areal_pipeline.training.loss_registry import make_loss
 from areal_pipeline.training.nodes import trainer_threads, training_settings, write_announcement
-from areal_pipeline.training.ppo import read_batch, read_logprobs
+from areal_pipeline.training.batches import read_batch, read_logprobs
 from areal_pipeline.training.profiling import profile_path, profiled
 from areal_pipeline.training.rank_control import Endpoint, broadcast_json, give_up, wait_on_time
 from areal_pipeline.utils import (PeerTimeout, atomic_directory, atomic_path, exit_when_parent_dies,

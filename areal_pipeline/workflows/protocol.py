@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class RolloutWorkflow(Protocol):
+    # `from_config` and `arun_episode` are required; a class without `config_class`, `reward_function` or `tools`
+    # has None, None and () (`workflows.workflow_class` checks a class when the config names it).
+    #
     # The dataclass of the workflow's `rollout.agent` section (its keys, defaults, comments as help, and optional
     # ClassVar `field_rules`: field -> config.Rule), or None for none. The run's `cfg.rollout.agent` is an instance.
     config_class: ClassVar[Optional[type]]
@@ -78,11 +81,3 @@ class RolloutWorkflow(Protocol):
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> "Trajectory | list[Trajectory]":
         """One episode of the prompt `data`, as its trajectory (or its trajectories)."""
         ...
-
-
-PROTOCOL_ATTRIBUTES = ("config_class", "reward_function", "tools", "from_config", "arun_episode")
-
-
-def missing_attributes(cls: type) -> list[str]:
-    """What `cls` lacks of the protocol (a user's class is checked when the config names it)."""
-    return [name for name in PROTOCOL_ATTRIBUTES if not hasattr(cls, name)]

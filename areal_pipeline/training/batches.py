@@ -1,9 +1,9 @@
-"""The algorithm as the DAG sees it: rollout shards -> batch shards (advantages), and the loss the trainer uses.
+"""Batch shards, the `advantages` node's output and the trainer's input: one iteration's rollout shards as tensors,
+through `ppo.advantage` (advantage_registry.py), back to Parquet; and what the trainer reads of them.
 
 Batch shards are the rollout's trajectory columns plus per-token `advantages`, `returns`, `token_rewards`,
 `kl` and, when the trainer recomputed them, `prox_logprobs` / `ref_logprobs`; and per-trajectory
-`task_reward` (the transformed, normalised reward; the raw one where the advantage took returns instead). The
-advantages are `ppo.advantage`'s (advantage_registry.py).
+`task_reward` (the transformed, normalised reward; the raw one where the advantage took returns instead).
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import torch
 from areal_pipeline.data.shards import read_table, write_table
 from areal_pipeline.training.advantage_registry import make_advantage
 from areal_pipeline.training.advantages import advantage_stats
-from areal_pipeline.training.loss_registry import Loss
-from areal_pipeline.training.losses import ppo_actor_loss, reinforce_loss
-from areal_pipeline.training.packing import MicroBatch
 
 TOKEN_COLUMNS_OUT = ("advantages", "returns", "token_rewards", "kl")
 
@@ -155,36 +152,3 @@ def read_logprobs(path: str | Path, input_ids: list[list[int]]) -> list[list[flo
         raise IntegrityError(path, f"{len(values)} rows of logprobs do not match the {len(input_ids)} sequences "
                                    "token for token")
     return values
-
-
-def tokens_in_loss(mb: MicroBatch) -> float:
-    """A micro-batch's weight in an update's mean: its loss tokens."""
-    return float(mb.tensors["loss_mask"].sum())
-
-
-def reinforce(ppo_cfg) -> Loss:
-    """REINFORCE (`losses.reinforce_loss`): ReMax trains with it."""
-    def fn(logp, entropy, mb):
-        return reinforce_loss(logp, mb.tensors["advantages"], mb.tensors["loss_mask"])
-    return Loss(fn, tokens_in_loss, ("loss_mask", "advantages"))
-
-
-def ppo_loss(ppo_cfg) -> Loss:
-    """PPO's clipped objective (`losses.ppo_actor_loss`), decoupled (a proximal policy between the behaviour and
-    the current one) where `ppo_cfg.use_decoupled_loss` says so."""
-    decoupled = ppo_cfg.use_decoupled_loss
-    uses_prox = decoupled or ppo_cfg.recompute_logprob
-
-    def fn(logp, entropy, mb):
-        t = mb.tensors
-        # Without the decoupled loss, a recomputed logprob simply replaces the behaviour one as "old".
-        old = t["prox_logprobs"] if uses_prox and not decoupled else t["logprobs"]
-        return ppo_actor_loss(
-            logp, old, t["advantages"], t["loss_mask"], eps_clip=ppo_cfg.eps_clip,
-            eps_clip_higher=ppo_cfg.eps_clip_higher, c_clip=ppo_cfg.c_clip,
-            proximal_logprobs=t["prox_logprobs"] if decoupled else None,
-            behav_imp_weight_cap=ppo_cfg.behav_imp_weight_cap,
-            importance_sampling_level=ppo_cfg.importance_sampling_level, seq_ids=mb.seq_ids)
-
-    prox = ("prox_logprobs",) if uses_prox else ()
-    return Loss(fn, tokens_in_loss, ("loss_mask", "logprobs", "advantages") + prox, policy_columns=prox)
