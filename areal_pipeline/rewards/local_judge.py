@@ -26,6 +26,7 @@ def start_judge_server(cfg: Any, log_dir: Path, address: Optional[str] = None):
     on the CPU at `address` (host:port; None: a free port of inference.host)."""
     from areal_pipeline import auth
     from areal_pipeline.config import InferenceConfig
+    from areal_pipeline.config.addresses import split_address
     from areal_pipeline.inference.launcher import LIVENESS_PATH, build_cpu_server_command
     from areal_pipeline.processes import ServerProcess
     from areal_pipeline.utils import find_free_port
@@ -34,7 +35,7 @@ def start_judge_server(cfg: Any, log_dir: Path, address: Optional[str] = None):
                                  num_threads=1, max_batch_size=cfg.judge.max_concurrency,
                                  setup_timeout=cfg.inference.setup_timeout, context_length=cfg.judge.context_length)
     auth.ensure_run_token(cfg.output_dir)  # `areal-pipeline rescore` starts it outside a run's services: the server needs one
-    port = int(address.rsplit(":", 1)[1]) if address else find_free_port(server_cfg.host)
+    port = split_address(address)[1] if address else find_free_port(server_cfg.host)
     command = build_cpu_server_command(cfg.judge.model_path, server_cfg.host, port, server_cfg, cfg.seed)
     server = ServerProcess(command, f"{server_cfg.host}:{port}", Path(log_dir) / "judge-server.log",
                            kind="judge server (judge.serve)", liveness_path=LIVENESS_PATH)
