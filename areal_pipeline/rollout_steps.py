@@ -183,7 +183,7 @@ class RolloutSteps:
         self._async_rollout = None
 
     def _tool_kwargs(self) -> dict[str, Any]:
-        tools = {name: p.address for name, p in self.services.tools.items()}
+        tools = self.services.tool_addresses
         return {"tool_addresses": tools} if tools else {}
 
 

@@ -44,6 +44,23 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         handle.close()
 
 
+def run_is_locked(run_dir: Path) -> bool:
+    """Whether a process holds `run_dir`'s run lock (the run is live there). Asked with a shared lock, held for an
+    instant only where no process holds it."""
+    path = run_dir / ".lock"
+    try:
+        handle = open(path, "r")
+    except FileNotFoundError:
+        return False
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
 @dataclass(frozen=True)
 class RunPaths:
     run_dir: Path

@@ -8,7 +8,8 @@ from typing import Optional
 
 from areal_pipeline import auth, shutdown
 from areal_pipeline.config import ExperimentConfig
-from areal_pipeline.inference.launcher import LIVENESS_TIMEOUT_S, launch_servers
+from areal_pipeline.errors import PermanentError
+from areal_pipeline.inference.launcher import LIVENESS_PATH, LIVENESS_TIMEOUT_S, launch_servers
 from areal_pipeline.processes import ServerProcess
 from areal_pipeline.run_spec import assemble
 from areal_pipeline.training.client import TrainerClient, TrainerError, launch_trainer
@@ -38,6 +39,15 @@ def start_forkserver() -> None:
 
 class ServicesStoppedError(RuntimeError):
     pass
+
+
+class NotOwnedError(PermanentError, RuntimeError):
+    """Asked of a pipeline attached to another process's services what only their owner does (start them)."""
+
+
+class ServiceGoneError(ConnectionError):
+    """A service of the run that a pipeline attached to it (`Services.attach`) does not answer. Transient: the
+    process that owns the service restarts it at the same address, and a retry then finds it."""
 
 
 class Services:
@@ -77,8 +87,54 @@ class Services:
         # Changes whenever an inference server may have lost its weight-update group (restarted, or a step failed
         # part-way): the trainer joins the group afresh rather than send an update a server cannot take.
         self.inference_epoch = 0
+        # Set by `attach`: the services of a run another process owns, used as they are and never started,
+        # restarted or stopped here (None: this process owns the services it starts)
+        self.attached: Optional[dict] = None
         # Ctrl-C or SIGTERM stops them at once, wherever the orchestrator's threads are
         self._on_stop_signal = shutdown.register(f"the services of run {cfg.run_id}", self.stop)
+
+    def attach(self, inference: list[str], trainer: str, tools: dict[str, str], judge: Optional[str]) -> None:
+        """Use the running services of a run that another process started (their addresses: run_context.py): each
+        is asked whether it answers before its first use (and again after a failed step), and one that does not
+        is an error naming it (`ServiceGoneError`), not a process started here. Their weight versions are read from
+        the servers, and this process joins a weight-update group of its own (a fresh `inference_epoch`: it cannot
+        know which group the owner's last push formed)."""
+        import secrets
+
+        self.attached = {"tools": dict(tools), "judge": judge}
+        self.external = list(inference)
+        self.trainer_client = TrainerClient(trainer, self.cfg.trainer.command_timeout)
+        self.inference_epoch = secrets.randbits(31) + 1
+        self.forget_served()
+
+    def _gone(self, what: str, address: str, error: object) -> ServiceGoneError:
+        return ServiceGoneError(
+            f"run {self.cfg.run_id}: {what} {address} does not answer ({error}). This node runs outside the process "
+            "that started the run's services: it uses them as they are and cannot start or restart them; run it "
+            "again once the run's flow has them back (or in the flow's own process)")
+
+    def _ensure_attached_inference(self) -> None:
+        if self._inference_checked:
+            return
+        path = "/health" if self.cfg.inference.backend == "vllm" else LIVENESS_PATH
+        for address in self.external:
+            if not ServerProcess([], address).is_healthy(path, LIVENESS_TIMEOUT_S):
+                raise self._gone("inference server", address, f"GET {path} failed")
+        self._inference_checked = True
+
+    def _ensure_attached_trainer(self) -> TrainerClient:
+        if not self._trainer_checked:
+            try:
+                self.trainer_client.health()
+            except OSError as error:
+                raise self._gone("trainer", self.trainer_client.address, error) from error
+            self._trainer_checked = True
+        return self.trainer_client
+
+    def _refuse_if_attached(self, what: str) -> None:
+        if self.attached is not None:
+            raise NotOwnedError(f"run {self.cfg.run_id}: cannot start its {what} from a pipeline attached to the run's "
+                               "running services (the process that owns the run starts them)")
 
     def distrust(self) -> None:
         """A step failed: the next steps ask every service whether it is healthy, and what it serves."""
@@ -117,6 +173,7 @@ class Services:
 
     def start_inference(self) -> list[str]:
         self._refuse_if_stopped()
+        self._refuse_if_attached("inference servers")
         if self.cfg.inference.addresses:
             if not self.external:
                 self._check_external(self.cfg.inference.addresses)
@@ -151,6 +208,7 @@ class Services:
 
     def start_trainer(self) -> str:
         self._refuse_if_stopped()
+        self._refuse_if_attached("trainer")
         if self.cfg.trainer.address:  # on nodes of its own (training/nodes.py): found, never started or stopped
             if self.trainer_client is None:
                 from areal_pipeline.training.nodes import connect_trainer
@@ -168,6 +226,7 @@ class Services:
         from areal_pipeline.tools import tool_server_starter
 
         self._refuse_if_stopped()
+        self._refuse_if_attached("tool servers")
         if self.required_tools is None:
             self.required_tools = assemble(self.cfg).tools
         for name in self.required_tools:
@@ -184,6 +243,11 @@ class Services:
         where it is not running (again at the same address where it died); None where the run serves none."""
         if self.cfg.rollout.group_reward != "judge" or not self.cfg.judge.serve:
             return None
+        if self.attached is not None:
+            if self.attached["judge"] is None:
+                raise NotOwnedError(f"run {self.cfg.run_id} serves its own judge (judge.serve), but the run context "
+                                   "this pipeline was attached with names none")
+            return self.attached["judge"]
         from areal_pipeline.rewards.local_judge import start_judge_server
 
         with self._judge_lock:
@@ -202,9 +266,18 @@ class Services:
     def addresses(self) -> list[str]:
         return list(self.external) if self.external else [s.address for s in self.inference]
 
+    @property
+    def tool_addresses(self) -> dict[str, str]:
+        """The run's tool servers, name -> address."""
+        if self.attached is not None:
+            return dict(self.attached["tools"])
+        return {name: p.address for name, p in self.tools.items()}
+
     def ensure_inference_alive(self) -> None:
         """Restart servers that died (they come back at version 0; the next step pushes the weights)."""
         self._refuse_if_stopped()
+        if self.attached is not None:
+            return self._ensure_attached_inference()
         # Not /health: a server this run paused (an update in flight on another thread) would block on it and look
         # dead to SGLang's probe after ~20 s; liveness is asked where a paused server answers too.
         dead = [s for s in self.inference if s.popen is None or s.popen.poll() is not None
@@ -225,6 +298,8 @@ class Services:
 
     def ensure_trainer_alive(self) -> TrainerClient:
         self._refuse_if_stopped()
+        if self.attached is not None:
+            return self._ensure_attached_trainer()
         if self.cfg.trainer.address:
             return self._ensure_remote_trainer()
         if self.trainer is not None and self.trainer.popen.poll() is None and (

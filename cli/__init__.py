@@ -10,8 +10,8 @@ import traceback
 from typing import Optional
 
 from cli.commands import (cmd_answers, cmd_branch, cmd_config, cmd_evaluate, cmd_export, cmd_guard,
-                          cmd_inference_server, cmd_init_model, cmd_prefect_server, cmd_retrieval_server, cmd_rollout,
-                          cmd_rescore, cmd_serve, cmd_sweep, cmd_train, cmd_trainer_node, cmd_cluster)
+                          cmd_inference_server, cmd_init_model, cmd_node, cmd_prefect_server, cmd_retrieval_server,
+                          cmd_rollout, cmd_rescore, cmd_serve, cmd_sweep, cmd_train, cmd_trainer_node, cmd_cluster)
 
 
 def _api_grace(parser: argparse.ArgumentParser) -> None:
@@ -246,6 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "turns, tool results, reward); writes no shards and never reuses a cached rollout")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.gconfig.n_samples=8")
     p.set_defaults(func=cmd_rollout)
+
+    from areal_pipeline.steps import BY_NAME
+
+    p = sub.add_parser("node", help="run one node of a live run in this process, against the run's running services "
+                                    "(what a worker elsewhere runs); prints the node's output record as JSON")
+    p.add_argument("step", choices=list(BY_NAME))
+    p.add_argument("k", type=int, help="the iteration")
+    p.add_argument("--context", required=True, metavar="JSON|@FILE",
+                   help="the run's context, as the train flow hands it to its nodes (run_dir, run_id and the services' "
+                        "addresses: areal_pipeline/run_context.py)")
+    p.add_argument("--inputs", default="[]", metavar="JSON|@FILE",
+                   help="the output records of the steps it takes, a JSON list in the step table's order (null for a "
+                        "step not run this iteration)")
+    p.set_defaults(func=cmd_node)
     return parser
 
 

@@ -93,6 +93,17 @@ def _api_and_forkserver():
         raise
 
 
+def cmd_node(args) -> None:
+    from areal_pipeline.run_context import RunContext, run_attached_node
+
+    def argument(value: str):
+        return json.loads(Path(value[1:]).read_text() if value.startswith("@") else value)
+
+    output = run_attached_node(RunContext.from_dict(argument(args.context)), args.step, args.k,
+                               tuple(argument(args.inputs)))
+    print(json.dumps(output, sort_keys=True))
+
+
 def cmd_train(args) -> None:
     from areal_pipeline.data.datasets import check_local_rows
     from areal_pipeline.run_spec import resolve_run_config

@@ -28,6 +28,7 @@ from areal_pipeline.config import save_config, to_dict
 from areal_pipeline.console import run_log_file
 from areal_pipeline.metrics import initial_record
 from areal_pipeline.pipeline import Pipeline
+from areal_pipeline.run_context import context_of
 from areal_pipeline.run_dir import newest_completed_iteration, run_lock
 from areal_pipeline.run_spec import load_run
 from areal_pipeline.steps import BY_NAME, due_steps, run_steps
@@ -82,7 +83,7 @@ def _one_iteration(run: LiveRun, k: int, kept: Optional[list] = None) -> Any:
     (flows/overlap.py)."""
     with overlap.turn(run, k) as turn:
         outputs = run_steps(lambda step, inputs: turn.node(
-            step.name, lambda: tasks.call_node(step, run.run_id, k, inputs)), due_steps(run.pipeline, k))
+            step.name, lambda: tasks.call_node(step, run.context, k, inputs)), due_steps(run.pipeline, k))
         if kept is not None:
             kept.append(outputs)
     return turn.report(lambda: _report(run, k, outputs))
@@ -177,10 +178,11 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
             tracking.start(run)
             tasks.prepare_dataset(cfg.run_id)
             _start_services(pipeline)
+            run.context = context_of(pipeline).to_dict()  # what every node is handed
             if first > 1:
                 logger.info("run %s: iterations 1..%d are finished; continuing at %d", cfg.run_id, first - 1, first)
             if pipeline.wants_initial_evaluation(first):  # policy 0's pass@1, where the curve starts: evaluate-0
-                tasks.call_node(BY_NAME["evaluate"], cfg.run_id, 0, (None,))
+                tasks.call_node(BY_NAME["evaluate"], run.context, 0, (None,))
                 tracking.log(run, initial_record(pipeline.paths))  # pass@1 at step 0 in the trackers too
             progress = artifacts.Progress(cfg.total_iterations, first - 1)
             # the run's table and curves, while it runs and however it ends (flows/artifacts.py)

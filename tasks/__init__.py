@@ -1,9 +1,11 @@
 """Prefect tasks: one per DAG node (tasks/nodes.py, from the step table `areal_pipeline.steps.STEPS`), and the
 set-up nodes of the train flow (tasks/setup.py).
 
-Tasks run in the flow's process and find the run's live pipeline (its servers and trainer) in `tasks.runs` by run
-id; their parameters are the run id, the iteration and the outputs of the nodes before them, and their results
-are small JSON records, persisted so that a retried or rerun flow shows finished nodes as Cached.
+A node's parameters are the run's context (its directory and its services' addresses), the iteration and the
+outputs of the nodes before it: it runs with the run's live pipeline in the flow's process, and attached to the
+run's services anywhere else (`tasks.runs.pipeline_for`). Results are small JSON records, persisted so that a
+retried or rerun flow shows finished nodes as Cached. The set-up nodes start the run's services, in the flow's
+process, found there by run id.
 """
 
 from tasks.nodes import NODES, call_node

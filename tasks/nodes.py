@@ -1,9 +1,12 @@
 """The DAG's nodes as Prefect tasks, one per step of `areal_pipeline.steps.STEPS` (its order, inputs, retries,
 time limit and cached output).
 
-A node `<step>(run_id, k, *inputs)` is `Pipeline.<step>(k, *inputs)` of the run's live pipeline (`tasks.runs`),
-within its time limit; its inputs are the outputs (small JSON records naming files) of the steps it names, so the
-Prefect UI draws the data edges. `call_node` calls one from a flow: the run id and k are quoted (they are no
+A node `<step>(run, k, *inputs)` is `Pipeline.<step>(k, *inputs)` within its time limit. `run` is the run's context
+(`areal_pipeline.run_context.RunContext.to_dict()`: its directory and its services' addresses): where the run is live
+in the node's process (the train flow's own) the node uses its live pipeline, elsewhere (a new process, a Prefect
+worker on another host) a pipeline attached to the run's services (`tasks.runs.pipeline_for`); a node is handed
+everything it needs. Its inputs are the outputs (small JSON records naming files) of the steps it names, so the
+Prefect UI draws the data edges. `call_node` calls one from a flow: the context and k are quoted (they are no
 upstream result, whatever object identity says) and each input is opaque (its own node is the edge, not the
 objects inside it), since Prefect links an argument to the task run whose result has the same `id()`.
 
@@ -25,19 +28,17 @@ from prefect.utilities.annotations import opaque, quote
 
 from areal_pipeline.data.shards import shards_intact
 from areal_pipeline.logprob_steps import logprobs_rows
+from areal_pipeline.run_context import RunContext, run_node
 from areal_pipeline.steps import STEPS, Step
-from areal_pipeline.utils import deadline
 from tasks import runs
 
 
-def run_step(name: str, run_id: str, k: int, inputs: tuple, limit_s: float) -> Any:
-    """`Pipeline.<name>(k, *inputs)` of run `run_id`, within `limit_s` seconds: every trainer command, inference
-    request and wait inside it is bounded by what is left (`utils.deadline`), and running past the limit fails the
-    node (which its retries then handle). Not Prefect's `timeout_seconds`: iteration runs execute in worker
-    threads, where it cannot interrupt a blocked call, warns on every task run and starts a watcher thread per
-    task."""
-    with deadline(limit_s, f"{name} of iteration {k}"):
-        return getattr(runs.get(run_id).pipeline, name)(k, *inputs)
+def run_step(name: str, run: dict, k: int, inputs: tuple) -> Any:
+    """`Pipeline.<name>(k, *inputs)` of the run whose context is `run`, within the step's time limit
+    (`run_context.run_node`; its retries handle a node that ran past it). Not Prefect's `timeout_seconds`: iteration
+    runs execute in worker threads, where it cannot interrupt a blocked call, warns on every task run and starts a
+    watcher thread per task."""
+    return run_node(runs.pipeline_for(RunContext.from_dict(run)), name, k, inputs)
 
 
 def output_cache_key(output: Callable[[Any, int], Path]) -> Callable[[Any, dict], Optional[str]]:
@@ -48,16 +49,15 @@ def output_cache_key(output: Callable[[Any, int], Path]) -> Callable[[Any, dict]
     only where an output exists: on a rerun, not a first run."""
 
     def key(context, parameters: dict) -> Optional[str]:
-        run = runs.find(_plain(parameters["run_id"]))
-        if run is None:
-            return None
+        run = RunContext.from_dict(_plain(parameters["run"]))
         k = _plain(parameters["k"])
-        path = output(run.pipeline.paths, k)
+        path = output(run.paths, k)
         record = path / "manifest.json" if path.is_dir() else path
         if not record.is_file() or (path.is_dir() and not shards_intact(path)) or (
                 path.suffix == ".parquet" and logprobs_rows(path) is None):  # a logprobs file that cannot be read
             return None
-        digest = hashlib.sha256(record.read_bytes()).hexdigest()[:16]
+        # the run's directory too: two runs of one run id (another output_dir) never share a cached record
+        digest = hashlib.sha256(run.run_dir.encode() + b"\0" + record.read_bytes()).hexdigest()[:16]
         return f"{context.task.name}-{run.run_id}-{k}-{digest}"
 
     return key
@@ -77,8 +77,11 @@ def retry_while_running(task, task_run, state) -> bool:
     if isinstance(failure, BaseException) and not is_transient(failure):
         return False
     context = TaskRunContext.get()
-    run_id = _plain(context.parameters.get("run_id")) if context is not None and context.parameters else None
-    run = runs.find(run_id) if run_id is not None else None
+    parameters = context.parameters if context is not None and context.parameters else {}
+    if "run" in parameters:  # a node: its run's context
+        return runs.goes_on(RunContext.from_dict(_plain(parameters["run"])))
+    # a set-up node (tasks/setup.py): it runs in the process that owns the run
+    run = runs.find(_plain(parameters["run_id"])) if "run_id" in parameters else None
     return run is not None and not run.pipeline.services.stopped
 
 
@@ -90,7 +93,7 @@ def _plain(value: Any) -> Any:
 def _node_task(step: Step):
     # the inputs named by their steps (Prefect records each parameter's upstream task run)
     signature = inspect.Signature(
-        [inspect.Parameter("run_id", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str),
+        [inspect.Parameter("run", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=dict),
          inspect.Parameter("k", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=int)]
         + [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None) for name in step.inputs])
 
@@ -98,8 +101,7 @@ def _node_task(step: Step):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         parameters = bound.arguments
-        return run_step(step.name, parameters["run_id"], parameters["k"],
-                        tuple(parameters[name] for name in step.inputs), limit_s=step.limit_s)
+        return run_step(step.name, parameters["run"], parameters["k"], tuple(parameters[name] for name in step.inputs))
 
     run.__name__ = run.__qualname__ = step.name
     run.__doc__ = step.doc
@@ -116,7 +118,7 @@ def _node_task(step: Step):
 NODES = {step.name: _node_task(step) for step in STEPS}
 
 
-def call_node(step: Step, run_id: str, k: int, inputs: tuple) -> Any:
-    """Run node `step` of iteration k in the current flow run, `inputs` the outputs of the steps it names; its
-    output (its error is raised)."""
-    return NODES[step.name](quote(run_id), quote(k), *(opaque(value) for value in inputs))
+def call_node(step: Step, run: dict, k: int, inputs: tuple) -> Any:
+    """Run node `step` of iteration k of the run whose context is `run` in the current flow run, `inputs` the
+    outputs of the steps it names; its output (its error is raised)."""
+    return NODES[step.name](quote(run), quote(k), *(opaque(value) for value in inputs))

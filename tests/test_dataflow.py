@@ -45,8 +45,8 @@ def test_each_node_records_only_its_own_iterations_upstream_nodes(prefect_api, t
         by_iteration.setdefault(int(k), {})[node] = task_run
         assert task_run.state.is_completed(), task_run.name
         step = BY_NAME[node]
-        assert set(task_run.task_inputs) == {"run_id", "k", *step.inputs}, task_run.name
-        assert task_run.task_inputs["run_id"] == [] and task_run.task_inputs["k"] == [], task_run.name
+        assert set(task_run.task_inputs) == {"run", "k", *step.inputs}, task_run.name
+        assert task_run.task_inputs["run"] == [] and task_run.task_inputs["k"] == [], task_run.name
         for upstream in step.inputs:
             recorded = [names.get(i.id, str(i.id)) for i in task_run.task_inputs[upstream]]
             assert recorded == [f"{upstream}-{k}"], (task_run.name, upstream, recorded)

@@ -207,27 +207,24 @@ def test_a_corrupt_batch_shard_is_named_on_read_and_the_trainer_refuses_it(run):
 
 
 def test_advantages_compute_a_corrupt_batch_again(run):
-    from tasks import runs
+    from areal_pipeline.run_context import context_of
     from tasks.nodes import output_cache_key
 
     batch = run.paths.batch(3)
     intact = read_manifest(batch)["shards"]
     assert run.pipeline.advantages(3)["cached"] is True
     cache_key = output_cache_key(lambda paths, k: paths.batch(k))
-    context, parameters = SimpleNamespace(task=SimpleNamespace(name="advantages")), {"run_id": "integrity", "k": 3}
-    runs.register(run.pipeline)
-    try:
-        assert cache_key(context, parameters) is not None
-        for corrupt in (flip_byte, truncate):
-            corrupt(shard(batch))
-            assert cache_key(context, parameters) is None  # Prefect must run the node, not serve its cached result
-            with library_warnings() as warnings:
-                assert run.pipeline.advantages(3)["cached"] is False
-            assert [w for w in warnings if "corrupt output" in w and shard(batch).name in w], warnings
-            verify_shards(batch)
-            assert read_manifest(batch)["shards"] == intact  # the very same bytes again
-    finally:
-        runs.unregister("integrity")
+    context = SimpleNamespace(task=SimpleNamespace(name="advantages"))
+    parameters = {"run": context_of(run.pipeline).to_dict(), "k": 3}
+    assert cache_key(context, parameters) is not None
+    for corrupt in (flip_byte, truncate):
+        corrupt(shard(batch))
+        assert cache_key(context, parameters) is None  # Prefect must run the node, not serve its cached result
+        with library_warnings() as warnings:
+            assert run.pipeline.advantages(3)["cached"] is False
+        assert [w for w in warnings if "corrupt output" in w and shard(batch).name in w], warnings
+        verify_shards(batch)
+        assert read_manifest(batch)["shards"] == intact  # the very same bytes again
 
 
 def test_a_corrupt_rollout_is_generated_again_with_the_same_tokens(run):
