@@ -81,8 +81,8 @@ def find(run_id: str) -> Optional[LiveRun]:
 def get(run_id: str) -> LiveRun:
     run = _LIVE.get(run_id)
     if run is None:
-        raise RuntimeError(f"run '{run_id}' is not live in this process (its nodes run inside the train flow, which "
-                           "starts the servers and the trainer)")
+        raise RuntimeError(f"run '{run_id}' is not live in this process (its flow runs run in the process of its "
+                           "train flow, which starts the servers and the trainer)")
     return run
 
 
@@ -102,8 +102,6 @@ def pipeline_for(context: RunContext) -> Pipeline:
             return found[1]
         if found is not None:
             _close(found[1])
-        elif not _ATTACHED:
-            atexit.register(close_attached)
         pipeline = attach(context)
         _ATTACHED[context.run_id] = (context, pipeline)
         return pipeline
@@ -121,6 +119,9 @@ def close_attached() -> None:
 def _close(pipeline: Pipeline) -> None:
     pipeline.close()
     pipeline.services.stop()
+
+
+atexit.register(close_attached)
 
 
 def goes_on(context: RunContext) -> bool:

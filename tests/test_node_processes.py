@@ -148,3 +148,10 @@ def test_a_node_whose_services_are_gone_fails_naming_them(tiny_model_dir, tmp_pa
     from tasks import runs
 
     assert not runs.goes_on(context)  # no process holds the run's lock
+    # a Prefect worker's process: one attached pipeline per run, until a node names other services of it
+    attached = runs.pipeline_for(context)
+    assert attached.services.attached is not None and runs.pipeline_for(context) is attached
+    moved = runs.pipeline_for(RunContext(context.run_dir, "nodes", inference=(dead_address,), trainer="127.0.0.1:1"))
+    assert moved is not attached and attached.services.stopped and moved.services.trainer_client.address.endswith(":1")
+    runs.close_attached()
+    assert moved.services.stopped
