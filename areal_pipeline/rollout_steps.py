@@ -62,7 +62,8 @@ class RolloutSteps:
         retries and the asynchronous executor share (and `close_journals` ends)."""
         if k not in self._journals:
             self._journals[k] = EpisodeJournal(self.paths.episodes(k), run_id=self.cfg.run_id, iteration=k,
-                                               batch_size=self.cfg.rollout.batch_size, digest=self._episodes_digest)
+                                               batch_size=self.cfg.rollout.batch_size, digest=self._episodes_digest,
+                                               delay_s=self.cfg.rollout.journal_delay)
         return self._journals[k]
 
     def close_journals(self) -> None:

@@ -134,7 +134,7 @@ def test_a_server_killed_mid_rollout_comes_back_with_the_adapter_and_the_run_goe
     iterations = 2
     cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [
         f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", "eval_freq=0", *LORA, *LONG_GENERATIONS,
-        f"total_iterations={iterations}",
+        f"total_iterations={iterations}", "rollout.journal_delay=0",  # its groups on disk as they end: the signal
         # a request to the dead server fails its episode at once, rather than after the client's own retries: the
         # episode's retries (rollout.episode_retries, the default failure policy) are what recover it
         "inference.request_retries=0"])

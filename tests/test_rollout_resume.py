@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,41 @@ def test_groups_written_are_loaded_back_with_their_outcome_and_failures(tmp_path
         (t.prompt_id, t.sample_idx, t.input_ids, t.metadata) for t in _group(0).trajectories]
     # what comes back went through the shards' float32 columns
     assert got[0].logprobs[2] == float(torch.tensor(-1 / 3, dtype=torch.float32)) != -1 / 3
+
+
+def test_the_journal_holds_groups_in_memory_for_its_delay_and_a_short_rollout_writes_none(tmp_path):
+    slots = _slots()
+    held = EpisodeJournal(tmp_path / "iter_1" / "rollout.episodes", run_id="r", iteration=1, batch_size=4,
+                          digest="d1", delay_s=600)
+    assert held.load(slots) == {}
+    for slot in range(3):
+        held.writer(slots)(_group(slot))
+    time.sleep(0.3)  # what the writer thread would have written by now without the delay
+    assert not held.directory.exists()  # nothing on disk: no header, no segment, no fsync
+    held.remove()  # the rollout ended within the delay: what was held is dropped, nothing was ever written
+    assert not held.directory.exists()
+
+    held = EpisodeJournal(held.directory, run_id="r", iteration=1, batch_size=4, digest="d1", delay_s=600)
+    held.writer(slots)(_group(0))
+    held.flush()  # a flush (a discard, a retry's load) writes what is held at once
+    held.writer(slots)(_group(1))
+    held.close()  # and so does a close
+    assert sorted(_journal(tmp_path).load(slots)) == [0, 1]
+
+    delayed = EpisodeJournal(tmp_path / "iter_2" / "rollout.episodes", run_id="r", iteration=2, batch_size=4,
+                             digest="d1", delay_s=0.5)
+    started = time.monotonic()
+    delayed.writer(slots)(_group(2))
+    deadline = started + 60
+    while not journaled_positions(delayed.directory) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert journaled_positions(delayed.directory) == {2}  # written once the delay passed, with no flush
+    assert time.monotonic() - started >= 0.5
+    delayed.writer(slots)(_group(3))  # after the delay, groups are written as they end
+    while journaled_positions(delayed.directory) != {2, 3} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert journaled_positions(delayed.directory) == {2, 3}
+    delayed.close()
 
 
 def test_many_groups_are_one_file_and_a_later_record_of_a_position_replaces_the_earlier(tmp_path):
@@ -152,9 +188,12 @@ def test_a_journal_of_other_settings_or_format_is_cleared(tmp_path, caplog):
     assert sorted(_journal(tmp_path, digest).load(slots)) == [0]
     changed = episodes_digest(load_config(None, [*base, "rollout.gconfig.temperature=0.5"]))
     caplog.set_level(logging.WARNING, logger="areal_pipeline")
-    assert _journal(tmp_path, changed).load(slots) == {}
-    assert not old.segments()
+    new = _journal(tmp_path, changed)
+    assert new.load(slots) == {}
+    assert not old.segments() and not (old.directory / "journal.json").exists()  # its header: at its first write
     assert any("other settings (digest)" in r.getMessage() for r in caplog.records)
+    new.writer(slots)(_group(1))
+    new.close()
     assert json.loads((old.directory / "journal.json").read_text())["digest"] == changed
     # a journal of the first format (a Parquet file per group, no format in its header) is cleared the same way
     header = json.loads((old.directory / "journal.json").read_text())
@@ -348,7 +387,8 @@ def _kill_overrides(tmp_path: Path, model_dir: Path, run_id: str, *more: str) ->
     # eight groups, one at a time, of long generations (the random tiny model rarely stops early): iteration 2's
     # rollout lasts long enough for the test to see its first groups on disk and kill the command then
     return [*fast_overrides(tmp_path, model_dir, run_id=run_id), "save_freq=1", "rollout.batch_size=8",
-            "rollout.max_concurrent_rollouts=4", "rollout.gconfig.max_new_tokens=96", *more]
+            "rollout.max_concurrent_rollouts=4", "rollout.gconfig.max_new_tokens=96",
+            "rollout.journal_delay=0", *more]  # its groups on disk as they end, not after the journal's delay
 
 
 def _kill_when(run, predicate, what: str) -> None:

@@ -190,7 +190,7 @@ FIELD_RULES: dict[type, dict[str, Rule | tuple[Rule, ...]]] = {
     # ppo.loss and model.tiny.pretrain_task: the run assembly's (run_spec.RUN_FIELD_RULES)
     RolloutConfig: {"batch_size": _COUNT, "max_head_offpolicyness": _NON_NEGATIVE,
                     "max_concurrent_rollouts": _COUNT, "reward_timeout": _POSITIVE, "reward_workers": _COUNT,
-                    "shard_rows": _COUNT, "episode_retries": _NON_NEGATIVE, "episode_retry_delay": _NON_NEGATIVE,
+                    "shard_rows": _COUNT, "journal_delay": _NON_NEGATIVE, "episode_retries": _NON_NEGATIVE, "episode_retry_delay": _NON_NEGATIVE,
                     "episode_timeout": _NON_NEGATIVE, "on_failure": one_of("drop", "mask", "refill", "fail"),
                     "min_group_survivors": _COUNT, "max_failure_rate": _FRACTION},
     JudgeConfig: {"base_url": Rule("empty or an http(s) URL",

@@ -214,6 +214,9 @@ class RolloutConfig:
     # (areal_pipeline/rewards/group.py). Empty: the workflow's own rewards
     group_reward: str = ""
     shard_rows: int = 256  # trajectories per Parquet shard of a rollout
+    # Seconds the episode journal holds finished groups in memory before it first writes (rollout/journal.py): a
+    # rollout shorter than this writes no journal at all, and a kill loses at most this much of its played groups
+    journal_delay: float = 2.0
     # An episode that fails (an inference, tool or reward server error or timeout, an agent that raised) is played
     # again from a fresh environment with the same seed, up to this many times
     episode_retries: int = 2

@@ -20,6 +20,11 @@ appends the groups and shares one fsync among those that ended while it wrote, o
 the requests. A group counts once its fsync is done: one that ended just before a kill may be missing, and is
 played again (episodes are seeded, so it comes back the same).
 
+The writer holds the groups in memory for `rollout.journal_delay` seconds before it first touches the disk (the
+header, the segment, the first fsync): a group played in a rollout's first seconds is cheaper to play again than to
+journal, and a rollout shorter than that (the embedded default's) writes and removes no journal at all. A flush (a
+discard, a load by a retry, a close) writes what is queued at once.
+
 Each opening writes a segment of its own, so nothing is ever appended after a torn tail. Loading reads the segments
 in order, a later record of a batch position replacing an earlier one, and checks each record (its rows match their
 digest, it is the group of that batch position's prompt and seed); one that fails is left out with a warning naming
@@ -38,8 +43,9 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pyarrow as pa
 
@@ -79,28 +85,35 @@ class EpisodeJournal:
     """One iteration's journal. Writes are queued to a writer thread (started on the first write); `load`, `discard`
     and `flush` wait for what was queued before them; `close` or `remove` ends the thread."""
 
-    def __init__(self, directory: Path, *, run_id: str, iteration: int, batch_size: int, digest: str):
+    def __init__(self, directory: Path, *, run_id: str, iteration: int, batch_size: int, digest: str,
+                 delay_s: float = 0.0):
         self.directory = Path(directory)
         self.header = {"format": JOURNAL_FORMAT, "run_id": run_id, "iteration": iteration, "batch_size": batch_size,
                        "digest": digest}
         self.run_id, self.iteration = run_id, iteration
+        self.delay_s = delay_s  # rollout.journal_delay: how long the writer holds groups before it first writes
         self._writer: Optional[SegmentWriter] = None
         self._lock = threading.RLock()  # opening a journal of other settings closes the writer under it
 
     def open(self) -> None:
         """Start the journal, or keep the one on disk where it was written under the same settings."""
+        if self._clear_if_foreign():
+            atomic_write_text(self.directory / JOURNAL_NAME, json.dumps(self.header, sort_keys=True) + "\n")
+
+    def _clear_if_foreign(self) -> bool:
+        """Clear a journal on disk written under other settings; whether the header is still to be written."""
         path = self.directory / JOURNAL_NAME
         try:
             found = json.loads(path.read_text()) if path.is_file() else None
         except (OSError, ValueError):
             found = {}
         if found == self.header:
-            return
+            return False
         if found is not None:
             logger.warning("the episode journal %s was written under other settings (%s): clearing it", self.directory,
                            ", ".join(sorted(k for k in self.header if found.get(k) != self.header[k])) or "unreadable")
-        self.remove()
-        atomic_write_text(path, json.dumps(self.header, sort_keys=True) + "\n")
+            self.remove()
+        return True
 
     def segments(self) -> list[Path]:
         return sorted(self.directory.glob(SEGMENT_PATTERN))
@@ -114,7 +127,7 @@ class EpisodeJournal:
         except (OSError, TimeoutError) as error:  # what it failed to write is played again
             logger.warning("%s: starting a new segment", error)
             self.close(raise_errors=False)
-        self.open()
+        self._clear_if_foreign()  # the header is the writer's to write, when it first writes
         last_records = {slot: (segment, meta, batch) for segment in self.segments()
                         for slot, meta, batch in _records(segment) if slot in slots}
         groups, unusable, stale = {}, [], []
@@ -187,9 +200,15 @@ class EpisodeJournal:
     def _segment_writer(self) -> "SegmentWriter":
         with self._lock:
             if self._writer is None:
-                self.open()
-                self._writer = SegmentWriter(_new_segment(self.directory), self.run_id, self.iteration)
+                self._writer = SegmentWriter(self._new_segment, self.run_id, self.iteration, delay_s=self.delay_s)
             return self._writer
+
+    def _new_segment(self) -> Path:
+        """The writer's segment, when it first writes: the header written (where it is not on disk), then the
+        segment created."""
+        with self._lock:
+            self.open()
+            return _new_segment(self.directory)
 
 
 def _new_segment(directory: Path) -> Path:
@@ -207,13 +226,17 @@ def _new_segment(directory: Path) -> Path:
 
 class SegmentWriter:
     """Appends to one segment from a thread of its own: the records queued while it writes and fsyncs are appended
-    next and share one fsync. An error (a full disk) is raised to the next `put` or `flush`."""
+    next and share one fsync. Nothing touches the disk before `delay_s` has passed since it started, or a flush or
+    close asks for it: `segment()` makes the segment then. An error (a full disk) is raised to the next `put` or
+    `flush`."""
 
-    def __init__(self, path: Path, run_id: str, iteration: int):
-        self.path, self.run_id, self.iteration = path, run_id, iteration
+    def __init__(self, segment: Callable[[], Path], run_id: str, iteration: int, delay_s: float = 0.0):
+        self._segment, self.run_id, self.iteration = segment, run_id, iteration
+        self.path: Optional[Path] = None  # made when it first writes
+        self._due = time.monotonic() + delay_s
         self._queue: list[tuple] = []
         self._busy = False
-        self._closing = self._abandoned = False
+        self._closing = self._abandoned = self._flushing = False
         self._error: Optional[BaseException] = None
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"episode-journal-{iteration}", daemon=True)
@@ -223,14 +246,16 @@ class SegmentWriter:
         with self._changed:
             self._raise_if_failed()
             if self._closing:
-                raise RuntimeError(f"episode journal {self.path}: written to after it was closed")
+                raise RuntimeError(f"episode journal {self.where}: written to after it was closed")
             self._queue.append(item)
             self._changed.notify_all()
 
     def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
         with self._changed:
+            self._flushing = True
+            self._changed.notify_all()
             if not self._changed.wait_for(lambda: self._error is not None or not (self._queue or self._busy), timeout):
-                raise TimeoutError(f"episode journal {self.path}: {len(self._queue)} record(s) not written within "
+                raise TimeoutError(f"episode journal {self.where}: {len(self._queue)} record(s) not written within "
                                    f"{timeout:.0f} s")
             self._raise_if_failed()
 
@@ -240,7 +265,7 @@ class SegmentWriter:
             self._changed.notify_all()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise TimeoutError(f"episode journal {self.path}: its writer did not finish within {timeout:.0f} s")
+            raise TimeoutError(f"episode journal {self.where}: its writer did not finish within {timeout:.0f} s")
         with self._changed:
             self._raise_if_failed()
 
@@ -253,10 +278,32 @@ class SegmentWriter:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise OSError(f"episode journal {self.path}: writing failed: {self._error!r}") from self._error
+            raise OSError(f"episode journal {self.where}: writing failed: {self._error!r}") from self._error
+
+    def _held(self) -> bool:
+        """Wait while the queued records are held in memory (`delay_s`, unless a flush or close asks for them);
+        whether there is anything to write (False: closed or abandoned with nothing queued)."""
+        with self._changed:
+            while True:
+                if self._abandoned:
+                    return False
+                due = self._closing or self._flushing or time.monotonic() >= self._due
+                if self._queue and due:
+                    return True
+                if self._closing:
+                    return False
+                left = self._due - time.monotonic()
+                self._changed.wait(left if self._queue and left > 0 else None)
+
+    @property
+    def where(self) -> str:
+        return str(self.path) if self.path is not None else f"of iteration {self.iteration} (not yet on disk)"
 
     def _run(self) -> None:
         try:
+            if not self._held():
+                return
+            self.path = self._segment()
             with open(self.path, "ab") as file, pa.ipc.new_stream(file, TRAJECTORY_SCHEMA) as stream:
                 _fsync_directory(self.path.parent)  # the segment's name, durable before anything in it counts
                 while True:
