@@ -9,7 +9,7 @@
 # Python 3.12 (drop those the image has: prefect's dependencies include many it has):
 #   pip download --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
 #       --platform manylinux_2_28_x86_64 [--platform manylinux_2_N_x86_64 ...] -c constraints.txt -d .whl \
-#       prefect==3.8.8 omegaconf math-verify pebble setproctitle "fastapi<0.151" "sqlalchemy[asyncio]<2.1"
+#       prefect==3.9.1 omegaconf math-verify pebble setproctitle "fastapi<0.151" "sqlalchemy[asyncio]<2.1"
 # (the train steps alone need omegaconf antlr4-python3-runtime math-verify latex2sympy2_extended pebble setproctitle
 # orjson datasets dill multiprocess)
 # On a GPU machine of your own, `pip install -e .` instead, and run the steps' commands as they are.

@@ -132,8 +132,9 @@ def serve_deployments(*args, poll_seconds: Optional[float] = None, recurring: bo
     print(f"Serving {', '.join(served)}: start a run from the Prefect UI{f' ({ui}/deployments)' if ui else ''} or "
           f"with `prefect deployment run {served[0]}`; Ctrl-C stops serving.", flush=True)
     # The runner's own SIGTERM handler takes over from the command's while it serves, and its shutdown talks to
-    # the API; the command's stop still starts at the signal (areal_pipeline/shutdown.py), stopping the runs
-    # and ending the process within FORCED_EXIT_AFTER_S, the API there or not.
+    # the API (Prefect 3.9's cancels the runs it started, which end Cancelled; 3.8's exited first and left them
+    # Running); the command's stop still starts at the signal (areal_pipeline/shutdown.py), stopping the runs and
+    # ending the process within FORCED_EXIT_AFTER_S, the API there or not.
     stopping = shutdown.register("the runs serve started", stop_started_runs)
     line_servers = None
     try:
