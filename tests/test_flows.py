@@ -674,13 +674,7 @@ def test_stopping_serve_stops_its_deployment_run_and_what_the_run_started(prefec
     trainer end with it."""
     from prefect.client.orchestration import get_client
 
-    env = {**os.environ, "PREFECT_API_URL": prefect_api}
-    log = tmp_path / "serve.log"
-    overrides = fast_overrides(tmp_path, tiny_model_dir, run_id="served-stop", iterations=50)
-    serve = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--config", "configs/tiny_cpu.yaml",
-                              "--run-id", "served-stop", "--iterations", "50", *overrides],
-                             cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                             start_new_session=True)
+    serve, log = start_serving_a_long_run(tmp_path, tiny_model_dir, prefect_api, "served-stop")
 
     async def start_a_long_run():
         async with get_client() as client:
@@ -736,13 +730,7 @@ def test_sigterm_to_serve_cancels_its_deployment_run(prefect_api, tiny_model_dir
 
     from areal_pipeline.shutdown import FORCED_EXIT_AFTER_S
 
-    env = {**os.environ, "PREFECT_API_URL": prefect_api}
-    log = tmp_path / "serve.log"
-    overrides = fast_overrides(tmp_path, tiny_model_dir, run_id="served-term", iterations=50)
-    serve = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--config", "configs/tiny_cpu.yaml",
-                              "--run-id", "served-term", "--iterations", "50", *overrides],
-                             cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                             start_new_session=True)
+    serve, log = start_serving_a_long_run(tmp_path, tiny_model_dir, prefect_api, "served-term")
 
     async def start_a_long_run():
         async with get_client() as client:
@@ -890,3 +878,16 @@ def test_every_agent_config_trains_through_the_train_flow(prefect_api, tiny_mode
     plain_weights = load_file(str(plain_cfg.run_dir / "checkpoints" / "step_2" / "model" / "model.safetensors"))
     assert flow_weights.keys() == plain_weights.keys()
     assert [name for name in flow_weights if not torch.equal(flow_weights[name], plain_weights[name])] == []
+
+
+def start_serving_a_long_run(tmp_path: Path, model_dir: Path, prefect_api: str, run_id: str):
+    """`areal-pipeline serve` of a 50-iteration train deployment named `run_id`, in a session of its own: (the
+    process, its log)."""
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    log = tmp_path / "serve.log"
+    overrides = fast_overrides(tmp_path, model_dir, run_id=run_id, iterations=50)
+    serve = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--config", "configs/tiny_cpu.yaml",
+                              "--run-id", run_id, "--iterations", "50", *overrides],
+                             cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    return serve, log

@@ -16,8 +16,9 @@ adds the rules that need the project's registries:
 
 from areal_pipeline.config.loading import (UNCHECKED_AGENT, Chosen, ChosenSection, Layer, build_config, layered_value,
                                            load, read_layers, save_config, section_type, to_dict, to_yaml, valid_keys)
+from areal_pipeline.config.lora_rules import adapter_push
 from areal_pipeline.config.rules import (CROSS_RULES, FIELD_RULES, VLLM_CPU_HEAD_SIZES, ConfigError, CrossRule, Key,
-                                         Rule, adapter_push, above, at_least, each, field_rules_of, looks_like_local_path, one_of,
+                                         Rule, above, at_least, each, field_rules_of, looks_like_local_path, one_of,
                                          validate, within)
 from areal_pipeline.config.schema import (DatasetConfig, ExperimentConfig, GenerationConfig, InferenceConfig,
                                           ModelConfig, NoAgentConfig, NormConfig, OptimizerConfig, PPOConfig,

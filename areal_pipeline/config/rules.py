@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping
 
 from areal_pipeline.config.recurring import LineServeConfig, RecurringConfig
 from areal_pipeline.config.schema import (DatasetConfig, ExperimentConfig, GenerationConfig, InferenceConfig,
@@ -24,6 +24,7 @@ from areal_pipeline.config.schema import (DatasetConfig, ExperimentConfig, Gener
                                           MlflowConfig, RolloutConfig, SGLangConfig, TinyModelConfig, TrackersConfig,
                                           TrainerConfig, VLLMConfig, WandbConfig)
 from areal_pipeline.config.addresses import split_address
+from areal_pipeline.config.lora_rules import adapter_push_is_possible
 from areal_pipeline.config.host_rules import (hosts_reach_each_other, only_the_projects_server_records,
                                               weights_reach_the_servers)
 from areal_pipeline.errors import PermanentError
@@ -372,32 +373,6 @@ def _trackers_are_installed(trackers: TrackersConfig, key: Key) -> Iterator[str]
 
 
 # Rules between fields of one section, run once every field passed its own rules (they divide and compare them).
-def adapter_push(cfg: ExperimentConfig) -> bool:
-    """Whether a push sends the LoRA adapter alone (trainer.lora.push; "auto": where it can go alone, to the servers
-    the run launches, from disk: vLLM loads it with its runtime LoRA, SGLang and the project's server through
-    SGLang's /load_lora_adapter)."""
-    lora = cfg.trainer.lora
-    return lora.enabled and (lora.push == "adapter" or (lora.push == "auto" and adapter_push_problem(cfg) is None
-                                                        and not cfg.inference.addresses))
-
-
-def adapter_push_problem(cfg: ExperimentConfig) -> Optional[str]:
-    """Why the adapter cannot travel alone to this run's servers (None: it can)."""
-    inf = cfg.inference
-    if cfg.trainer.weight_sync != "disk":
-        return f"needs trainer.weight_sync=disk (got {cfg.trainer.weight_sync!r}): an adapter is a few MB, read from disk"
-    if inf.backend == "sglang" and inf.sglang.dp_size > 1:
-        return (f"SGLang loads adapters at run time only with one data-parallel replica (inference.sglang.dp_size="
-                f"{inf.sglang.dp_size})")
-    return None
-
-
-def _adapter_push_is_possible(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
-    lora = cfg.trainer.lora
-    if lora.enabled and lora.push == "adapter" and (problem := adapter_push_problem(cfg)) is not None:
-        yield f"{key('trainer.lora.push')}='adapter': {problem}; 'merged' works with every backend"
-
-
 CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {
     TinyModelConfig: (_attention_heads_divide,),
     RetrievalConfig: (_default_topk_within_max,),
@@ -405,7 +380,7 @@ CROSS_RULES: dict[type, tuple[CrossRule, ...]] = {
     TrackersConfig: (_trackers_are_installed,),
     ExperimentConfig: (_generation_fits_context, _evaluation_has_prompts, weights_reach_the_servers,
                        hosts_reach_each_other, _vllm_serves_the_embedded_model, _judge_is_complete,
-                       _schedule_covers_the_run, _adapter_push_is_possible, only_the_projects_server_records),
+                       _schedule_covers_the_run, adapter_push_is_possible, only_the_projects_server_records),
 }
 
 FieldRules = Mapping[type, Mapping[str, "Rule | tuple[Rule, ...]"]]

@@ -31,6 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from areal_pipeline.run_dir import run_is_locked
 from areal_pipeline.utils import atomic_write_text
 
 LEDGER_FORMAT = 1
@@ -179,16 +180,7 @@ class Ledger:
 
 def lock_is_held(directory: Path) -> bool:
     """Whether a process holds the line's lock now (a firing or rollback in progress)."""
-    path = Path(directory) / ".lock"
-    if not path.is_file():
-        return False
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        return False
+    return run_is_locked(Path(directory))
 
 
 @contextlib.contextmanager
