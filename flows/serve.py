@@ -82,14 +82,17 @@ DEFAULT_POLL_SECONDS = 2.0  # a run started from the UI begins within this (Pref
 # After a stop signal the runs this process started get SIGTERM, then SIGKILL if still there after this: a run
 # reports its end to the API first, which with the API gone would take minutes.
 RUNS_STOP_GRACE_S = 5.0
+# What is left of shutdown.FORCED_EXIT_AFTER_S after the grace, for marking the killed runs' ends in the API
+END_RUNS_TIMEOUT_S = 2.0
 
 
-def stop_started_runs(grace: float = RUNS_STOP_GRACE_S) -> None:
+def stop_started_runs(grace: float = RUNS_STOP_GRACE_S, end_timeout: float = END_RUNS_TIMEOUT_S) -> list[str]:
     """SIGTERM to every process this one started (the runner's flow-run processes and theirs), then SIGKILL to
-    those still there after `grace`."""
+    those still there after `grace`; then `end_stopped_runs` on their flow runs. Their flow runs' ids."""
     import psutil
 
     children = psutil.Process().children(recursive=True)
+    flow_run_ids = flow_runs_of(children)
     for child in children:
         try:
             child.terminate()
@@ -101,6 +104,73 @@ def stop_started_runs(grace: float = RUNS_STOP_GRACE_S) -> None:
             child.kill()
         except psutil.NoSuchProcess:
             pass
+    if flow_run_ids:
+        end_stopped_runs(flow_run_ids, end_timeout)
+    return flow_run_ids
+
+
+def flow_runs_of(processes) -> list[str]:
+    """The ids of the flow runs `processes` run: Prefect's runner hands each run's process its id in
+    PREFECT__FLOW_RUN_ID, which the processes that one starts inherit."""
+    import psutil
+
+    ids: list[str] = []
+    for process in processes:
+        try:
+            flow_run_id = process.environ().get("PREFECT__FLOW_RUN_ID")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if flow_run_id and flow_run_id not in ids:
+            ids.append(flow_run_id)
+    return ids
+
+
+def end_stopped_runs(flow_run_ids: list[str], timeout: float = END_RUNS_TIMEOUT_S) -> int:
+    """Cancelled in the API, each of `flow_run_ids` that has not reported an end: a run whose process was killed
+    before it could (the grace over, an API slow to answer) would stay Running, holding its deployment's
+    one-at-a-time slot from every later run until Prefect's lease on the slot expires, minutes later. A state set
+    by force still frees the slot. A run that ended on its own keeps its state. How many were marked; the API gone
+    or slow: said, not waited for."""
+    import asyncio
+    import contextvars
+    import threading
+    import uuid
+
+    async def end() -> int:
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelled
+
+        ended = 0
+        async with get_client() as client:
+            for flow_run_id in flow_run_ids:
+                run = await client.read_flow_run(uuid.UUID(flow_run_id))
+                if run.state is None or not run.state.is_final():
+                    await client.set_flow_run_state(run.id, Cancelled(
+                        message="`serve` stopped while this run ran, and stopped its process"), force=True)
+                    ended += 1
+        return ended
+
+    # a thread of its own: this may run in a signal handler, on the thread whose event loop runs the runner
+    outcome: list = []
+
+    def mark() -> None:
+        try:
+            outcome.append(asyncio.run(asyncio.wait_for(end(), timeout)))
+        except Exception as error:  # stopping: a warning, never a hang or a traceback
+            outcome.append(error)
+
+    marking = threading.Thread(target=contextvars.copy_context().run, args=(mark,), name="end-stopped-runs",
+                               daemon=True)  # with the caller's Prefect settings
+    marking.start()
+    marking.join(timeout + 1.0)
+    ended = outcome[0] if outcome else TimeoutError(f"no answer within {timeout:.0f} s")
+    if isinstance(ended, Exception):
+        print(f"could not mark the end of flow run(s) {', '.join(flow_run_ids)} ({type(ended).__name__}: "
+              f"{ended}); Prefect frees their deployment's slot once its lease expires", flush=True)
+        return 0
+    if ended:
+        print(f"marked {ended} flow run(s) whose process was stopped Cancelled", flush=True)
+    return ended
 
 
 def serve_deployments(*args, poll_seconds: Optional[float] = None, recurring: bool = False, **kwargs) -> None:

@@ -671,7 +671,8 @@ def test_scheduled_deployment_registers_and_a_triggered_run_completes(prefect_ap
 def test_stopping_serve_stops_its_deployment_run_and_what_the_run_started(prefect_api, tiny_model_dir, tmp_path):
     """Ctrl-C to `areal-pipeline serve` while one of its deployment runs (`python -m prefect.engine`, which imports
     the flow by its module path) is mid-way: serve ends by the signal, and the run, its inference server and
-    trainer end with it."""
+    trainer end with it; the run ends in the API (not Running, which would hold the deployment's one-at-a-time
+    slot from every later run until Prefect's lease on it expired, minutes later)."""
     from prefect.client.orchestration import get_client
 
     serve, log = start_serving_a_long_run(tmp_path, tiny_model_dir, prefect_api, "served-stop")
@@ -679,14 +680,14 @@ def test_stopping_serve_stops_its_deployment_run_and_what_the_run_started(prefec
     async def start_a_long_run():
         async with get_client() as client:
             deployment = await wait_for_deployment(client, "train/train", run_id="served-stop")
-            await client.create_flow_run_from_deployment(deployment.id)
+            return (await client.create_flow_run_from_deployment(deployment.id)).id
 
     started: list[psutil.Process] = []
     try:
-        asyncio.run(start_a_long_run())
+        flow_run_id = asyncio.run(start_a_long_run())
         marker = tmp_path / "served-stop" / "iter_2" / "rollout" / "manifest.json"
-        wait_until(lambda: marker.exists() or serve.poll() is not None, 600, "the run's second iteration",
-                   interval=0.05)
+        wait_for_served_run(lambda: marker.exists() or serve.poll() is not None, flow_run_id,
+                            "the run's second iteration")
         assert serve.poll() is None, log.read_text()[-3000:]
         started = psutil.Process(serve.pid).children(recursive=True)
         commands = [_command_line(p) for p in started]
@@ -706,6 +707,29 @@ def test_stopping_serve_stops_its_deployment_run_and_what_the_run_started(prefec
             return True
 
     wait_until(lambda: all(gone(p) for p in started), 30, "the run and its services to exit")
+    state = asyncio.run(flow_run_state(flow_run_id))
+    assert state.is_final(), (state, log.read_text()[-3000:])
+
+
+async def flow_run_state(flow_run_id):
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        return (await client.read_flow_run(flow_run_id)).state
+
+
+def wait_for_served_run(predicate, flow_run_id, what: str, timeout: float = 480) -> None:
+    """`wait_until` for a deployment run of `serve`; on a time-out, the run's states say where it stood (waiting
+    for the deployment's slot, or running slowly)."""
+    try:
+        wait_until(predicate, timeout, what, interval=0.05)
+    except AssertionError as timed_out:
+        async def history():
+            from prefect.client.orchestration import get_client
+
+            async with get_client() as client:
+                return [(s.name, s.timestamp.isoformat()) for s in await client.read_flow_run_states(flow_run_id)]
+        raise AssertionError(f"{timed_out}; the flow run's states: {asyncio.run(history())}") from None
 
 
 def _prefect_before_3_9() -> bool:
@@ -737,16 +761,12 @@ def test_sigterm_to_serve_cancels_its_deployment_run(prefect_api, tiny_model_dir
             deployment = await wait_for_deployment(client, "train/train", run_id="served-term")
             return (await client.create_flow_run_from_deployment(deployment.id)).id
 
-    async def state_of(flow_run_id):
-        async with get_client() as client:
-            return (await client.read_flow_run(flow_run_id)).state
-
     started: list[psutil.Process] = []
     try:
         flow_run_id = asyncio.run(start_a_long_run())
         marker = tmp_path / "served-term" / "iter_1" / "rollout" / "manifest.json"
-        wait_until(lambda: marker.exists() or serve.poll() is not None, 600, "the run's first rollout",
-                   interval=0.05)
+        wait_for_served_run(lambda: marker.exists() or serve.poll() is not None, flow_run_id,
+                            "the run's first rollout")
         assert serve.poll() is None, log.read_text()[-3000:]
         started = psutil.Process(serve.pid).children(recursive=True)
         serve.send_signal(signal.SIGTERM)
@@ -755,7 +775,7 @@ def test_sigterm_to_serve_cancels_its_deployment_run(prefect_api, tiny_model_dir
         if serve.poll() is None:
             os.killpg(serve.pid, signal.SIGKILL)
     assert serve.returncode != -signal.SIGKILL, log.read_text()[-3000:]
-    state = asyncio.run(state_of(flow_run_id))
+    state = asyncio.run(flow_run_state(flow_run_id))
     assert state.type == StateType.CANCELLED, (state, log.read_text()[-3000:])
 
     def gone(process: psutil.Process) -> bool:
