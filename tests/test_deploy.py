@@ -88,8 +88,8 @@ def test_prefect_deploy_and_a_process_worker_run_train_and_evaluate(server, tiny
 def interrupt_worker(worker: subprocess.Popen, patience: float = 60) -> int:
     """Ctrl-C to `prefect worker start` as a person at its terminal gives it: once, and once more if it has not
     stopped within `patience` (Prefect's worker SIGKILLs itself on the second). Prefect 3.9.1's worker, interrupted
-    within a second or two of a flow run's end on a loaded machine, twice stayed in its event loop after the first
-    (its stacks after SIGABRT, seen in two CI runs: every thread idle), which is Prefect's to fix, not this
+    within a second or two of a flow run's end on a loaded machine, stayed in its event loop after the first in three
+    CI runs in a row (its stacks after SIGABRT: every thread idle), which is Prefect's to fix, not this
     project's; its runs had ended and left nothing behind either way. How many Ctrl-Cs it took; 0 where it had
     exited already; 3 where neither stopped it and stop_group's SIGABRT (its stacks to its log) and SIGKILL did."""
     if worker.poll() is not None:
