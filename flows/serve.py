@@ -131,9 +131,6 @@ def end_stopped_runs(flow_run_ids: list[str], timeout: float = END_RUNS_TIMEOUT_
     one-at-a-time slot from every later run until Prefect's lease on the slot expires, minutes later. A state set
     by force still frees the slot. A run that ended on its own keeps its state. How many were marked; the API gone
     or slow: said, not waited for."""
-    import asyncio
-    import contextvars
-    import threading
     import uuid
 
     async def end() -> int:
@@ -150,20 +147,7 @@ def end_stopped_runs(flow_run_ids: list[str], timeout: float = END_RUNS_TIMEOUT_
                     ended += 1
         return ended
 
-    # a thread of its own: this may run in a signal handler, on the thread whose event loop runs the runner
-    outcome: list = []
-
-    def mark() -> None:
-        try:
-            outcome.append(asyncio.run(asyncio.wait_for(end(), timeout)))
-        except Exception as error:  # stopping: a warning, never a hang or a traceback
-            outcome.append(error)
-
-    marking = threading.Thread(target=contextvars.copy_context().run, args=(mark,), name="end-stopped-runs",
-                               daemon=True)  # with the caller's Prefect settings
-    marking.start()
-    marking.join(timeout + 1.0)
-    ended = outcome[0] if outcome else TimeoutError(f"no answer within {timeout:.0f} s")
+    ended = api_call_within(end, timeout)
     if isinstance(ended, Exception):
         print(f"could not mark the end of flow run(s) {', '.join(flow_run_ids)} ({type(ended).__name__}: "
               f"{ended}); Prefect frees their deployment's slot once its lease expires", flush=True)
@@ -229,7 +213,6 @@ def remove_schedules(served: list[str], timeout: float = REMOVE_SCHEDULES_TIMEOU
     """The served deployments' schedules are deleted when `serve` stops (the runner has paused them, which drops
     their scheduled runs): a schedule belongs to the `serve` that set it, and nothing else (a later `prefect deploy`
     of the same deployment, a worker) fires it once serving stopped. The API gone: said, not waited for."""
-    import asyncio
 
     async def remove() -> int:
         from prefect.client.orchestration import get_client
@@ -243,12 +226,34 @@ def remove_schedules(served: list[str], timeout: float = REMOVE_SCHEDULES_TIMEOU
                     removed += 1
         return removed
 
-    try:
-        removed = asyncio.run(asyncio.wait_for(remove(), timeout))
-    except Exception as error:  # stopping: a warning, never a hang or a traceback
-        print(f"could not remove the schedules of {', '.join(served)} ({type(error).__name__}: {error}); they stay "
-              "paused", flush=True)
+    removed = api_call_within(remove, timeout)
+    if isinstance(removed, Exception):
+        print(f"could not remove the schedules of {', '.join(served)} ({type(removed).__name__}: {removed}); they "
+              "stay paused", flush=True)
         return
     if removed:
         print(f"removed {removed} schedule(s) of {', '.join(served)}: `serve` sets them again when it starts",
               flush=True)
+
+
+def api_call_within(call, timeout: float):
+    """`call()`'s coroutine run to its end within `timeout` seconds: its result, or the exception that ended it
+    (a time-out included); stopping `serve` warns and goes on, never hangs or raises. In a thread of its own, with the
+    caller's Prefect settings: it may run in a signal handler, on the thread whose event loop runs the runner."""
+    import asyncio
+    import contextvars
+    import threading
+
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(asyncio.run(asyncio.wait_for(call(), timeout)))
+        except Exception as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(run,), name="serve-api-call",
+                              daemon=True)
+    thread.start()
+    thread.join(timeout + 1.0)
+    return outcome[0] if outcome else TimeoutError(f"no answer within {timeout:.0f} s")
