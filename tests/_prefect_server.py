@@ -4,8 +4,10 @@ the events pipeline, automations), as opposed to the project's temporary API ser
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -37,10 +39,39 @@ def server_env(home: Path) -> dict[str, str]:
     return env
 
 
+def seed_database(home: Path) -> None:
+    """Give the server of `home` (its PREFECT_HOME) a database already at the schema's head, as a server started
+    before leaves it: a copy of one `prefect server database upgrade` made once for the test session (shared by
+    its workers). A server's first start on an empty file runs every migration, seconds of CPU each time; the
+    first-start path stays covered by the servers that start on an empty home (the session's `prefect_api`, the
+    temporary API servers). Nothing where `home` has a database already."""
+    from conftest import SESSION_TEMP
+
+    target = home / "prefect.db"
+    if target.exists():
+        return
+    home.mkdir(parents=True, exist_ok=True)
+    template_home = SESSION_TEMP[0] / "prefect-db-template"
+    template_home.mkdir(exist_ok=True)
+    template = template_home / "prefect.db"
+    with open(template_home / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker building it: wait for its build
+        if not (template_home / "done").exists():
+            subprocess.run([PREFECT, "--no-prompt", "server", "database", "upgrade", "-y"], env=server_env(template_home),
+                           check=True, capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+            (template_home / "done").touch()
+        source, copy = sqlite3.connect(template), sqlite3.connect(target)
+        try:
+            source.backup(copy)  # a consistent copy whatever the journal mode
+        finally:
+            source.close()
+            copy.close()
+
+
 @contextlib.contextmanager
 def prefect_server(home: Path, timeout: float = 180) -> Iterator[str]:
-    """`prefect server start` (SQLite under `home`) for the block; yields its API URL."""
-    home.mkdir(parents=True, exist_ok=True)
+    """`prefect server start` (SQLite under `home`, from `seed_database`) for the block; yields its API URL."""
+    seed_database(home)
     port = find_free_port()
     log = open(home / "server.log", "w")
     server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],

@@ -19,7 +19,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from _prefect_server import (PREFECT, client_env, drain_prefect_workers, server_env, stop_group,
+from _prefect_server import (PREFECT, client_env, drain_prefect_workers, seed_database, server_env, stop_group,
                              wait_for_api)
 from areal_pipeline.forkserver import processes_of
 from areal_pipeline.shutdown import FORCED_EXIT_AFTER_S
@@ -37,7 +37,7 @@ class StandingAPI:
         self.home, self.port = home, find_free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.process = None
-        home.mkdir(parents=True, exist_ok=True)
+        seed_database(home)
 
     def start(self, timeout: float = 180) -> None:
         with open(self.home / "server.log", "a") as log:

@@ -158,3 +158,31 @@ def test_readable_by_pandas_duckdb_and_datasets(tmp_path):
     assert ds.num_rows == 7
     assert ds[6]["logprobs"] == pytest.approx(trajs[6].logprobs)
     assert json.loads(ds[4]["metadata"]) == trajs[4].metadata
+
+
+def test_the_rollout_manifest_s_stats_are_those_of_its_shards_read_back(tmp_path):
+    """finish_rollout computes the stats from the trajectories it was given, with their rewards as the shards store
+    them (float32: `with_stored_rewards`), not from the table read back: the figures must be the same a reader of
+    the shards computes, here for rewards and baselines float32 cannot hold exactly (0.1, 1/3)."""
+    from areal_pipeline.rollout.executor import rollout_stats
+    from areal_pipeline.rollout.failures import FailurePolicy, GroupResult
+    from areal_pipeline.rollout.journal import EpisodeJournal, finish_rollout
+
+    trajectories = _trajectories(8)
+    for i, t in enumerate(trajectories):
+        t.reward = [0.1, 1 / 3, 0.7, -0.2][i % 4]
+        t.baseline_reward = 1 / 7 if i % 2 else None
+        t.metadata["num_searches"] = i % 3
+    assert rollout_stats(trajectories, 2.0)["reward_mean"] != rollout_stats(
+        read_trajectories(_written(trajectories, tmp_path / "plain")), 2.0)["reward_mean"]  # float32 shows
+    groups = [GroupResult(slot, f"p{slot}", trajectories[4 * slot:4 * slot + 4], episodes=4) for slot in range(2)]
+    journal = EpisodeJournal(tmp_path / "rollout.episodes", run_id="r", iteration=1, batch_size=2, digest="d")
+    manifest = finish_rollout(groups, tmp_path / "rollout", journal, policy=FailurePolicy(max_failure_rate=1.0),
+                              seconds=2.0, rows_per_shard=3)
+    assert manifest["stats"] == rollout_stats(read_trajectories(tmp_path / "rollout"), 2.0, groups)
+    assert manifest["stats"]["agent/num_searches"] == 7 / 8 and "baseline_reward" in manifest["stats"]
+
+
+def _written(trajectories, out):
+    write_shards(trajectories, out, run_id="r", iteration=1)
+    return out

@@ -19,6 +19,7 @@ tries to read it as Parquet, so pass the part files, not the directory, to panda
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -158,6 +159,18 @@ def _clear(out: Path) -> None:
 def trajectory_table(trajectories: list[Trajectory], run_id: str, iteration: int) -> pa.Table:
     """Trajectories as a table of TRAJECTORY_SCHEMA (the rows `write_shards` writes)."""
     return _to_table(trajectories, run_id, iteration)
+
+
+def with_stored_rewards(trajectories: list[Trajectory], table: pa.Table) -> list[Trajectory]:
+    """`trajectories` with their rewards as `table` (their `trajectory_table`) stores them, in float32: the
+    figures computed from them are a shard reader's, without reading every column back (`table_trajectories`)."""
+    stored = []
+    for t, reward, baseline in zip(trajectories, table.column("reward").to_pylist(),
+                                   table.column("baseline_reward").to_pylist(), strict=True):
+        t = copy.copy(t)  # shallow: the token lists are shared, not copied
+        t.reward, t.baseline_reward = reward, baseline
+        stored.append(t)
+    return stored
 
 
 # What differs between any two runs of the same episodes: the run's name, the servers' timing and address. The

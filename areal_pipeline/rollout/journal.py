@@ -50,7 +50,7 @@ from typing import Any, Callable, Optional
 import pyarrow as pa
 
 from areal_pipeline.data.shards import (TRAJECTORY_SCHEMA, content_sha256, table_trajectories, trajectory_table,
-                                        write_table)
+                                        with_stored_rewards, write_table)
 from areal_pipeline.rollout.executor import rollout_stats
 from areal_pipeline.rollout.failures import (EpisodeFailure, FailurePolicy, GroupResult, RolloutFailureRate,
                                              check_failure_rate, failure_records)
@@ -419,9 +419,9 @@ def finish_rollout(groups: list[GroupResult], out: Path, journal: EpisodeJournal
     except RolloutFailureRate:
         journal.discard([g.slot for g in groups if g.failures and not g.judge_failed])
         raise
-    table = trajectory_table([t for g in groups for t in g.trajectories], run_id, k)
-    trajectories = table_trajectories(table)
-    stats = {**rollout_stats(trajectories, seconds, groups), **(extra_stats or {})}
+    trajectories = [t for g in groups for t in g.trajectories]
+    table = trajectory_table(trajectories, run_id, k)
+    stats = {**rollout_stats(with_stored_rewards(trajectories, table), seconds, groups), **(extra_stats or {})}
     manifest = write_table(table, out, run_id=run_id, iteration=k, rows_per_shard=rows_per_shard, overwrite=True,
                            extra_manifest={"stats": stats, "failures": failure_records(groups),
                                            "content_sha256": content_sha256(table), **(extra_manifest or {})})
