@@ -107,11 +107,12 @@ def start_cpu_server(model_dir: Path, log_dir: Path, *extra: str, deterministic:
                *(["--enable-deterministic-inference"] if deterministic else [])]
     # forked from this worker's services forkserver, as a run forks its CPU servers: the forkserver imports torch
     # and transformers once, where each launched server imported them again (seconds of CPU a test)
+    from areal_pipeline.inference.launcher import forked_cpu_server
     from areal_pipeline.services import start_forkserver
 
     start_forkserver()
     server = ServerProcess(command, f"127.0.0.1:{port}", log_dir / f"server-{port}.log",
-                           fork=(command[2], command[3:], {})).start()
+                           fork=forked_cpu_server(command)).start()
     server.wait_healthy(120)
     return server
 

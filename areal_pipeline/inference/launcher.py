@@ -229,7 +229,7 @@ def build_cpu_server_command(model_path: str, host: str, port: int, cfg: Inferen
     return cmd + list(extra_args or [])
 
 
-def _forked_cpu_server(command: list[str]) -> tuple[str, list[str], dict[str, str]]:
+def forked_cpu_server(command: list[str]) -> tuple[str, list[str], dict[str, str]]:
     """The CPU server's command line (`python -m areal_pipeline.inference.server ...`) as a fork's (module, argv)."""
     assert command[1:3] == ["-m", "areal_pipeline.inference.server"], command
     return command[2], command[3:], {}
@@ -306,7 +306,7 @@ def server_processes(model_path: str, cfg: InferenceConfig, seed: int, log_dir: 
                       kind="inference server",
                       # forked only on the CPU: the forkserver's process may have initialised the CUDA driver (a
                       # fork of it cannot use CUDA), and a GPU server's start-up is not the critical path
-                      fork=_forked_cpu_server(command) if cfg.backend == "cpu" and not gpus[i] else None,
+                      fork=forked_cpu_server(command) if cfg.backend == "cpu" and not gpus[i] else None,
                       liveness_path="/health" if cfg.backend == "vllm" else LIVENESS_PATH)
         for i, (port, command) in enumerate(zip(ports, commands))
     ]

@@ -89,12 +89,12 @@ def write_traffic_rollout(episodes: list, out: Path, run_id: str, k: int, rows_p
                           champion_version: int) -> None:
     """Recorded episodes as iteration k's rollout shards, with the manifest a rollout writes (its stats, no
     failures, the content digest) and `source: traffic`."""
-    from areal_pipeline.data.shards import content_sha256, table_trajectories, trajectory_table, write_table
+    from areal_pipeline.data.shards import content_sha256, trajectory_table, with_stored_rewards, write_table
     from areal_pipeline.rollout.executor import rollout_stats
 
     table = trajectory_table(episodes, run_id, k)
     write_table(table, out, run_id=run_id, iteration=k, rows_per_shard=rows_per_shard, overwrite=True,
-                extra_manifest={"stats": rollout_stats(table_trajectories(table), 0.0, []), "failures": [],
+                extra_manifest={"stats": rollout_stats(with_stored_rewards(episodes, table), 0.0, []), "failures": [],
                                 "content_sha256": content_sha256(table), "source": "traffic",
                                 "policy_version": champion_version})
 
