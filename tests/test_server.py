@@ -432,6 +432,7 @@ def test_health_info_and_flush(cpu_server, tiny_model_dir):
 def test_64_concurrent_requests_are_batched(cpu_server):
     status, before = http(cpu_server, "/get_server_info")
     steps_before = before["internal_states"][0]["decode_steps"]
+    started = time.monotonic()
 
     def one(i):
         return generate(cpu_server, input_ids=[i % 256] * (5 + i % 13), return_logprob=True,
@@ -444,6 +445,11 @@ def test_64_concurrent_requests_are_batched(cpu_server):
     # 64 x 32 tokens one at a time would take 64 x 31 decode steps; batched they share steps.
     assert state["decode_steps"] - steps_before < 64 * 31 / 8
     assert state["peak_running_requests"] >= 32
+    # the engine's busy time grew by its generating, within the requests' wall time, and not while it waits
+    busy = state["busy_seconds"] - before["internal_states"][0]["busy_seconds"]
+    assert 0 < busy <= time.monotonic() - started
+    time.sleep(0.3)
+    assert http(cpu_server, "/get_server_info")[1]["internal_states"][0]["busy_seconds"] == state["busy_seconds"]
 
 
 @pytest.fixture()

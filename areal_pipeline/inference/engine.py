@@ -74,7 +74,10 @@ class BatchEngine:
         self._generator.manual_seed(seed)
         self._thread: Optional[threading.Thread] = None
         self.stats = {"decode_steps": 0, "prefill_batches": 0, "prefill_tokens": 0, "generated_tokens": 0,
-                      "finished_requests": 0, "peak_running_requests": 0, "aborted_requests": 0}
+                      "finished_requests": 0, "peak_running_requests": 0, "aborted_requests": 0,
+                      # seconds spent admitting and decoding: how much of the wall time the engine generated, so a
+                      # caller can tell a server kept busy from one waiting for requests (bench/async_vs_sync.py)
+                      "busy_seconds": 0.0}
 
     # ----- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -278,18 +281,21 @@ class BatchEngine:
             self._admit([request])
 
     def _step(self) -> None:
+        new = []
         if not self.paused and self._pending and len(self._batch) < self.max_batch_size:
             self._collect_burst()
             with self._cv:
                 room = self.max_batch_size - len(self._batch)
                 new = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
             new = self._refuse_adapters_not_loaded(new)
-            if new:
-                self._admit_or_fail(new)
+        started = time.perf_counter()  # the burst's wait above is no work
+        if new:
+            self._admit_or_fail(new)
         self._finish_aborted()
         if len(self._batch):
             with torch.inference_mode():
                 self._decode()
+        self.stats["busy_seconds"] = round(self.stats["busy_seconds"] + time.perf_counter() - started, 6)
 
     def _collect_burst(self) -> None:
         # Concurrent clients' requests arrive a few ms apart; when the engine is idle, waiting a moment
