@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from areal_pipeline.config import adapter_push
-from areal_pipeline.config.addresses import split_address
+from areal_pipeline.config.addresses import split_address, weight_group_master
 from areal_pipeline.data.shards import ShardError, has_manifest
 from areal_pipeline.training.client import TrainerClient, TrainerError
 from areal_pipeline.utils import get_logger, run_async
@@ -173,7 +173,8 @@ class PolicyVersions:
                     await engine.pause()
                     try:
                         client.call("update_weights_distributed", servers=engine.addresses,
-                                    master_address=t.weight_sync_master_address or split_address(client.address)[0],
+                                    master_address=(weight_group_master(t.weight_sync_master_address, t.address)
+                                                        or split_address(client.address)[0]),
                                     master_port=t.weight_sync_master_port,
                                     dtype=self._wire_dtype(infos[0]),
                                     server_devices=[str(i.get("device") or "cuda") for i in infos],

@@ -14,6 +14,9 @@ needs them), the data set is the run's prepared copy. What an attached pipeline 
 - reuse the owner's weight-update group (trainer.weight_sync=distributed): it forms one of its own on its first
   push, and the owner's next push forms the owner's again;
 - serve a LoRA adapter under the owner's label: it pushes the adapter of the version a step needs again;
+- hold the judge's Prefect limit outside Prefect: a node that a Prefect worker runs holds it as the owner does
+  (tasks/runs.py); `areal-pipeline node`, which runs without Prefect, keeps a local semaphore of
+  `judge.max_concurrency` calls;
 - add its step timings to the owner's metrics (`time_<step>` of metrics.jsonl counts the owner's nodes only);
 - play ahead in asynchronous mode: a rollout node in a new process runs the background executor for its own
   iteration and stops it when the process ends (the journal keeps every group it played).
@@ -25,7 +28,6 @@ the run's credential (AREAL_PIPELINE_TOKEN / _FILE as the owner had it, else the
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -63,10 +65,6 @@ class RunContext:
         return cls(run_dir=str(data["run_dir"]), run_id=str(data["run_id"]), inference=tuple(data["inference"]),
                    trainer=str(data["trainer"]), tools=tuple(sorted((data.get("tools") or {}).items())),
                    judge=data.get("judge"))
-
-    @classmethod
-    def from_json(cls, text: str) -> "RunContext":
-        return cls.from_dict(json.loads(text))
 
 
 def context_of(pipeline) -> RunContext:

@@ -14,7 +14,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.run_context import RunContext, attach
@@ -50,28 +50,23 @@ def register(pipeline: Pipeline) -> LiveRun:
     if pipeline.cfg.run_id in _LIVE:
         raise RuntimeError(f"run '{pipeline.cfg.run_id}' is already live in this process")
     run = _LIVE[pipeline.cfg.run_id] = LiveRun(pipeline)
+    hold_the_judge_limit(pipeline, run.scopes)
+    return run
+
+
+def hold_the_judge_limit(pipeline: Pipeline, scopes: contextlib.ExitStack) -> None:
+    """Where `pipeline` has a group reward, its judge's calls share the Prefect server's limit with every other run
+    and re-scoring on it, until `scopes` closes."""
     if pipeline.cfg.rollout.group_reward:
         from tasks.judge_limit import shared_judge_limit
 
-        # its judge's calls share the Prefect server's limit with every other run and re-scoring on it
-        run.scopes.enter_context(shared_judge_limit())
-    return run
+        scopes.enter_context(shared_judge_limit())
 
 
 def unregister(run_id: str) -> None:
     run = _LIVE.pop(run_id, None)
     if run is not None:
         run.scopes.close()
-
-
-@contextlib.contextmanager
-def live(pipeline: Pipeline) -> Iterator[LiveRun]:
-    """`pipeline`'s run is live (found by its run id) for the block."""
-    run = register(pipeline)
-    try:
-        yield run
-    finally:
-        unregister(run.run_id)
 
 
 def find(run_id: str) -> Optional[LiveRun]:
@@ -86,13 +81,14 @@ def get(run_id: str) -> LiveRun:
     return run
 
 
-_ATTACHED: dict[str, tuple[RunContext, Pipeline]] = {}
+_ATTACHED: dict[str, tuple[RunContext, Pipeline, contextlib.ExitStack]] = {}
 _ATTACHED_LOCK = threading.Lock()
 
 
 def pipeline_for(context: RunContext) -> Pipeline:
     """The pipeline that runs a node of the run `context` names: the run's live one in this process, else one
-    attached to the run's services (made on first use; one made for another context of the run is closed)."""
+    attached to the run's services (made on first use; one made for another context of the run is closed), which
+    holds the judge's Prefect limit as the live one does."""
     live = _LIVE.get(context.run_id)
     if live is not None and str(live.pipeline.paths.run_dir.resolve()) == context.run_dir:
         return live.pipeline
@@ -101,24 +97,28 @@ def pipeline_for(context: RunContext) -> Pipeline:
         if found is not None and found[0] == context:
             return found[1]
         if found is not None:
-            _close(found[1])
-        pipeline = attach(context)
-        _ATTACHED[context.run_id] = (context, pipeline)
+            _close(*found[1:])
+        pipeline, scopes = attach(context), contextlib.ExitStack()
+        hold_the_judge_limit(pipeline, scopes)
+        _ATTACHED[context.run_id] = (context, pipeline, scopes)
         return pipeline
 
 
 def close_attached() -> None:
     """Close this process's attached pipelines (their journals' writers, reward workers); their services go on."""
     with _ATTACHED_LOCK:
-        attached = [pipeline for _, pipeline in _ATTACHED.values()]
+        attached = [found[1:] for found in _ATTACHED.values()]
         _ATTACHED.clear()
-    for pipeline in attached:
-        _close(pipeline)
+    for pipeline, scopes in attached:
+        _close(pipeline, scopes)
 
 
-def _close(pipeline: Pipeline) -> None:
-    pipeline.close()
-    pipeline.services.stop()
+def _close(pipeline: Pipeline, scopes: contextlib.ExitStack) -> None:
+    try:
+        pipeline.close()
+        pipeline.services.stop()
+    finally:
+        scopes.close()
 
 
 atexit.register(close_attached)

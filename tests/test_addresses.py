@@ -6,7 +6,7 @@ import re
 import pytest
 
 from areal_pipeline.config import ConfigError
-from areal_pipeline.config.addresses import is_loopback, split_address
+from areal_pipeline.config.addresses import is_loopback, split_address, weight_group_master
 from areal_pipeline.run_spec import load_config
 
 
@@ -60,3 +60,23 @@ def test_the_configs_host_rules_call_every_loopback_name_loopback():
     with pytest.raises(ConfigError, match=r"trainer.rdzv_endpoint='ip6-localhost:29400': 2 trainer nodes meet"):
         load_config(None, ["trainer.nnodes=2", "trainer.address=auto", "trainer.rdzv_endpoint=ip6-localhost:29400",
                            "output_dir=/shared/runs"])
+
+
+@pytest.mark.parametrize("configured, trainer, expected", [
+    ("10.1.2.1", "", "10.1.2.1"), ("10.1.2.1", "auto", "10.1.2.1"),  # the configured one wins
+    ("", "", "127.0.0.1"),  # a trainer the run launches
+    ("", "auto", ""),  # announced once it runs
+    ("", "10.0.0.3:8000", "10.0.0.3"), ("", "[::1]:8000", "::1"),
+])
+def test_the_weight_groups_master(configured, trainer, expected):
+    assert weight_group_master(configured, trainer) == expected
+
+
+def test_a_trainer_on_loopback_is_no_master_for_servers_on_other_hosts():
+    """The rules read the master as the launcher and the push do: a trainer at 127.0.0.1:P (started by hand on this
+    host) was accepted as a master for servers on other hosts, which then cannot reach it."""
+    shared = ["inference.addresses=[10.1.2.3:30000]", "trainer.weight_sync=distributed", "trainer.port=8000"]
+    with pytest.raises(ConfigError, match=re.escape("trainer.weight_sync_master_address='' (the host of "
+                                                    "trainer.address='127.0.0.1:8000'): servers on other hosts")):
+        load_config(None, [*shared, "trainer.address=127.0.0.1:8000"])
+    load_config(None, [*shared, "trainer.address=127.0.0.1:8000", "trainer.weight_sync_master_address=10.1.2.1"])

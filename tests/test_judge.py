@@ -330,6 +330,9 @@ def test_a_judge_reward_needs_an_endpoint_and_a_model_and_one_reward_per_traject
     with pytest.raises(ConfigError, match=r"per-turn returns"):
         load_config("configs/tiny_cpu.yaml", ["rollout.group_reward=judge", "judge.base_url=http://h/v1",
                                               "judge.model=m", "rollout.workflow=multi_turn"])
+    with pytest.raises(ConfigError, match=r"rollout.group_reward=judge: ReMax's baseline episode"):
+        load_config("configs/tiny_cpu.yaml", ["rollout.group_reward=judge", "judge.base_url=http://h/v1",
+                                              "judge.model=m", "ppo.advantage=remax", "ppo.loss=reinforce"])
     cfg = load_config("configs/tiny_cpu.yaml", ["rollout.group_reward=judge", "judge.base_url=http://h/v1",
                                                 "judge.model=m", "judge.api_key_env=JUDGE_KEY"])
     assert cfg.judge.api_key_env == "JUDGE_KEY"

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from _rollouts import journal_records
 from test_judge import calls, config, judge_server
 
 from areal_pipeline.data.trajectory import Trajectory
@@ -79,6 +80,35 @@ def test_a_judge_error_is_asked_again_as_an_episode_is(tmp_path):
     assert [(f.cause, f.peer, f.attempt) for f in group.retried] == [("judge", f"{base_url}/chat/completions", 1)]
     assert failure_stats([group])["retries/judge"] == 1
     assert len(workflow.played) == N_SAMPLES  # its episodes were played once
+
+
+def test_the_group_journaled_unjudged_stays_unjudged_while_the_judge_scores_it(tmp_path):
+    """The journal encodes a group when it writes, seconds after it was handed the group (rollout.journal_delay):
+    scoring must make a new group, not change the one the journal holds."""
+    journal = EpisodeJournal(tmp_path / "iter_1" / "rollout.episodes", run_id="r", iteration=1,
+                             batch_size=len(SLOTS), digest="d", delay_s=600.0)  # nothing written before the flush
+    handed = []
+
+    def write(group):
+        handed.append(group)
+        journal.writer(SLOTS)(group)
+
+    with judge_server(tmp_path) as (base_url, log):
+        judge = Judge(config(base_url, retries=0), tmp_path / "cache")
+        groups = asyncio.run(play_batch(Answering(), None, SLOTS, max_concurrent_rollouts=8, n_samples=N_SAMPLES,
+                                        policy=policy("fail"), group_reward=judge, on_group=write, progress=False))
+    assert [g.judged for g in groups] == [True, True] and judged_rewards(groups) == [[1.0, 0.0, 0.0]] * 2
+    # each group handed over twice: unjudged before the judge was asked, judged after
+    unjudged = sorted((g for g in handed if not g.judged), key=lambda g: g.slot)
+    assert [g.slot for g in unjudged] == [0, 1] and len(handed) == 4
+    assert judged_rewards(unjudged) == [[0.25] * N_SAMPLES] * 2
+    assert not any("workflow_reward" in t.metadata for g in unjudged for t in g.trajectories)
+    journal.flush()  # encoded now, after the judge scored the groups
+    [segment] = sorted(journal.directory.glob("segment-*.arrows"))
+    records = [(meta["slot"], meta["judged"]) for meta, _ in journal_records(segment)]
+    journal.close()
+    assert sorted(records) == [(0, False), (0, True), (1, False), (1, True)]
+    assert all(records.index((slot, False)) < records.index((slot, True)) for slot in (0, 1))
 
 
 @pytest.mark.parametrize("on_failure", ["drop", "mask"])

@@ -51,6 +51,31 @@ def test_a_live_run_holds_the_judge_limit_and_releases_it_when_it_ends(tmp_path,
             pipeline.services.stop()
 
 
+def test_a_pipeline_attached_to_a_run_holds_the_judge_limit_until_it_is_closed(tmp_path, tiny_model_dir,
+                                                                                dead_address):
+    """A node a Prefect worker runs where the run is not live (tasks/runs.pipeline_for) keeps to the limit every run
+    on the server shares, as the run's own nodes do."""
+    from areal_pipeline.config import save_config
+    from areal_pipeline.run_context import RunContext
+    from tasks import runs
+    from tasks.judge_limit import prefect_judge_slot
+
+    cfg = judge_cfg(tmp_path, tiny_model_dir, "attached")
+    save_config(cfg, cfg.run_dir / "config.yaml")
+    context = RunContext(run_dir=str(cfg.run_dir.resolve()), run_id="attached", inference=(dead_address,),
+                         trainer=dead_address)
+    assert installed_limiter() is None
+    try:
+        runs.pipeline_for(context)
+        assert installed_limiter() is prefect_judge_slot
+        # another context of the run: the first pipeline is closed, the limit held by the new one
+        runs.pipeline_for(RunContext(context.run_dir, "attached", inference=(dead_address,), trainer="127.0.0.1:1"))
+        assert installed_limiter() is prefect_judge_slot
+    finally:
+        runs.close_attached()
+    assert installed_limiter() is None
+
+
 def stored_run(output_dir: Path, model_dir: Path, run_id: str, prompts: int) -> Path:
     """A run directory as a finished run leaves it for `rescore`: its config and iteration 1's rollout shards, two
     answers for each of `prompts` prompts of its data set."""

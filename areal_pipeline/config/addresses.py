@@ -48,6 +48,17 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def weight_group_master(weight_sync_master_address: str, trainer_address: str) -> str:
+    """The host the trainer's weight-update group meets on (trainer.weight_sync=distributed), as the rules, the
+    launcher and the push all read it: the configured one, else the host of the trainer's endpoint (127.0.0.1 for a
+    trainer the run launches); "" for trainer.address=auto, whose endpoint is known only once it runs."""
+    if weight_sync_master_address:
+        return weight_sync_master_address
+    if not trainer_address:
+        return "127.0.0.1"
+    return "" if trainer_address == "auto" else split_address(trainer_address)[0]
+
+
 def _is_ipv6(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).version == 6

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterator
 
-from areal_pipeline.config.addresses import is_loopback, split_address
+from areal_pipeline.config.addresses import is_loopback, split_address, weight_group_master
 from areal_pipeline.config.schema import ExperimentConfig
 
 Key = Callable[[str], str]  # as config/rules.py's
@@ -35,10 +35,10 @@ def weights_reach_the_servers(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
                f"without data parallelism inside a server); run more servers ({key('inference.num_servers')}) or "
                f"use {key('trainer.weight_sync')}=disk")
     remote = _on_other_hosts(inf.addresses)
-    # empty: the host of the trainer's endpoint, loopback for a trainer this run launches
-    master = t.weight_sync_master_address or ("" if t.address else "127.0.0.1")
-    if remote and t.weight_sync == "distributed" and is_loopback(master):
-        where = "" if t.weight_sync_master_address else " (the launched trainer's address, 127.0.0.1)"
+    master = weight_group_master(t.weight_sync_master_address, t.address)
+    if remote and t.weight_sync == "distributed" and master and is_loopback(master):
+        where = ("" if t.weight_sync_master_address else " (the launched trainer's address, 127.0.0.1)"
+                 if not t.address else f" (the host of {key('trainer.address')}={t.address!r})")
         yield (f"{key('trainer.weight_sync_master_address')}={t.weight_sync_master_address!r}{where}: servers on "
                f"other hosts ({', '.join(remote)}) cannot reach it; set it to this host's address they reach")
 

@@ -310,8 +310,8 @@ def _mask_keeps_enough_survivors(rollout: RolloutConfig, key: Key) -> Iterator[s
 
 
 def _judge_is_complete(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
-    """rollout.group_reward=judge needs a judge model at an endpoint; its scores replace a trajectory's one reward,
-    which the multi_turn workflow's per-turn returns would not follow."""
+    """rollout.group_reward=judge needs a judge model at an endpoint. (What a workflow or an advantage cannot take
+    of a group reward is its own `config_problems`: multi_turn's per-turn returns, ReMax's baseline episode.)"""
     if cfg.rollout.group_reward != "judge":
         return
     if cfg.judge.serve:
@@ -328,9 +328,6 @@ def _judge_is_complete(cfg: ExperimentConfig, key: Key) -> Iterator[str]:
                 yield (f"{key('judge.' + name)}: empty, with {key('rollout.group_reward')}=judge: the judge needs "
                        "an OpenAI-compatible endpoint (judge.base_url, e.g. http://127.0.0.1:8000/v1) and the model "
                        "it serves (judge.model), or judge.serve=true to serve one itself; docs/judge.md")
-    if cfg.rollout.workflow == "multi_turn":
-        yield (f"{key('rollout.group_reward')}=judge: the multi_turn workflow's per-turn returns (token_returns) "
-               "would ignore the judge's score; use a workflow with one reward per trajectory")
 
 
 def _schedule_covers_the_run(cfg: ExperimentConfig, key: Key) -> Iterator[str]:

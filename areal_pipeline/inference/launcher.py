@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from areal_pipeline.config import ExperimentConfig, InferenceConfig, SGLangConfig, VLLMConfig, adapter_push
-from areal_pipeline.config.addresses import split_address
+from areal_pipeline.config.addresses import split_address, weight_group_master
 from areal_pipeline.confined_paths import run_roots
 from areal_pipeline.auth import TLS_CERT_ENV, TLS_KEY_ENV
 from areal_pipeline.placement import gpu_env
@@ -220,8 +220,7 @@ def build_cpu_server_command(model_path: str, host: str, port: int, cfg: Inferen
             cmd += ["--weights-root", root]
         # the address the pipeline gives the trainer's group (policy_versions.py): the configured one, else the host
         # of the trainer's endpoint; trainer.address=auto is announced only once it runs, so then any master
-        master = t.weight_sync_master_address or ("127.0.0.1" if not t.address
-                                                  else "" if t.address == "auto" else split_address(t.address)[0])
+        master = weight_group_master(t.weight_sync_master_address, t.address)
         if master:
             cmd += ["--weight-group-master", master]
         if adapter_push(experiment):

@@ -74,9 +74,10 @@ async def play_batch(workflow, engine, slots: dict[int, dict[str, Any]], *, max_
     played (`rollout.group_reward`, judging.judge_group); `played` (batch position -> a group whose episodes were
     played, awaiting its scores) are judged, not played again.
 
-    `on_group(result)` is called as each group ends (the episode journal writes it then), but for a group the judge
-    dropped: the journal keeps it played and unjudged, for the next attempt to judge. The first error that fails a
-    group (one that is no episode's fault, `rollout.on_failure=fail`) cancels the others and is raised."""
+    `on_group(result)` is called on the event loop as each group ends (it must not block: the episode journal's
+    writer queues the group for its thread), but for a group the judge dropped: the journal keeps it played and
+    unjudged, for the next attempt to judge. The first error that fails a group (one that is no episode's fault,
+    `rollout.on_failure=fail`) cancels the others and is raised."""
     gate = gate or asyncio.Semaphore(max(1, max_concurrent_rollouts // max(1, n_samples)))
     played = played or {}
     judge = None
@@ -88,7 +89,7 @@ async def play_batch(workflow, engine, slots: dict[int, dict[str, Any]], *, max_
         result = await play_group(workflow, engine, data, n_samples, baseline, slot=slot, policy=policy,
                                   recover=recover, refill=refill, judge=judge, gate=gate, played=played.get(slot))
         if on_group is not None and not result.judge_failed:
-            await asyncio.to_thread(on_group, result)
+            on_group(result)
         bar.update(1)
         return result
 

@@ -198,6 +198,9 @@ class EpisodeJournal:
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def _segment_writer(self) -> "SegmentWriter":
+        writer = self._writer  # without the lock, which the writer's thread holds while it opens the journal on disk:
+        if writer is not None:  # a write is called on the rollout's event loop and must not wait for that
+            return writer
         with self._lock:
             if self._writer is None:
                 self._writer = SegmentWriter(self._new_segment, self.run_id, self.iteration, delay_s=self.delay_s)

@@ -16,7 +16,6 @@ it again and plays nothing again, even past `rollout.max_failure_rate` (journal.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -31,8 +30,10 @@ async def judge_group(group_reward: Any, result: GroupResult, record: Optional[d
     (None: strict, the group reward's error raised as itself), or, where it failed for good, the group dropped with a
     `judge` failure per episode. `record` is the data set's record of the group's prompt (its question and reference
     answer), where at hand; else the trajectories' prompt and `metadata["answer"]`. With `on_group` (the episode
-    journal's writer) the group is written, marked unjudged, before it is judged; what comes after is the caller's to
-    write (but a group the judge dropped: executor.play_batch). A group without trajectories is returned as it is."""
+    journal's writer, called on the event loop: it must not block) the group is written, marked unjudged, before it
+    is judged; what comes after is the caller's to write (but a group the judge dropped: executor.play_batch). The
+    scored group is a new `GroupResult` of new trajectories: the one written stays unjudged. A group without
+    trajectories is returned as it is."""
     group = result.trajectories
     if not group:  # a dropped group has nothing to score
         return result
@@ -44,19 +45,18 @@ async def judge_group(group_reward: Any, result: GroupResult, record: Optional[d
                         "scored by the workflow, not the group reward; use another ppo.advantage")
     if record is None or record.get("prompt_id") != result.prompt_id:  # a refilled group: the reserve's prompt
         record = {}
-    result.judged = False
+    # The journal encodes what it is handed later, from its own thread: what it holds must not change, so the
+    # judged group is a new one (below), never this one scored in place.
+    result = dataclasses.replace(result, judged=False)
     if on_group is not None:
-        await asyncio.to_thread(on_group, result)
+        on_group(result)
     scores, retried, failure = await attempts(lambda: group_scores(group_reward, group, record), policy,
                                               what="the group reward's scores", prompt_id=result.prompt_id,
                                               cause=JUDGE_CAUSE)
     if failure is None:
-        for t, score in zip(group, scores):
-            t.metadata["workflow_reward"] = t.reward
-            t.reward = score
-        result.judged = True
-        result.retried = [*result.retried, *retried]
-        return result
+        scored = [dataclasses.replace(t, reward=score, metadata={**t.metadata, "workflow_reward": t.reward})
+                  for t, score in zip(group, scores)]
+        return dataclasses.replace(result, trajectories=scored, judged=True, retried=[*result.retried, *retried])
     lost = [dataclasses.replace(failure, sample_idx=i) for i in sorted({t.sample_idx for t in group})]
     return GroupResult(result.slot, result.prompt_id, [], [*result.failures, *lost], [*result.retried, *retried],
                        "dropped", replaced_prompt_id=result.replaced_prompt_id, episodes=result.episodes)

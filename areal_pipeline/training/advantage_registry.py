@@ -86,10 +86,15 @@ def remax(ppo_cfg) -> Advantage:
 
 
 def _remax_config_problems(cfg, key) -> Iterator[str]:
-    """ReMax's advantages are unnormalised +-1 signals, for the REINFORCE loss; PPO's clipped ratio would clip them."""
+    """ReMax's advantages are unnormalised +-1 signals, for the REINFORCE loss; PPO's clipped ratio would clip them.
+    Its greedy baseline episode is scored by the workflow, which a group score would replace for the others only."""
     if cfg.ppo.loss == "ppo":
         yield (f"{key('ppo.loss')}='ppo': must be reinforce (or a loss of your own, module:attr) with "
                f"{key('ppo.advantage')}=remax")
+    if cfg.rollout.group_reward:
+        yield (f"{key('rollout.group_reward')}={cfg.rollout.group_reward}: ReMax's baseline episode (its greedy "
+               "completion) is scored by the workflow, not the group reward; use another "
+               f"{key('ppo.advantage')}")
 
 
 remax.config_problems = _remax_config_problems

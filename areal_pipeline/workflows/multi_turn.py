@@ -87,6 +87,14 @@ class MultiTurnWorkflow(FeedbackTurnsWorkflow):
         self.reward_scaling = reward_scaling
 
     @classmethod
+    def config_problems(cls, cfg, key) -> Iterator[str]:
+        """Its trajectories carry per-turn returns, which one group score per trajectory cannot replace."""
+        if cfg.rollout.group_reward:
+            yield (f"{key('rollout.group_reward')}={cfg.rollout.group_reward}: the multi_turn workflow's per-turn "
+                   "returns (token_returns) would ignore the judge's score; use a workflow with one reward per "
+                   "trajectory")
+
+    @classmethod
     def from_config(cls, cfg, tokenizer, reward_pool, *, reward_fn, tool_addresses) -> "MultiTurnWorkflow":
         agent: MultiTurnConfig = cfg.rollout.agent
         return cls(reward_fn, cfg.rollout.gconfig, tokenizer, reward_pool, max_turns=agent.max_turns,
