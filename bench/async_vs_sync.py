@@ -113,6 +113,10 @@ def main() -> None:
             periods[eta].append(statistics.median(iteration_periods[1:] or iteration_periods))
             rewards[eta].append(sum(r["reward_mean"] for r in records[-3:]) / min(3, len(records)))
             staleness[eta].append(max(r["staleness"] for r in records))
+            later = records[1:] or records
+            nodes = {key[5:]: round(statistics.median(r.get(key, 0.0) for r in later), 3)
+                     for key in sorted({k for r in later for k in r if k.startswith("time_")})}
+            print(f"eta={eta} (round {round_ + 1}): node medians from iteration 2, s: {nodes}", flush=True)
             print(f"eta={eta} (round {round_ + 1}): {wall:.1f}s for {len(records)} iterations (first "
                   f"{iteration_periods[0]:.2f}s, then {periods[eta][-1]:.3f}s median), max staleness "
                   f"{staleness[eta][-1]}, reward of the last iterations {rewards[eta][-1]:.3f}; idle: generation "
