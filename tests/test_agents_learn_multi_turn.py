@@ -38,8 +38,11 @@ def multi_turn_run(model_cache, tmp_path_factory):
 
 def test_reflection_learns_to_answer_right_at_the_first_turn(reflection_model, tmp_path):
     _, records = short_run("gsm8k_reflection.yaml", tmp_path, f"model.path={reflection_model}", ITERATIONS)
-    reward = first_and_last(records, "reward_mean", WINDOW)
-    first_turn = first_and_last(records, "agent/first_turn_correct", WINDOW)
+    # the base model's figures are iteration 1's (its rollout is the base policy's), not a window of the first
+    # iterations: where the machine's kernels make a base model that learns within one update (seen on a CPU
+    # without AVX-512), such a window already holds the learned policy
+    reward, first_turn = ((records[0][key], first_and_last(records, key, WINDOW)[1])
+                          for key in ("reward_mean", "agent/first_turn_correct"))
     curves = {key: [round(r[key], 2) for r in records] for key in ("reward_mean", "agent/first_turn_correct")}
     assert reward[1] > reward[0] + 0.05 and first_turn[1] > first_turn[0] + 0.05, curves
 
