@@ -52,9 +52,9 @@ def policy(on_failure: str, **more) -> FailurePolicy:
                          **{"episode_retries": 1, **more})
 
 
-def journal_at(tmp_path: Path) -> EpisodeJournal:
+def journal_at(tmp_path: Path, delay_s: float = 0.0) -> EpisodeJournal:
     return EpisodeJournal(tmp_path / "iter_1" / "rollout.episodes", run_id="r", iteration=1, batch_size=len(SLOTS),
-                          digest="d")
+                          digest="d", delay_s=delay_s)
 
 
 def play(workflow, judge: Judge, on_failure: str, journal: EpisodeJournal, slots=SLOTS):
@@ -85,8 +85,7 @@ def test_a_judge_error_is_asked_again_as_an_episode_is(tmp_path):
 def test_the_group_journaled_unjudged_stays_unjudged_while_the_judge_scores_it(tmp_path):
     """The journal encodes a group when it writes, seconds after it was handed the group (rollout.journal_delay):
     scoring must make a new group, not change the one the journal holds."""
-    journal = EpisodeJournal(tmp_path / "iter_1" / "rollout.episodes", run_id="r", iteration=1,
-                             batch_size=len(SLOTS), digest="d", delay_s=600.0)  # nothing written before the flush
+    journal = journal_at(tmp_path, delay_s=600.0)  # nothing written before the flush
     handed = []
 
     def write(group):

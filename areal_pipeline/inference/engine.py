@@ -295,7 +295,7 @@ class BatchEngine:
         if len(self._batch):
             with torch.inference_mode():
                 self._decode()
-        self.stats["busy_seconds"] = round(self.stats["busy_seconds"] + time.perf_counter() - started, 6)
+        self.stats["busy_seconds"] += time.perf_counter() - started
 
     def _collect_burst(self) -> None:
         # Concurrent clients' requests arrive a few ms apart; when the engine is idle, waiting a moment

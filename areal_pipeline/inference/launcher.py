@@ -218,8 +218,7 @@ def build_cpu_server_command(model_path: str, host: str, port: int, cfg: Inferen
         t, base = experiment.trainer, experiment.model.path
         for root in run_roots(experiment.output_dir, t.weights_dir, base if base and Path(base).is_dir() else ""):
             cmd += ["--weights-root", root]
-        # the address the pipeline gives the trainer's group (policy_versions.py): the configured one, else the host
-        # of the trainer's endpoint; trainer.address=auto is announced only once it runs, so then any master
+        # the master the push names (policy_versions.py); none known for trainer.address=auto: then any
         master = weight_group_master(t.weight_sync_master_address, t.address)
         if master:
             cmd += ["--weight-group-master", master]
