@@ -306,8 +306,9 @@ def test_a_judge_outage_fails_the_rollout_node_clearly_and_its_prefect_retry_sco
     resumed = re.search(r"iteration 1: (\d) group\(s\) on disk await the group reward's scores", out)
     assert resumed and int(resumed.group(1)) >= 1, out[-3000:]
     deadline = time.monotonic() + 60  # task run states reach the API through its events: a moment later
-    while not (node := asyncio.run(rollout_task_run(run_id))).state.is_completed():
-        assert time.monotonic() < deadline, node.state
+    while not ((node := asyncio.run(rollout_task_run(run_id))) is not None and node.state is not None
+               and node.state.is_completed()):
+        assert time.monotonic() < deadline, node and node.state
         time.sleep(0.2)
     # failed while the judge was down, then completed by a retry: the first (5 s later) or, where the judge server
     # took longer than that to start on a loaded machine, the second
