@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pebble
 from pebble import ProcessExpired
@@ -150,6 +150,20 @@ def _shown(args: tuple) -> str:
     return shown[:_MAX_ARGS_CHARS] + "..." if len(shown) > _MAX_ARGS_CHARS else shown
 
 
+def _resource_tracker_running() -> bool:
+    """Whether this process's resource tracker (a child running `multiprocessing.resource_tracker`) is alive."""
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            if ("multiprocessing.resource_tracker" in " ".join(child.cmdline())
+                    and child.status() != psutil.STATUS_ZOMBIE):
+                return True
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            pass
+    return False
+
+
 class RewardPool:
     """`fn` passed to `score`/`ascore` must be a picklable module-level function."""
 
@@ -174,10 +188,10 @@ class RewardPool:
         background; a spawned worker importing math-verify takes seconds), so that the first scores do not wait for
         it. A reference that cannot load fails the first score that uses it, with RewardLoadError."""
         if isinstance(fn, RewardReference):
-            return [self._pool.schedule(_load, args=(fn,)) for _ in range(self.max_workers)]
-        return [self._pool.schedule(_import, args=(fn.__module__,)) for _ in range(self.max_workers)]
+            return [self._schedule(_load, (fn,), None) for _ in range(self.max_workers)]
+        return [self._schedule(_import, (fn.__module__,), None) for _ in range(self.max_workers)]
 
-    def _schedule(self, fn: Callable[..., Any], args: tuple, timeout: float) -> Future:
+    def _schedule(self, fn: Callable[..., Any], args: tuple, timeout: Optional[float]) -> Future:
         try:
             return self._pool.schedule(fn, args=args, timeout=timeout)
         except RuntimeError as error:
@@ -186,9 +200,17 @@ class RewardPool:
             if self._closed:
                 raise
             logger.warning("the reward pool broke (%s): starting a new one", error)
-            broken, self._pool = self._pool, self._new_pool()
-            threading.Thread(target=broken.stop, name="stop-broken-reward-pool", daemon=True).start()
-            return self._pool.schedule(fn, args=args, timeout=timeout)
+        except BrokenPipeError as error:
+            # The pool's first call starts it, and its locks are registered with multiprocessing's resource tracker:
+            # a tracker that ended between the standard library's check that it runs and the registration fails
+            # the start so. A new pool's start launches the tracker again; one still running is another fault.
+            if self._closed or _resource_tracker_running():
+                raise
+            logger.warning("the reward pool could not start: multiprocessing's resource tracker is gone (%s); "
+                           "starting a new pool, which starts a new tracker", error)
+        broken, self._pool = self._pool, self._new_pool()
+        threading.Thread(target=broken.stop, name="stop-broken-reward-pool", daemon=True).start()
+        return self._pool.schedule(fn, args=args, timeout=timeout)
 
     def _submit(self, fn: Callable[..., Any], args: tuple) -> Future:
         future = self._schedule(fn, args, self.timeout)
