@@ -20,6 +20,8 @@ import time
 # line until it names itself, so the forkserver's own process is told apart by its parent (kind_of)
 KINDS = [
     ("test worker (in-process runs, warm starts)", "pytest-xdist"),
+    ("test worker (in-process runs, warm starts)", "exec(eval(sys.stdin.readline()))"),  # xdist's, as started
+    ("package installs (environments)", "pip install"),
     ("forkserver", "multiprocessing.forkserver"),
     ("multiprocessing resource tracker", "multiprocessing.resource_tracker"),
     ("areal-pipeline command", "-m cli"),
@@ -64,6 +66,8 @@ def record(path: str, interval_s: float = 2.0) -> None:
                 "pid": info["pid"], "ppid": info["ppid"], "cmd": " ".join(info["cmdline"] or [])[:400],
                 "cpu_before": cpu if first_round else 0.0})  # what it used before the recording began
             entry["cpu"] = cpu
+            if info["cmdline"]:  # the newest: a process may name itself after it starts (xdist's workers do)
+                entry["cmd"] = " ".join(info["cmdline"])[:400]
         first_round = False
         rounds += 1
         if rounds % 15 == 0:
