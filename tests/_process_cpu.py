@@ -16,13 +16,13 @@ import signal
 import sys
 import time
 
-# (kind, what its command line holds), the first match wins; a forked service carries the forkserver's command
-# line until it names itself, so the forkserver's own process is told apart by its parent (kind_of)
+FORKSERVER = "multiprocessing.forkserver"
+# (kind, what its command line holds), the first match wins; a process whose command line is the forkserver's is
+# the forkserver itself or a fork of it that has not named itself (a reward worker): told apart by its parent
 KINDS = [
     ("test worker (in-process runs, warm starts)", "pytest-xdist"),
     ("test worker (in-process runs, warm starts)", "exec(eval(sys.stdin.readline()))"),  # xdist's, as started
     ("package installs (environments)", "pip install"),
-    ("forkserver", "multiprocessing.forkserver"),
     ("multiprocessing resource tracker", "multiprocessing.resource_tracker"),
     ("areal-pipeline command", "-m cli"),
     ("temporary Prefect API of a command", "flows.api_server"),
@@ -77,11 +77,10 @@ def record(path: str, interval_s: float = 2.0) -> None:
 
 def kind_of(entry: dict, by_pid: dict[int, dict]) -> str:
     cmd = entry["cmd"]
+    if FORKSERVER in cmd:
+        return "forked service" if FORKSERVER in by_pid.get(entry["ppid"], {}).get("cmd", "") else "forkserver preload"
     for kind, marker in KINDS:
         if marker in cmd:
-            if marker == "multiprocessing.forkserver":
-                parent = by_pid.get(entry["ppid"], {}).get("cmd", "")
-                return "forked service" if marker in parent else "forkserver preload"
             return kind
     return "other python" if "python" in cmd else "other"
 

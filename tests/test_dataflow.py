@@ -35,7 +35,8 @@ def test_each_node_records_only_its_own_iterations_upstream_nodes(prefect_api, t
     # evaluate; the last one also checkpoint
     def finished():
         found = asyncio.run(_task_runs(run.id))
-        return found if len(found) == 3 * 7 + 1 and all(r.state is not None and r.state.is_final() for r in found) else None
+        done = all(r.state is not None and r.state.is_final() for r in found)  # no state yet: not written
+        return found if len(found) == 3 * 7 + 1 and done else None
 
     task_runs = wait_until(finished, 60, f"the task runs of {run.name}", interval=1)
     names = {r.id: r.name for r in task_runs}
