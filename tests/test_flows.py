@@ -223,7 +223,8 @@ def recorded_nodes(child_runs) -> list[dict]:
     rollout, advantages, ppo_update and broadcast_weights; the last one also checkpoint and evaluate."""
     def finished_nodes(run, last: bool):
         runs = {r.name.rsplit("-", 1)[0]: r for r in asyncio.run(_task_runs(run.id))}
-        return runs if len(runs) == 4 + 2 * last and all(r.state.is_final() for r in runs.values()) else None
+        done = all(r.state is not None and r.state.is_final() for r in runs.values())  # no state yet: not written
+        return runs if len(runs) == 4 + 2 * last and done else None
 
     return [wait_until(lambda: finished_nodes(run, run is child_runs[-1]), 60, f"the task runs of {run.name}",
                        interval=1) for run in child_runs]
@@ -324,8 +325,8 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     assert again["iterations"] == 3 and len(asyncio.run(_flow_runs("e2e/iter-"))) == 3
     # ... nor the initial evaluation: its node (in each run's set-up) finds its output made
     assert (run_dir / "iter_0" / "eval.json").stat().st_mtime_ns == evaluated_at
-    evaluations = wait_until(lambda: (lambda found: found if len(found) == 2 and all(r.state.is_final() for r in found)
-                                      else None)(asyncio.run(_initial_evaluations("e2e"))),
+    evaluations = wait_until(lambda: (lambda found: found if len(found) == 2 and all(
+        r.state is not None and r.state.is_final() for r in found) else None)(asyncio.run(_initial_evaluations("e2e"))),
                              60, "the two runs' evaluate-0 task runs", interval=1)
     assert all(r.state.is_completed() for r in evaluations)
 

@@ -226,15 +226,24 @@ def test_a_run_across_four_hosts_learns_and_survives_a_lost_trainer_node(model_c
         a, b = final_weights(shared / "ref"), final_weights(shared / "victim")
         assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
-        # the head's Prefect server (PostgreSQL) recorded it: a node of the victim's ran twice, and completed
-        retried = hosts.run("head", [sys.executable, "-c", RETRIED_TASK_RUNS], timeout=120, env=env,
-                            capture_output=True, text=True)
-        assert retried.returncode == 0, retried.stderr
-        retried_nodes = json.loads(retried.stdout)
-        # the update train-b was lost in (or the first node after it that reached the trainer) ran again
+        # the head's Prefect server (PostgreSQL) recorded it: a node of the victim's ran twice, and completed (the
+        # update train-b was lost in, or the first node after it that reached the trainer). Task-run states reach
+        # the database through batched events, after the command has ended too: read until it is there.
         trainer_nodes = ("ppo_update", "proximal_logprobs", "ref_logprobs", "broadcast_weights", "checkpoint")
-        assert any(name.rsplit("-", 1)[0] in trainer_nodes and name.rsplit("-", 1)[1] in ("3", "4")
-                   for name, _ in retried_nodes), retried_nodes
+        seen: list = []
+
+        def a_retried_trainer_node():
+            retried = hosts.run("head", [sys.executable, "-c", RETRIED_TASK_RUNS], timeout=120, env=env,
+                                capture_output=True, text=True)
+            assert retried.returncode == 0, retried.stderr
+            seen[:] = json.loads(retried.stdout)
+            return any(name.rsplit("-", 1)[0] in trainer_nodes and name.rsplit("-", 1)[1] in ("3", "4")
+                       for name, _ in seen)
+
+        try:
+            wait_for(a_retried_trainer_node, 60, "a retried trainer node of iteration 3 or 4", interval=2)
+        except AssertionError as error:
+            raise AssertionError(f"{error}; the retried task runs recorded: {seen}") from None
 
 
 RETRIED_TASK_RUNS = """
@@ -248,7 +257,7 @@ async def retried():
     async with get_client() as client:
         while page := await client.read_task_runs(flow_run_filter=victims, limit=200, offset=offset):
             found += [(r.name, r.state_type.value) for r in page
-                      if r.run_count > 1 and r.state_type.value == "COMPLETED"]
+                      if r.run_count > 1 and r.state_type is not None and r.state_type.value == "COMPLETED"]
             offset += len(page)
     return found
 
