@@ -58,6 +58,7 @@ from areal_pipeline.forkserver import processes_of  # noqa: E402
 ETA = 1  # async mode's rollout.max_head_offpolicyness
 MAX_RERUNS = 8  # a round that needs more reruns than its kills plus this is not recovering
 HANG_FACTOR, HANG_SLACK_S = 2.0, 60.0  # a run still going this long after a kill hangs
+HUNG_LOG_CHARS = 12000
 # a run whose API is gone stops at its next node past this (`train --api-grace`; the default, 120 s, gives a real
 # server time to restart, and would pass for a hang here)
 API_GRACE_S = 10
@@ -237,6 +238,8 @@ class Chaos(Sweep):
             left = gone_within(popen.pid, 30)
             if hung:
                 result.hangs += 1
+                # where it hung: the stacks `finish` had the run write before it was killed
+                print(f"[{self.mode}] round {index}: a run hung; its log's end:\n{text[-HUNG_LOG_CHARS:]}", flush=True)
             if killed:
                 result.kills[-1].after = (f"HUNG: no end {limit:.0f} s after the kill, killed" if hung else
                                           f"exit {code}" + (f" ({short(last_line(text), 90)})" if code else ""))

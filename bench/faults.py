@@ -37,6 +37,7 @@ values and requests). A run's logs are kept under the work directory when a faul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -77,6 +78,7 @@ REJECTED_WALL_S = 30  # its wall time, on a 2-core machine busy with other work
 ANSWERED_WITHIN_S = 5  # a hostile request is answered
 HEALTH_WITHIN_S = 2  # /health during a hostile request
 RUN_TIMEOUT_S = 600
+STACKS_WRITTEN_WITHIN_S = 15  # a hung command's stack dump, after SIGABRT
 
 
 @dataclass
@@ -189,7 +191,9 @@ class Sweep:
         # the servers the sweep starts demand the run's token, as a run's do, and its requests carry it: one is
         # made where none is given (every process the sweep starts inherits it)
         auth.ensure_run_token()
-        self.env = {**os.environ, "PREFECT_HOME": str(work / "prefect-home")}
+        # PYTHONFAULTHANDLER: a run that does not end in time is sent SIGABRT first (`finish`), which writes every
+        # thread's stack to its log: where it hung
+        self.env = {**os.environ, "PREFECT_HOME": str(work / "prefect-home"), "PYTHONFAULTHANDLER": "1"}
         self.env.pop("PREFECT_API_URL", None)
         self.logs = work / "logs"
         self.logs.mkdir(parents=True)
@@ -216,10 +220,18 @@ class Sweep:
                             f"run_id={RUN_ID}", f"model.path={self.model}", *SMALL, *extra)
 
     def finish(self, popen: subprocess.Popen, log: Path, timeout: float = RUN_TIMEOUT_S) -> tuple[int, str]:
+        """The command's exit code and log once it has ended; one still running after `timeout` is sent SIGABRT
+        (its threads' stacks go to the log, see `__init__`), then its process group SIGKILL."""
         try:
             popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
+            popen.send_signal(signal.SIGABRT)
+            # not reaped until its group is killed: the group's id stays its own, not another process's
+            deadline = time.monotonic() + STACKS_WRITTEN_WITHIN_S
+            while time.monotonic() < deadline and psutil.Process(popen.pid).status() != psutil.STATUS_ZOMBIE:
+                time.sleep(0.1)
+            with contextlib.suppress(ProcessLookupError):  # the group ended with it
+                os.killpg(popen.pid, signal.SIGKILL)
             popen.wait()
         return popen.returncode, log.read_text(errors="replace")
 
