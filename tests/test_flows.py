@@ -217,14 +217,19 @@ async def _task_runs(flow_run_id):
         return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
 
+def recorded_final(run) -> bool:
+    """A task run read from the API has ended: one read before its first state is written has no state yet (task-run
+    states reach the database in batches, see flows/__init__.py)."""
+    return run.state is not None and run.state.is_final()
+
+
 def recorded_nodes(child_runs) -> list[dict]:
     """Each iteration run's task runs by node name, once the API has them all finished (task-run states reach
     the database in batches, up to 5 s late: see flows/__init__.py). With `fast_overrides` every iteration runs
     rollout, advantages, ppo_update and broadcast_weights; the last one also checkpoint and evaluate."""
     def finished_nodes(run, last: bool):
         runs = {r.name.rsplit("-", 1)[0]: r for r in asyncio.run(_task_runs(run.id))}
-        done = all(r.state is not None and r.state.is_final() for r in runs.values())  # no state yet: not written
-        return runs if len(runs) == 4 + 2 * last and done else None
+        return runs if len(runs) == 4 + 2 * last and all(map(recorded_final, runs.values())) else None
 
     return [wait_until(lambda: finished_nodes(run, run is child_runs[-1]), 60, f"the task runs of {run.name}",
                        interval=1) for run in child_runs]
@@ -325,8 +330,8 @@ def test_three_iterations_end_to_end_with_artifacts(prefect_api, tiny_model_dir,
     assert again["iterations"] == 3 and len(asyncio.run(_flow_runs("e2e/iter-"))) == 3
     # ... nor the initial evaluation: its node (in each run's set-up) finds its output made
     assert (run_dir / "iter_0" / "eval.json").stat().st_mtime_ns == evaluated_at
-    evaluations = wait_until(lambda: (lambda found: found if len(found) == 2 and all(
-        r.state is not None and r.state.is_final() for r in found) else None)(asyncio.run(_initial_evaluations("e2e"))),
+    evaluations = wait_until(lambda: (lambda found: found if len(found) == 2 and all(map(recorded_final, found))
+                                      else None)(asyncio.run(_initial_evaluations("e2e"))),
                              60, "the two runs' evaluate-0 task runs", interval=1)
     assert all(r.state.is_completed() for r in evaluations)
 
@@ -386,7 +391,7 @@ def test_iterations_share_flow_runs_and_keep_a_task_run_per_node(prefect_api, ti
     assert [(r.name, r.state.type.value) for r in runs] == [("g/iter-1..3", "COMPLETED"), ("g/iter-4", "COMPLETED")]
 
     def finished(run, expected: int):
-        found = [r for r in asyncio.run(_task_runs(run.id)) if r.state is not None and r.state.is_final()]
+        found = [r for r in asyncio.run(_task_runs(run.id)) if recorded_final(r)]
         return found if len(found) == expected else None
 
     # every iteration: rollout, advantages, ppo_update, broadcast_weights; iteration 3 also evaluate (eval_freq=3),
