@@ -17,6 +17,7 @@ whatever Python handler is installed: a thread reading it starts the stop at onc
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import logging
 import os
@@ -105,7 +106,14 @@ def _exit_if_still_running(signum: int, since: float) -> None:
 
 def _force_exit(signum: int, why: str) -> None:
     stop_everything()
-    sys.stderr.write(f"\n{signal.Signals(signum).name}: {why}; exiting now (servers and trainer stopped)\n")
+    sys.stderr.write(f"\n{signal.Signals(signum).name}: {why}; exiting now (servers and trainer stopped). "
+                     f"What each thread was doing:\n")
+    sys.stderr.flush()
+    # what held the unwinding up is the one thing a forced exit cannot otherwise tell
+    try:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    except (ValueError, OSError):  # a stderr without a file descriptor (io.UnsupportedOperation is both)
+        pass
     sys.stderr.flush()
     os._exit(exit_status(signum))
 

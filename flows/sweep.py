@@ -164,20 +164,31 @@ def stop_runs(grace: float = RUN_STOP_GRACE_S) -> None:
                 pass
 
 
-def _final_state(flow_run_id: Any):
-    """The run's flow run state as the API has it; after a stop signal one quick try (the API may be what is
-    gone, and nothing may wait on it then), None when it does not answer."""
+def _final_state(flow_run_id: Any, returncode: int):
+    """The run's flow run state as the API has it, once its process has ended with `returncode`. Where the process
+    left it unfinished (it was killed, or its forced exit after a stop signal came before Prefect recorded the
+    crash), the flow run and those below it are recorded Crashed first. After a stop signal: quick calls (the API
+    may be what is gone, and nothing may wait on it then), None when it does not answer."""
     from prefect import get_client
     from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    if shutdown.requested_by() is None:
-        with get_client(sync_client=True) as client:
-            return client.read_flow_run(flow_run_id).state
+    from flows.labels import crash_runs_of_ended_process
+
+    quick = shutdown.requested_by() is not None
     try:
-        with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: 2.0}), \
-                get_client(sync_client=True) as client:
-            return client.read_flow_run(flow_run_id).state
+        with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: 2.0} if quick
+                                else {}), get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run_id).state
+            if state is None or not state.is_final():
+                crashed = crash_runs_of_ended_process(
+                    client, flow_run_id, f"its process ended (exit code {returncode}) before recording its end")
+                logging.getLogger(__name__).warning("flow runs left unfinished by an ended process, marked Crashed: %s",
+                                                    ", ".join(crashed))
+                state = client.read_flow_run(flow_run_id).state
+            return state
     except Exception:
+        if not quick:
+            raise
         return None
 
 
@@ -230,7 +241,7 @@ def run_one(config_path: str, run_id: str, overrides: list[str], iterations: Opt
         with _children_lock:
             _children.pop(child.pid, None)
     wall = time.monotonic() - started
-    state = _final_state(flow_run.id)
+    state = _final_state(flow_run.id, returncode)
     summary = summarize(read_metrics(Path(run_dir) / "metrics.jsonl"))
     summary.pop("agent", None)
     row = {"run_id": run_id, "state": state.name if state else "unknown", "exit_code": returncode,

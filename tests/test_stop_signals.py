@@ -124,7 +124,8 @@ time.sleep(3600)
 
 def test_the_stop_starts_at_the_signal_whatever_handler_another_library_put_in_place():
     """A library's SIGTERM handler that never returns (Prefect's, reporting to a dead API) in place of the
-    project's: the registered clean-ups still run at the signal, and the forced exit still ends the process."""
+    project's: the registered clean-ups still run at the signal, and the forced exit still ends the process, naming
+    where each thread was (the slow handler's line among them)."""
     import sys
 
     process = subprocess.Popen([sys.executable, "-c", _REPLACED_HANDLER], stdout=subprocess.PIPE, text=True,
@@ -135,6 +136,8 @@ def test_the_stop_starts_at_the_signal_whatever_handler_another_library_put_in_p
         out, _ = process.communicate(timeout=60)  # the slow handler alone would hold it an hour
         assert process.returncode == 128 + signal.SIGTERM and "cleaned up" in out, out
         assert "still running 2 s after the stop signal" in out, out
+        stacks = out[out.index("What each thread was doing:"):]
+        assert "Thread 0x" in stacks and "in slow_handler" in stacks, out
     finally:
         process.kill()
         process.wait()

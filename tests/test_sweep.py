@@ -5,6 +5,7 @@ API. (3 runs at once on a Prefect server on PostgreSQL: tests/test_prefect_postg
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -116,8 +117,9 @@ def test_a_failing_run_does_not_stop_the_others(tiny_model_dir, tmp_path, sweep_
 
 
 def test_a_stop_signal_stops_every_run_and_leaves_no_process(tiny_model_dir, tmp_path, sweep_env):
-    """SIGTERM to the sweep while its two runs train: each run stops its services and records its flow run as
-    crashed, the command exits 143 within seconds, and nothing it started is left."""
+    """One run's process is killed (SIGKILL: it records nothing), then SIGTERM goes to the sweep while the other
+    trains: the sweep records the killed run's flow runs as crashed, the other run stops its services and records
+    its own crash, the command exits 143 within seconds, and nothing it started is left."""
     sweep = _sweep(tmp_path, tiny_model_dir, sweep_env, "trainer.optimizer.lr=1e-3,2e-3", iterations=50)
     try:
         wait_until(lambda: all((tmp_path / f"sw-lr={lr}" / "iter_1" / "orchestration.json").exists()
@@ -126,12 +128,59 @@ def test_a_stop_signal_stops_every_run_and_leaves_no_process(tiny_model_dir, tmp
         started = psutil.Process(sweep.pid).children(recursive=True)
         # the API server; per run its process, inference server, trainer, ...
         assert len(started) >= 6, [" ".join(p.cmdline())[:120] for p in started]
+        killed_log = str(tmp_path / "sw-lr=2e-3" / "logs" / "sweep.log")
+        (killed,) = [p for p in psutil.Process(sweep.pid).children()
+                     if any(f.path == killed_log for f in p.open_files())]
+        killed.kill()
+        killed.wait(30)
         sweep.send_signal(signal.SIGTERM)
         out, _ = sweep.communicate(timeout=25)
     finally:
         if sweep.poll() is None:
             stop_serve(sweep)
-    assert sweep.returncode == 143, out[-4000:]
-    assert "finished sw-lr=1e-3: Crashed" in out and "finished sw-lr=2e-3: Crashed" in out, out[-3000:]
+    assert sweep.returncode == 143, out[-12000:]
+    assert "finished sw-lr=1e-3: Crashed" in out and "finished sw-lr=2e-3: Crashed" in out, out[-12000:]
+    # by the sweep: the killed run's train flow run (and the iteration run it was in, unless it was between two)
+    marked = [line for line in out.splitlines() if "left unfinished by an ended process, marked Crashed: " in line]
+    assert len(marked) == 1 and re.search(r"Crashed: sw-lr=2e-3(, sw-lr=2e-3/iter-\d+)*$", marked[0]), out[-12000:]
     wait_until(lambda: not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 15,
                "every process the sweep started to exit")
+
+
+def test_the_runs_an_ended_process_left_unfinished_are_marked_crashed_and_no_other(prefect_api):
+    """crash_runs_of_ended_process, against the worker's Prefect API: the flow run and the unfinished runs below it,
+    at every depth, become Crashed with the reason; a finished run below it, and a running run elsewhere, stay."""
+    from prefect import Task, flow, get_client
+    from prefect.states import Completed, Running
+
+    from flows.labels import crash_runs_of_ended_process
+
+    @flow(name="ended-process-test")
+    def placeholder():
+        pass
+
+    def tracker_task():
+        pass
+
+    with get_client(sync_client=True) as client:
+        def flow_run(name: str, state, parent=None):
+            parent_task_run = None
+            if parent is not None:  # as Prefect links a subflow: a task run of the parent stands for it
+                parent_task_run = client.create_task_run(Task(tracker_task), flow_run_id=parent.id,
+                                                         dynamic_key=name, name=f"tracker-{name}").id
+            run = client.create_flow_run(placeholder, name=name, parent_task_run_id=parent_task_run)
+            client.set_flow_run_state(run.id, state, force=True)
+            return run
+
+        top = flow_run("ended/top", Running())
+        done = flow_run("ended/iter-1", Completed(), top)
+        running = flow_run("ended/iter-2", Running(), top)
+        deeper = flow_run("ended/iter-2/eval", Running(), running)
+        elsewhere = flow_run("ended/elsewhere", Running())
+        crashed = crash_runs_of_ended_process(client, top.id, "its process ended (exit code -9)")
+        states = {run.name: client.read_flow_run(run.id).state for run in (top, done, running, deeper, elsewhere)}
+    assert sorted(crashed) == ["ended/iter-2", "ended/iter-2/eval", "ended/top"]
+    assert {name: state.type.value for name, state in states.items()} == {
+        "ended/top": "CRASHED", "ended/iter-1": "COMPLETED", "ended/iter-2": "CRASHED", "ended/iter-2/eval": "CRASHED",
+        "ended/elsewhere": "RUNNING"}
+    assert states["ended/iter-2"].message == "its process ended (exit code -9)"
