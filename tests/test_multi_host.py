@@ -34,6 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("areal-pipeline"))
 HOSTS = ("head", "gen", "train-a", "train-b")
 ITERATIONS = 20
+# The run that loses a trainer node stops at 8 under the reference's learning-rate schedule: its weights are then the
+# reference's at 8, bitwise, four iterations after the loss and the replay
+VICTIM = ("total_iterations=8", f"trainer.optimizer.schedule_iterations={ITERATIONS}")
 
 pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None,
                                 reason=f"simulated hosts: {namespaces_unavailable()}")
@@ -68,8 +71,8 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "checkpoints" / f"step_{ITERATIONS}" / "model" / "model.safetensors"))
+def weights_at(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step_{step}" / "model" / "model.safetensors"))
 
 
 def tail(path: Path, chars: int = 4000) -> str:
@@ -174,7 +177,7 @@ def test_a_run_across_four_hosts_learns_and_survives_a_lost_trainer_node(model_c
             return start(hosts, "head", orchestrator, env, logs / f"head-{run_id}.log"), started
 
         # A: uninterrupted, weights to gen by process group (gloo between train-a and gen)
-        reference, _ = run("ref", "trainer.weight_sync=distributed")
+        reference, _ = run("ref", "trainer.weight_sync=distributed", f"keep_checkpoints={ITERATIONS}")
         assert reference.wait(timeout=900) == 0, tail(logs / "head-ref.log")
         announced = json.loads((shared / "ref" / "trainer" / "endpoint.json").read_text())
         assert announced["world_size"] == 2 and announced["address"].split(":")[0] in {
@@ -210,20 +213,21 @@ def test_a_run_across_four_hosts_learns_and_survives_a_lost_trainer_node(model_c
 
         # B: the same run with weights by disk; train-b is lost while iteration 3 is being updated, and its
         # scheduler starts it again: the update's retry waits for the trainer, restores it and goes on
-        victim, nodes = run("victim", "trainer.weight_sync=disk")
+        victim, nodes = run("victim", "trainer.weight_sync=disk", *VICTIM)
         batch = shared / "victim" / "iter_3" / "batch" / "manifest.json"
         wait_for(lambda: batch.exists() or victim.poll() is not None, 600, "iteration 3's batch")
         assert victim.poll() is None, tail(logs / "head-victim.log")
         assert hosts.kill_host("train-b")
         plan = launch_plan(hosts, env, ["--config", "configs/tiny_cpu.yaml",
-                                        *overrides(shared, model, "victim", "trainer.weight_sync=disk")])
+                                        *overrides(shared, model, "victim", "trainer.weight_sync=disk", *VICTIM)])
         start(hosts, "train-b", [p for p in plan if p["role"] == "trainer-node"][1], env,
               logs / "train-b-victim-again.log")
         assert victim.wait(timeout=900) == 0, tail(logs / "head-victim.log")
         log = (shared / "victim" / "logs" / "train.log").read_text()
         assert "waiting for its nodes to come back" in log or "no trainer answered" in log, log[-3000:]
 
-        a, b = final_weights(shared / "ref"), final_weights(shared / "victim")
+        assert len((shared / "victim" / "metrics.jsonl").read_text().splitlines()) == 8
+        a, b = weights_at(shared / "ref", 8), weights_at(shared / "victim", 8)
         assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
         # the head's Prefect server (PostgreSQL) recorded it: a node of the victim's ran twice, and completed (the
