@@ -99,20 +99,13 @@ def _unfinished() -> Any:
     return FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType[s] for s in LEFTOVER_STATES]))
 
 
-def _leftover_runs(client: Any, run_id: str) -> list:
-    """The flow runs of run `run_id` (tagged `run:<id>`) that the API shows Running, Pending or Cancelling."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
-
-    return client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run_id}"]),
-                                                               state=_unfinished()))
-
-
 def crash_leftover_runs(run_id: str) -> list[str]:
     """Flow runs of run `run_id` (tagged `run:<id>`) that the API shows Running, Pending or Cancelling while this
     process holds the run's lock: their process was killed (no other process can be running the run), so the UI
     would show them running until someone retried them. Each is marked Crashed, naming this flow run; this flow
     run and the runs above it are left alone. Returns their names."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.context import FlowRunContext
     from prefect.states import Crashed
 
@@ -125,8 +118,10 @@ def crash_leftover_runs(run_id: str) -> list[str]:
                 break
             run = client.read_flow_run(task_run.flow_run_id)
             ours.add(run.id)
+        found = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run_id}"]),
+                                                                    state=_unfinished()))
         crashed = []
-        for leftover in _leftover_runs(client, run_id):
+        for leftover in found:
             if leftover.id in ours:
                 continue
             client.set_flow_run_state(leftover.id, Crashed(
@@ -136,23 +131,22 @@ def crash_leftover_runs(run_id: str) -> list[str]:
     return crashed
 
 
-def crash_runs_of_ended_process(client: Any, flow_run_id: Any, why: str) -> list[str]:
-    """What a process that ran flow run `flow_run_id` in a child process does once that child has ended: the flow
-    run and those below it that the API still shows Running, Pending or Cancelling (the child was killed, or its
-    forced exit after a stop signal came before Prefect recorded the crash) are marked Crashed with `why`; the UI
-    would otherwise show them running. Returns their names."""
+def crash_runs_of_ended_process(client: Any, flow_run: Any, why: str) -> list[str]:
+    """What a process that ran `flow_run` (as the API last gave it) in a child process does once that child has
+    ended: the flow run and those below it that the API still shows Running, Pending or Cancelling (the child was
+    killed, or its forced exit after a stop signal came before Prefect recorded the crash) are marked Crashed with
+    `why`; the UI would otherwise show them running. Returns their names."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.states import Crashed
 
-    runs, level = [client.read_flow_run(flow_run_id)], [flow_run_id]
+    if flow_run.state is not None and flow_run.state.type.value not in LEFTOVER_STATES:
+        return []  # it ended as a run ends: so did the runs below it, first
+    runs, level = [flow_run], [flow_run.id]
     while level:  # the unfinished runs below, level by level (an iteration's evaluation under the iteration, ...)
         below = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=level), state=_unfinished()))
         runs += below
         level = [run.id for run in below]
-    crashed = []
     for run in runs:
-        if run.state is None or run.state.type.value in LEFTOVER_STATES:
-            client.set_flow_run_state(run.id, Crashed(message=why), force=True)
-            crashed.append(run.name)
-    return crashed
+        client.set_flow_run_state(run.id, Crashed(message=why), force=True)
+    return [run.name for run in runs]

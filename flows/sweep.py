@@ -178,14 +178,14 @@ def _final_state(flow_run_id: Any, returncode: int):
     try:
         with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: 2.0} if quick
                                 else {}), get_client(sync_client=True) as client:
-            state = client.read_flow_run(flow_run_id).state
-            if state is None or not state.is_final():
-                crashed = crash_runs_of_ended_process(
-                    client, flow_run_id, f"its process ended (exit code {returncode}) before recording its end")
-                logging.getLogger(__name__).warning("flow runs left unfinished by an ended process, marked Crashed: %s",
-                                                    ", ".join(crashed))
-                state = client.read_flow_run(flow_run_id).state
-            return state
+            flow_run = client.read_flow_run(flow_run_id)
+            crashed = crash_runs_of_ended_process(
+                client, flow_run, f"its process ended (exit code {returncode}) before recording its end")
+            if not crashed:
+                return flow_run.state
+            logging.getLogger(__name__).warning("flow runs left unfinished by an ended process, marked Crashed: %s",
+                                                ", ".join(crashed))
+            return client.read_flow_run(flow_run_id).state
     except Exception:
         if not quick:
             raise

@@ -178,7 +178,7 @@ def test_the_runs_an_ended_process_left_unfinished_are_marked_crashed_and_no_oth
         running = flow_run("ended/iter-2", Running(), top)
         deeper = flow_run("ended/iter-2/eval", Running(), running)
         elsewhere = flow_run("ended/elsewhere", Running())
-        crashed = crash_runs_of_ended_process(client, top.id, "its process ended (exit code -9)")
+        crashed = crash_runs_of_ended_process(client, client.read_flow_run(top.id), "its process ended (exit code -9)")
         states = {run.name: client.read_flow_run(run.id).state for run in (top, done, running, deeper, elsewhere)}
     assert sorted(crashed) == ["ended/iter-2", "ended/iter-2/eval", "ended/top"]
     assert {name: state.type.value for name, state in states.items()} == {
