@@ -6,8 +6,10 @@ trainer, tool servers, a temporary Prefect API): the step in flight then fails a
 for, and no retry starts anything again. The main thread then unwinds (KeyboardInterrupt) so that the
 orchestrator can record the run as crashed. Unwinding normally takes a second or two; if it has not ended the
 process `FORCED_EXIT_AFTER_S` seconds after the signal (an API that no longer answers, a thread that does not
-notice), the process exits then with the signal's status. A repeated signal changes nothing: Prefect re-sends
-SIGTERM to its own process once it has recorded the crash, so a repeat is not a user asking twice.
+notice), the process exits then with the signal's status, once its final reports (`register_final_report`: what
+the unwinding would have recorded, such as a flow run's crash) have had FINAL_REPORTS_DEADLINE_S. A repeated signal
+changes nothing: Prefect re-sends SIGTERM to its own process once it has recorded the crash, so a repeat is not a
+user asking twice.
 
 Another library may put its own handler in place of this one for a while: Prefect's engine does for SIGTERM
 during a whole flow run, and its handler first reports the crash to the API, which takes minutes when the API is
@@ -30,8 +32,10 @@ from typing import Callable, Optional
 logger = logging.getLogger("areal_pipeline.shutdown")
 
 FORCED_EXIT_AFTER_S = 8.0
+FINAL_REPORTS_DEADLINE_S = 2.0
 
 _cleanups: dict[int, tuple[str, Callable[[], None]]] = {}
+_final_reports: dict[int, tuple[str, Callable[[], None]]] = {}
 _ids = itertools.count()
 _lock = threading.Lock()
 _first_signal: Optional[int] = None
@@ -47,9 +51,20 @@ def register(what: str, stop: Callable[[], None]) -> int:
     return handle
 
 
+def register_final_report(what: str, report: Callable[[], None]) -> int:
+    """Run `report` before a forced exit (until `unregister`): the record that the main thread's unwinding would
+    have made and a forced exit cuts short. The reports run side by side with the ones registered before, all
+    within FINAL_REPORTS_DEADLINE_S; the exit does not wait for one longer."""
+    with _lock:
+        handle = next(_ids)
+        _final_reports[handle] = (what, report)
+    return handle
+
+
 def unregister(handle: int) -> None:
     with _lock:
         _cleanups.pop(handle, None)
+        _final_reports.pop(handle, None)
 
 
 def exit_status(signum: int) -> int:
@@ -115,7 +130,30 @@ def _force_exit(signum: int, why: str) -> None:
     except (ValueError, OSError):  # a stderr without a file descriptor (io.UnsupportedOperation is both)
         pass
     sys.stderr.flush()
+    _final_reports_within(FINAL_REPORTS_DEADLINE_S)
     os._exit(exit_status(signum))
+
+
+def _final_reports_within(deadline_s: float) -> None:
+    with _lock:
+        reports = list(_final_reports.values())
+        _final_reports.clear()
+
+    def run(what: str, report: Callable[[], None]) -> None:
+        try:
+            report()
+        except Exception as e:  # the exit goes on: the report is lost, and says so
+            sys.stderr.write(f"could not report {what} before exiting: {type(e).__name__}: {e}\n")
+
+    threads = [threading.Thread(target=run, args=entry, name="final-report", daemon=True) for entry in reports]
+    for thread in threads:
+        thread.start()
+    until = time.monotonic() + deadline_s
+    for (what, _), thread in zip(reports, threads):
+        thread.join(max(0.0, until - time.monotonic()))
+        if thread.is_alive():
+            sys.stderr.write(f"could not report {what} before exiting: no answer within {deadline_s:.0f} s\n")
+    sys.stderr.flush()
 
 
 def install_handlers(signals=(signal.SIGINT, signal.SIGTERM)) -> None:

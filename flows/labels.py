@@ -9,11 +9,14 @@ so that the flow-run search by tag `run:<id>` finds the train run and its `<id>/
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from prefect import runtime
 
+from areal_pipeline import shutdown
 from areal_pipeline.branching import read_branch
 from areal_pipeline.config import ExperimentConfig
 from areal_pipeline.run_spec import run_id_of
@@ -150,3 +153,39 @@ def crash_runs_of_ended_process(client: Any, flow_run: Any, why: str) -> list[st
     for run in runs:
         client.set_flow_run_state(run.id, Crashed(message=why), force=True)
     return [run.name for run in runs]
+
+
+@contextlib.contextmanager
+def quick_client(timeout_s: float = 2.0) -> Iterator[Any]:
+    """A sync Prefect client of its own whose calls neither retry nor wait longer than `timeout_s`: for what a
+    stopping process still records, where the API may be what is gone and nothing may wait on it."""
+    from prefect import get_client
+    from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    # httpx settings of its own: get_client would otherwise hand back the client the flow run's context holds,
+    # which the thread held up in the stop may be using
+    with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: timeout_s}), \
+            get_client(sync_client=True, httpx_settings={"timeout": timeout_s}) as client:
+        yield client
+
+
+@contextlib.contextmanager
+def crashed_if_forced_to_exit(flow_run_id: Any) -> Iterator[None]:
+    """While the block runs, a forced exit after a stop signal (areal_pipeline/shutdown.py) first marks the flow
+    run and the unfinished runs below it Crashed: the exit cuts short the unwinding in which Prefect's engine would
+    have recorded the crash, and the UI would show them running until the run id was started again."""
+    settings = contextvars.copy_context()  # the API this flow run talks to (a temporary server's URL is set there)
+
+    def report() -> None:
+        def crash() -> None:
+            with quick_client() as client:
+                crash_runs_of_ended_process(client, client.read_flow_run(flow_run_id),
+                                            "its process was forced to exit after a stop signal, before recording "
+                                            "its end")
+        settings.run(crash)
+
+    handle = shutdown.register_final_report(f"flow run {flow_run_id}'s crash", report)
+    try:
+        yield
+    finally:
+        shutdown.unregister(handle)

@@ -133,7 +133,8 @@ from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 _children: dict[int, subprocess.Popen] = {}  # the runs in flight, by pid
 last_rows: list[dict[str, Any]] = []  # the figures of this process's last sweep, for the command to print
 _children_lock = threading.Lock()
-RUN_STOP_GRACE_S = 10.0  # a stopped run exits within shutdown.FORCED_EXIT_AFTER_S (8 s) of the signal
+# a stopped run exits within shutdown.FORCED_EXIT_AFTER_S of the signal and its final reports' deadline after that
+RUN_STOP_GRACE_S = shutdown.FORCED_EXIT_AFTER_S + shutdown.FINAL_REPORTS_DEADLINE_S + 2.0
 
 
 def signal_runs() -> list[subprocess.Popen]:
@@ -170,14 +171,12 @@ def _final_state(flow_run_id: Any, returncode: int):
     crash), the flow run and those below it are recorded Crashed first. After a stop signal: quick calls (the API
     may be what is gone, and nothing may wait on it then), None when it does not answer."""
     from prefect import get_client
-    from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    from flows.labels import crash_runs_of_ended_process
+    from flows.labels import crash_runs_of_ended_process, quick_client
 
     quick = shutdown.requested_by() is not None
     try:
-        with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: 2.0} if quick
-                                else {}), get_client(sync_client=True) as client:
+        with quick_client() if quick else get_client(sync_client=True) as client:
             flow_run = client.read_flow_run(flow_run_id)
             crashed = crash_runs_of_ended_process(
                 client, flow_run, f"its process ended (exit code {returncode}) before recording its end")

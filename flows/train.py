@@ -161,7 +161,8 @@ def train(config_path: str = "configs/tiny_cpu.yaml", overrides: Optional[list[s
     run_logs.keep_completed_task_runs_from_the_api()
     logger = get_run_logger()
     # the run's log file, whoever started the flow run (a command opened it already; a deployment run opens it)
-    with run_lock(cfg.run_dir), run_log_file(cfg.run_dir, header=f"flow run {runtime.flow_run.name}"):
+    with run_lock(cfg.run_dir), run_log_file(cfg.run_dir, header=f"flow run {runtime.flow_run.name}"), \
+            labels.crashed_if_forced_to_exit(runtime.flow_run.id):
         # the plan first (a Retry's is its first attempt's): the trainer, the saved config and every node read the
         # run's length from it
         first, cfg.total_iterations, per_run = planned_iterations(cfg)

@@ -112,6 +112,11 @@ from areal_pipeline import shutdown
 shutdown.FORCED_EXIT_AFTER_S = 2.0
 shutdown.install_handlers()
 shutdown.register("a marker", lambda: print("cleaned up", flush=True))
+shutdown.register_final_report("the stuck report", lambda: time.sleep(3600))
+shutdown.register_final_report("the failing report", lambda: 1 / 0)
+shutdown.register_final_report("the marker's end", lambda: print("reported", flush=True))
+forgotten = shutdown.register_final_report("a forgotten report", lambda: print("not forgotten", flush=True))
+shutdown.unregister(forgotten)
 
 def slow_handler(signum, frame):  # as Prefect's: it reports the crash to an API that no longer answers
     time.sleep(3600)
@@ -125,7 +130,8 @@ time.sleep(3600)
 def test_the_stop_starts_at_the_signal_whatever_handler_another_library_put_in_place():
     """A library's SIGTERM handler that never returns (Prefect's, reporting to a dead API) in place of the
     project's: the registered clean-ups still run at the signal, and the forced exit still ends the process, naming
-    where each thread was (the slow handler's line among them)."""
+    where each thread was (the slow handler's line among them), after its final reports: one that never returns
+    and one that fails are named, and neither holds the exit or the others; an unregistered one does not run."""
     import sys
 
     process = subprocess.Popen([sys.executable, "-c", _REPLACED_HANDLER], stdout=subprocess.PIPE, text=True,
@@ -138,9 +144,75 @@ def test_the_stop_starts_at_the_signal_whatever_handler_another_library_put_in_p
         assert "still running 2 s after the stop signal" in out, out
         stacks = out[out.index("What each thread was doing:"):]
         assert "Thread 0x" in stacks and "in slow_handler" in stacks, out
+        assert "reported" in stacks and "not forgotten" not in out, out
+        assert "could not report the stuck report before exiting: no answer within 2 s" in stacks, out
+        assert "could not report the failing report before exiting: ZeroDivisionError" in stacks, out
     finally:
         process.kill()
         process.wait()
+
+
+_HELD_FLOW_RUN = r'''
+import signal, time
+from prefect import flow, runtime
+from areal_pipeline import shutdown
+from flows import labels
+
+shutdown.FORCED_EXIT_AFTER_S = 2.0
+shutdown.install_handlers()
+
+def held(signum, frame):  # as Prefect's own handler with an API that does not answer: the unwinding never starts
+    time.sleep(3600)
+
+@flow(name="held-iteration")
+def iteration():
+    signal.signal(signal.SIGTERM, held)
+    print("ready", flush=True)
+    time.sleep(3600)
+
+@flow(name="held-train")
+def train():
+    with labels.crashed_if_forced_to_exit(runtime.flow_run.id):
+        print("train", runtime.flow_run.id, flush=True)
+        iteration()
+
+train()
+'''
+
+
+def test_a_forced_exit_records_the_crash_of_the_flow_run_and_the_runs_below_it(prefect_api):
+    """A flow run whose unwinding never starts after SIGTERM (its handler held, as Prefect's is with an API that does
+    not answer): the forced exit marks it and its running child flow run Crashed through the API before it exits,
+    where the UI would otherwise show both running until the run id was started again."""
+    import sys
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    process = subprocess.Popen([sys.executable, "-c", _HELD_FLOW_RUN], stdout=subprocess.PIPE, text=True,
+                               stderr=subprocess.STDOUT, env=env)
+    try:
+        lines = [process.stdout.readline()]  # Prefect's log lines among them
+        while lines[-1] not in ("ready\n", ""):
+            lines.append(process.stdout.readline())
+        assert lines[-1] == "ready\n", lines
+        top = next(line.split()[1] for line in lines if line.startswith("train "))
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=120)  # the held handler alone would keep it an hour
+        assert process.returncode == 128 + signal.SIGTERM, out
+        assert "still running 2 s after the stop signal" in out and "could not report" not in out, out
+    finally:
+        process.kill()
+        process.wait()
+    with get_client(sync_client=True) as client:
+        train = client.read_flow_run(top)
+        below = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[train.id])))
+    why = "its process was forced to exit after a stop signal, before recording its end"
+    assert len(below) == 1, below
+    assert (train.state.type.value, train.state.message) == ("CRASHED", why), train.state
+    assert (below[0].state.type.value, below[0].state.message) == ("CRASHED", why), below[0].state
 
 
 _FORKED_CHILD = r'''
