@@ -119,7 +119,7 @@ def test_the_api_killed_mid_run_stops_it_with_75_and_the_rerun_continues_to_the_
     # what the message says is finished is what is on disk: iteration 1 at least (its rollout came before the kill)
     finished = sorted(int(p.parent.name.split("_")[1]) for p in (tmp_path / "outage").glob("iter_*/metrics.json"))
     assert finished and f"iterations 1..{finished[-1]} are finished on disk" in out, (finished, out[-3000:])
-    wait_until(lambda: processes_of(run.pid) == [], 10, "the run's processes to exit")
+    wait_until(lambda: processes_of(run.pid) == [], 60, "the run's processes to exit")
 
     api.start()
     rerun = _train(tmp_path, tiny_model_dir, "outage", env)
@@ -175,7 +175,7 @@ def test_sigterm_ends_a_run_within_seconds_with_the_api_gone(api, tiny_model_dir
     out = _finish(run, timeout=6 * FORCED_EXIT_AFTER_S)
     assert run.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "SIGTERM received: stopping the run's servers and trainer" in out, out[-3000:]  # at the signal
-    wait_until(lambda: processes_of(run.pid) == [], 10, "the run's processes to exit")
+    wait_until(lambda: processes_of(run.pid) == [], 60, "the run's processes to exit")
 
 
 def test_sigterm_to_serve_with_the_api_gone_ends_it_its_sweep_and_the_sweep_s_run(

@@ -583,7 +583,7 @@ def test_sigterm_mid_update_stops_the_run_and_its_services_promptly(prefect_api,
     run.send_signal(signal.SIGTERM)
     out, _ = run.communicate(timeout=60)
     assert run.returncode != 0, out
-    wait_until(lambda: processes_of(run.pid) == [], 5, "the run's processes to exit")
+    wait_until(lambda: processes_of(run.pid) == [], 60, "the run's processes to exit")
     assert "Retrying" not in out, out
     assert not (tmp_path / "term" / "iter_3" / "rollout" / "manifest.json").exists()
 

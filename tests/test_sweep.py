@@ -144,7 +144,7 @@ def test_a_stop_signal_stops_every_run_and_leaves_no_process(tiny_model_dir, tmp
     # was in, under Prefect's random name if it had not named itself yet; none between two iterations)
     marked = [line for line in out.splitlines() if "left unfinished by an ended process, marked Crashed: " in line]
     assert len(marked) == 1 and re.search(r"Crashed: sw-lr=2e-3(, [^ ,]+)*$", marked[0]), out[-12000:]
-    wait_until(lambda: not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 15,
+    wait_until(lambda: not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 60,
                "every process the sweep started to exit")
 
 
