@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger, runtime, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from areal_pipeline.branching import (BranchError, BranchPlan, plan_branch, prepare_branch, regenerated_rollouts,
                                       restore_parent_policy)
-from flows import run_logs
+from flows import labels, run_logs
 from flows.artifacts import artifact_key
 from flows.train import train
 
@@ -93,7 +93,8 @@ def branch(parent_run_id: str, at: int, run_id: str, overrides: Optional[list[st
     _tag_and_link(plan, record)
     logger.info("%s %s of %s at iteration %d: training %d..%d (%s)", plan.mode, run_id, parent_run_id, at, at + 1,
                 plan.last, record["start_checkpoint"])
-    result = train(config_path=str(plan.run_dir / "config.yaml"), run_id=run_id)
+    with labels.crashed_if_forced_to_exit(runtime.flow_run.id):  # this flow run too, not only the train run's
+        result = train(config_path=str(plan.run_dir / "config.yaml"), run_id=run_id)
     regenerated = regenerated_rollouts(plan)
     if regenerated:  # a referenced shard went bad during the run: it is not the parent's data any more
         logger.warning("replay %s: the rollouts of iterations %s were generated again (their referenced shards "

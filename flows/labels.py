@@ -173,7 +173,8 @@ def quick_client(timeout_s: float = 2.0) -> Iterator[Any]:
 def crashed_if_forced_to_exit(flow_run_id: Any) -> Iterator[None]:
     """While the block runs, a forced exit after a stop signal (areal_pipeline/shutdown.py) first marks the flow
     run and the unfinished runs below it Crashed: the exit cuts short the unwinding in which Prefect's engine would
-    have recorded the crash, and the UI would show them running until the run id was started again."""
+    have recorded the crash, and the UI would show them running until the run id was started again. A block within
+    another (a firing's train run) reports too: the runs both would mark are marked twice, the same way."""
     settings = contextvars.copy_context()  # the API this flow run talks to (a temporary server's URL is set there)
 
     def report() -> None:

@@ -23,7 +23,7 @@ from prefect import flow, get_run_logger, runtime
 
 from areal_pipeline.recurring.ledger import Ledger
 from areal_pipeline.recurring.line import Line, check_line_config
-from flows import line_report, run_logs
+from flows import labels, line_report, run_logs
 from flows.firing import fire, summary, this_flow_run
 
 DEFAULT_CONFIG = "configs/recurring_cpu.yaml"
@@ -98,7 +98,8 @@ def recurring(config_path: str = DEFAULT_CONFIG, overrides: Optional[list[str]] 
     overrides = list(overrides or [])
     line = load_line(config_path, overrides)
     with line.lock(on_wait=lambda holder: logger.info("line %s: waiting for its firing in progress (%s) to end",
-                                                      line.name, holder)):
+                                                      line.name, holder)), \
+            labels.crashed_if_forced_to_exit(runtime.flow_run.id):
         ledger = line.ledger()
         line, firing = open_firing(line, ledger, overrides)
         _label(line, firing)
