@@ -2,14 +2,14 @@
 
 A stop signal (Ctrl-C sends SIGINT to the whole foreground process group; `timeout`, a scheduler or a supervisor
 send SIGTERM to the process or its group) first stops everything the process registered here (inference servers,
-trainer, tool servers, a temporary Prefect API): the step in flight then fails at once instead of being waited
-for, and no retry starts anything again. The main thread then unwinds (KeyboardInterrupt) so that the
-orchestrator can record the run as crashed. Unwinding normally takes a second or two; if it has not ended the
-process `FORCED_EXIT_AFTER_S` seconds after the signal (an API that no longer answers, a thread that does not
-notice), the process exits then with the signal's status, once its final reports (`register_final_report`: what
-the unwinding would have recorded, such as a flow run's crash) have had FINAL_REPORTS_DEADLINE_S. A repeated signal
-changes nothing: Prefect re-sends SIGTERM to its own process once it has recorded the crash, so a repeat is not a
-user asking twice.
+trainer, tool servers; not a temporary Prefect API, where the run's end is still to be recorded): the step in
+flight then fails at once instead of being waited for, and no retry starts anything again. The main thread then
+unwinds (KeyboardInterrupt) so that the orchestrator can record the run as crashed. Unwinding normally takes a
+second or two; if it has not ended the process `FORCED_EXIT_AFTER_S` seconds after the signal (an API that no
+longer answers, a thread that does not notice), the process exits then with the signal's status, once its final
+reports (`register_final_report`: what the unwinding would have recorded, such as a flow run's crash) have had
+FINAL_REPORTS_DEADLINE_S. A repeated signal changes nothing: Prefect re-sends SIGTERM to its own process once it
+has recorded the crash, so a repeat is not a user asking twice.
 
 Another library may put its own handler in place of this one for a while: Prefect's engine does for SIGTERM
 during a whole flow run, and its handler first reports the crash to the API, which takes minutes when the API is
