@@ -134,11 +134,11 @@ def crash_leftover_runs(run_id: str) -> list[str]:
     return crashed
 
 
-def crash_runs_of_ended_process(client: Any, flow_run: Any, why: str) -> list[str]:
-    """What a process that ran `flow_run` (as the API last gave it) in a child process does once that child has
-    ended: the flow run and those below it that the API still shows Running, Pending or Cancelling (the child was
-    killed, or its forced exit after a stop signal came before Prefect recorded the crash) are marked Crashed with
-    `why`; the UI would otherwise show them running. Returns their names."""
+def crash_unfinished_runs(client: Any, flow_run: Any, why: str) -> list[str]:
+    """`flow_run` (as the API last gave it) and the runs below it that the API still shows Running, Pending or
+    Cancelling, marked Crashed with `why`, where the process running them ended, or is being forced to end, before
+    Prefect recorded their crash (a sweep's killed run, a forced exit after a stop signal); the UI would otherwise
+    show them running. Returns their names."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.states import Crashed
 
@@ -160,29 +160,37 @@ def quick_client(timeout_s: float = 2.0) -> Iterator[Any]:
     """A sync Prefect client of its own whose calls neither retry nor wait longer than `timeout_s`: for what a
     stopping process still records, where the API may be what is gone and nothing may wait on it."""
     from prefect import get_client
-    from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    # httpx settings of its own: get_client would otherwise hand back the client the flow run's context holds,
-    # which the thread held up in the stop may be using
-    with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: timeout_s}), \
+    # the time-out as httpx settings: with settings of its own, get_client does not hand back the client the flow
+    # run's context holds, which the thread held up in the stop may be using
+    with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}), \
             get_client(sync_client=True, httpx_settings={"timeout": timeout_s}) as client:
         yield client
+
+
+# The flow run whose block (`crashed_if_forced_to_exit`) this context is in: a flow run below it in this process
+# (a firing's train run) is among the runs that block's report marks already.
+_reporting_for: contextvars.ContextVar[Any] = contextvars.ContextVar("reporting_for", default=None)
 
 
 @contextlib.contextmanager
 def crashed_if_forced_to_exit(flow_run_id: Any) -> Iterator[None]:
     """While the block runs, a forced exit after a stop signal (areal_pipeline/shutdown.py) first marks the flow
     run and the unfinished runs below it Crashed: the exit cuts short the unwinding in which Prefect's engine would
-    have recorded the crash, and the UI would show them running until the run id was started again. A block within
-    another (a firing's train run) reports too: the runs both would mark are marked twice, the same way."""
+    have recorded the crash, and the UI would show them running until the run id was started again. Within another
+    such block (a firing's train run) it adds nothing: the outer block's report marks this run too."""
+    if _reporting_for.get() is not None:
+        yield
+        return
+    token = _reporting_for.set(flow_run_id)
     settings = contextvars.copy_context()  # the API this flow run talks to (a temporary server's URL is set there)
 
     def report() -> None:
         def crash() -> None:
             with quick_client() as client:
-                crash_runs_of_ended_process(client, client.read_flow_run(flow_run_id),
-                                            "its process was forced to exit after a stop signal, before recording "
-                                            "its end")
+                crash_unfinished_runs(client, client.read_flow_run(flow_run_id),
+                                      "its process was forced to exit after a stop signal, before recording its end")
         settings.run(crash)
 
     handle = shutdown.register_final_report(f"flow run {flow_run_id}'s crash", report)
@@ -190,3 +198,4 @@ def crashed_if_forced_to_exit(flow_run_id: Any) -> Iterator[None]:
         yield
     finally:
         shutdown.unregister(handle)
+        _reporting_for.reset(token)

@@ -172,13 +172,13 @@ def _final_state(flow_run_id: Any, returncode: int):
     may be what is gone, and nothing may wait on it then), None when it does not answer."""
     from prefect import get_client
 
-    from flows.labels import crash_runs_of_ended_process, quick_client
+    from flows.labels import crash_unfinished_runs, quick_client
 
     quick = shutdown.requested_by() is not None
     try:
         with quick_client() if quick else get_client(sync_client=True) as client:
             flow_run = client.read_flow_run(flow_run_id)
-            crashed = crash_runs_of_ended_process(
+            crashed = crash_unfinished_runs(
                 client, flow_run, f"its process ended (exit code {returncode}) before recording its end")
             if not crashed:
                 return flow_run.state

@@ -165,10 +165,11 @@ def held(signum, frame):  # as Prefect's own handler with an API that does not a
     time.sleep(3600)
 
 @flow(name="held-iteration")
-def iteration():
-    signal.signal(signal.SIGTERM, held)
-    print("ready", flush=True)
-    time.sleep(3600)
+def iteration():  # as a firing's train run: a flow run with a block of its own below one with a block
+    with labels.crashed_if_forced_to_exit(runtime.flow_run.id):
+        signal.signal(signal.SIGTERM, held)
+        print("ready", flush=True)
+        time.sleep(3600)
 
 @flow(name="held-train")
 def train():
@@ -183,7 +184,8 @@ train()
 def test_a_forced_exit_records_the_crash_of_the_flow_run_and_the_runs_below_it(prefect_api):
     """A flow run whose unwinding never starts after SIGTERM (its handler held, as Prefect's is with an API that does
     not answer): the forced exit marks it and its running child flow run Crashed through the API before it exits,
-    where the UI would otherwise show both running until the run id was started again."""
+    where the UI would otherwise show both running until the run id was started again; once each, though the child
+    has a block of its own."""
     import sys
 
     from prefect import get_client
@@ -209,10 +211,12 @@ def test_a_forced_exit_records_the_crash_of_the_flow_run_and_the_runs_below_it(p
         train = client.read_flow_run(top)
         below = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[train.id])))
+        histories = [[state.type.value for state in client.read_flow_run_states(run.id)] for run in [train, *below]]
     why = "its process was forced to exit after a stop signal, before recording its end"
     assert len(below) == 1, below
     assert (train.state.type.value, train.state.message) == ("CRASHED", why), train.state
     assert (below[0].state.type.value, below[0].state.message) == ("CRASHED", why), below[0].state
+    assert [history.count("CRASHED") for history in histories] == [1, 1], histories
 
 
 _FORKED_CHILD = r'''

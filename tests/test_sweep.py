@@ -149,12 +149,12 @@ def test_a_stop_signal_stops_every_run_and_leaves_no_process(tiny_model_dir, tmp
 
 
 def test_the_runs_an_ended_process_left_unfinished_are_marked_crashed_and_no_other(prefect_api):
-    """crash_runs_of_ended_process, against the worker's Prefect API: the flow run and the unfinished runs below it,
+    """crash_unfinished_runs, against the worker's Prefect API: the flow run and the unfinished runs below it,
     at every depth, become Crashed with the reason; a finished run below it, and a running run elsewhere, stay."""
     from prefect import Task, flow, get_client
     from prefect.states import Completed, Running
 
-    from flows.labels import crash_runs_of_ended_process
+    from flows.labels import crash_unfinished_runs
 
     @flow(name="ended-process-test")
     def placeholder():
@@ -178,7 +178,7 @@ def test_the_runs_an_ended_process_left_unfinished_are_marked_crashed_and_no_oth
         running = flow_run("ended/iter-2", Running(), top)
         deeper = flow_run("ended/iter-2/eval", Running(), running)
         elsewhere = flow_run("ended/elsewhere", Running())
-        crashed = crash_runs_of_ended_process(client, client.read_flow_run(top.id), "its process ended (exit code -9)")
+        crashed = crash_unfinished_runs(client, client.read_flow_run(top.id), "its process ended (exit code -9)")
         states = {run.name: client.read_flow_run(run.id).state for run in (top, done, running, deeper, elsewhere)}
     assert sorted(crashed) == ["ended/iter-2", "ended/iter-2/eval", "ended/top"]
     assert {name: state.type.value for name, state in states.items()} == {
