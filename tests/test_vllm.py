@@ -227,6 +227,8 @@ def test_abort_mid_rollout_resumes_under_the_new_version(server, models):
                 logits = model(torch.tensor([ids])).logits[0, r.input_len - 1:-1]
             logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.output_tokens)[:, None])[:, 0]
             mine = [i for i, v in enumerate(r.output_versions) if v == version]
+            if not mine:  # a request the engine finished before the push has no token of version 1
+                continue
             diff = (logp[mine] - torch.tensor(r.output_logprobs)[mine]).abs().max().item()
             assert diff < TOLERANCE, (version, diff)
 
