@@ -17,12 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger, runtime, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from areal_pipeline.rescoring import (RescoreError, RescorePlan, check_sources, plan_rescore, rescore_iteration,
                                       write_lineage)
+from flows import labels
 from flows.artifacts import artifact_key
 from tasks.judge_limit import shared_judge_limit
 
@@ -66,18 +67,19 @@ def rescore(run_id: str, scorer: str, output_dir: str = "runs", reward: Optional
     """Score run `run_id`'s stored rollouts (in `output_dir`) again with `reward` (a reward function, "module:attr")
     or `group_reward` (a group reward: "judge" or "module:attr"), over `iterations` ("A:B"; default all), into
     rescored/<name>/ beside them. `scorer` names the reward in the flow run's name."""
-    plan = plan_rescore(Path(output_dir) / run_id, reward=reward, group_reward=group_reward, iterations=iterations,
-                        name=name, overrides=overrides)
-    check_sources(plan)  # every iteration refused or none: no re-scoring stops half-way on a bad shard
-    # a group reward's calls take the Prefect limit every run on the server shares (tasks/judge_limit.py), and the
-    # run's own judge (judge.serve) is served for the re-scoring
-    with shared_judge_limit() if plan.group_reward else contextlib.nullcontext(), plan.judge_served() as served:
-        summaries = [rescore_iteration_task(served, k) for k in plan.iterations]
-    record = write_lineage(plan, summaries)
-    _tag_and_record(plan, record)
-    get_run_logger().info("rescored %d iteration(s) of %s by %s into %s", len(summaries), run_id, plan.scorer,
-                          plan.out_dir)
-    return {**record, "out_dir": str(plan.out_dir)}
+    with labels.crashed_if_forced_to_exit(runtime.flow_run.id):  # marked Crashed if forced to exit
+        plan = plan_rescore(Path(output_dir) / run_id, reward=reward, group_reward=group_reward, iterations=iterations,
+                            name=name, overrides=overrides)
+        check_sources(plan)  # every iteration refused or none: no re-scoring stops half-way on a bad shard
+        # a group reward's calls take the Prefect limit every run on the server shares (tasks/judge_limit.py), and the
+        # run's own judge (judge.serve) is served for the re-scoring
+        with shared_judge_limit() if plan.group_reward else contextlib.nullcontext(), plan.judge_served() as served:
+            summaries = [rescore_iteration_task(served, k) for k in plan.iterations]
+        record = write_lineage(plan, summaries)
+        _tag_and_record(plan, record)
+        get_run_logger().info("rescored %d iteration(s) of %s by %s into %s", len(summaries), run_id, plan.scorer,
+                              plan.out_dir)
+        return {**record, "out_dir": str(plan.out_dir)}
 
 
 def main(args) -> None:

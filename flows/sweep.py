@@ -282,10 +282,12 @@ def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] 
     """
     from prefect.settings import PREFECT_API_URL
 
+    from prefect import runtime
+
     from areal_pipeline import shutdown
     from areal_pipeline.model import resolve_model_path
     from areal_pipeline.run_spec import load_config
-    from flows import overlap
+    from flows import labels, overlap
 
     if max_parallel < 1:
         raise SweepError(f"max_parallel={max_parallel}: must be >= 1")
@@ -309,7 +311,9 @@ def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] 
     stopping = shutdown.register("the sweep's runs",
                                  lambda: threading.Thread(target=stop_runs, name="stop-runs", daemon=True).start())
     try:
-        with ThreadPoolTaskRunner(max_workers=max_parallel) as runner, overlap.stop_everything_on_sigterm():
+        # while its runs go on (where a stop signal finds it), a forced exit marks this flow run Crashed too
+        with ThreadPoolTaskRunner(max_workers=max_parallel) as runner, overlap.stop_everything_on_sigterm(), \
+                labels.crashed_if_forced_to_exit(runtime.flow_run.id):
             futures = [runner.submit(run_one, parameters={
                 "config_path": config_path, "run_id": r["run_id"], "overrides": r["overrides"],
                 "iterations": iterations, "run_dir": r["run_dir"], "api_url": api_url}) for r in runs]

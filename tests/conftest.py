@@ -27,6 +27,15 @@ if not auth.auth_disabled():
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
+# A run that finds its deployment's one-at-a-time slot taken is rescheduled by Prefect's server 30 s later
+# (AwaitingConcurrencySlot), and a client waiting on a global limit is told to retry up to 30 s later: a test of
+# "the second waits for the first, then runs" spent most of its time in that wait. The servers the tests start (and
+# every temporary API) retry within seconds; what waits for what is the same.
+for _setting in ("PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS",
+                 "PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS",
+                 "PREFECT_SERVER_TASKS_TAG_CONCURRENCY_SLOT_WAIT_SECONDS"):
+    os.environ.setdefault(_setting, "2")
+
 # The full data sets, where the checkout sits beside ../shared; tests/data holds small slices of the same data in
 # the same layouts, so that every test of real rows runs in every checkout (tests/data/README.md).
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

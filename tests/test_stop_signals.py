@@ -242,3 +242,55 @@ def test_a_signal_to_a_forked_child_is_not_taken_for_one_to_the_parent():
 
     out = subprocess.run([sys.executable, "-c", _FORKED_CHILD], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "stop requested: None" in out.stdout, out.stdout + out.stderr
+
+
+def test_evaluate_rescore_and_a_sweep_waiting_on_its_runs_would_record_their_crash_on_a_forced_exit(
+        prefect_api, tiny_model_dir, tmp_path, monkeypatch):
+    """As `train`, the other flows a user starts hold a forced exit's report for their own flow run while they run:
+    evaluate and rescore for their whole body (here until the bad input they were given fails them), a sweep while
+    it waits on its runs; the report is withdrawn when the flow ends."""
+    from prefect import task
+
+    import flows.sweep
+    from areal_pipeline import shutdown
+    from flows.evaluate import evaluate
+    from flows.rescore import rescore
+    from flows.sweep import sweep
+
+    registered, live = [], {}
+    real_register, real_unregister = shutdown.register_final_report, shutdown.unregister
+
+    def register(what, report):
+        handle = real_register(what, report)
+        registered.append(what)
+        live[handle] = what
+        return handle
+
+    def unregister(handle):
+        live.pop(handle, None)
+        real_unregister(handle)
+
+    monkeypatch.setattr(shutdown, "register_final_report", register)
+    monkeypatch.setattr(shutdown, "unregister", unregister)
+
+    def report_of(state) -> str:
+        return f"flow run {state.state_details.flow_run_id}'s crash"
+
+    failed = evaluate(config_path=str(tmp_path / "missing.yaml"), return_state=True)
+    assert failed.is_failed() and registered == [report_of(failed)] and not live, (failed, registered, live)
+    registered.clear()
+    failed = rescore(run_id="missing", scorer="r", output_dir=str(tmp_path), return_state=True)
+    assert failed.is_failed() and registered == [report_of(failed)] and not live, (failed, registered, live)
+    registered.clear()
+
+    seen_by_runs = []
+
+    @task(name="run")
+    def run_one(config_path, run_id, overrides, iterations, run_dir, api_url):  # a run that ends at once
+        seen_by_runs.append(sorted(live.values()))
+        return {"run_id": run_id, "state": "COMPLETED"}
+
+    monkeypatch.setattr(flows.sweep, "run_one", run_one)
+    done = sweep(config_path="configs/tiny_cpu.yaml", axes=[f"output_dir={tmp_path}", f"model.path={tiny_model_dir}",
+                                                            "seed=1,2"], return_state=True)
+    assert done.is_completed() and seen_by_runs == [[report_of(done)]] * 2 and not live, (done, seen_by_runs, live)
