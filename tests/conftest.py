@@ -35,6 +35,12 @@ for _setting in ("PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS",
                  "PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS",
                  "PREFECT_SERVER_TASKS_TAG_CONCURRENCY_SLOT_WAIT_SECONDS"):
     os.environ.setdefault(_setting, "2")
+# Likewise the server's loops that a test waits on: events and task runs are written every 5 s (a test reading a
+# run's events or its task runs waited for the next write), a new deployment's schedule is read every 5 s.
+for _setting in ("PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL",
+                 "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL",
+                 "PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS"):
+    os.environ.setdefault(_setting, "1")
 
 # The full data sets, where the checkout sits beside ../shared; tests/data holds small slices of the same data in
 # the same layouts, so that every test of real rows runs in every checkout (tests/data/README.md).
