@@ -14,7 +14,7 @@ from areal_pipeline.data.datasets import load_records
 from areal_pipeline.evaluation import evaluate_checkpoint
 from areal_pipeline.inference.backend import engine_for
 from areal_pipeline.policy_eval import evaluate_policy
-from areal_pipeline.model import build_tiny_model, load_model, load_tokenizer
+from areal_pipeline.model import load_model, load_tokenizer
 from areal_pipeline.pipeline import Pipeline
 from areal_pipeline.rewards.math import extract_answer
 from areal_pipeline.rewards.pool import RewardPool
@@ -25,15 +25,13 @@ from areal_pipeline.workflows.rlvr import chat_prompt_ids
 from conftest import start_cpu_server
 
 MAX_NEW_TOKENS = 8
-# A short warm start: the model then answers every arithmetic question with a number, and not the same one for
-# every question (the random model's greedy answer is blank lines; a few dozen steps answer "11" to everything).
-WARM_START_STEPS = 100
 
 
 @pytest.fixture(scope="module")
-def answering_model(tmp_path_factory) -> Path:
-    tiny = load_config(None, [f"model.tiny.pretrain_steps={WARM_START_STEPS}"]).model.tiny
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "answering", tiny, seed=1)
+def answering_model(default_base_model) -> Path:
+    """The CPU default's warm-started base (built once a session): it answers every arithmetic question with a
+    number, and not the same one for every question (the random model's greedy answer is blank lines)."""
+    return Path(default_base_model)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,4 @@
 import math
-from pathlib import Path
 
 import torch
 
@@ -47,21 +46,15 @@ def test_resolve_model_path_builds_embedded_model_once(tmp_path):
     assert resolve_model_path(ModelConfig(path="Qwen/Qwen2.5-0.5B-Instruct"), tmp_path, 1) == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
-def test_warm_start_answers_in_format_and_leaves_room_for_rl(tmp_path):
-    """The warm-started base model answers held-out questions with a number then end of turn, knows the sums
-    (right or one too high almost always), but is right only about a third of the time: room for RL."""
-    import dataclasses
-
+def test_warm_start_answers_in_format_and_leaves_room_for_rl(default_base_model):
+    """The warm-started base model (configs/tiny_cpu.yaml's, built once a session) answers held-out questions with
+    a number then end of turn, knows the sums (right or one too high almost always), but is right only about a
+    third of the time: room for RL."""
     from areal_pipeline.config import DatasetConfig
 
     from areal_pipeline.data.datasets import load_records
-    from areal_pipeline.run_spec import load_config
 
-    tiny = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml").model.tiny
-    assert tiny.pretrain_steps > 0
-    # Fewer steps than the default config to keep the test fast; the bands hold for both.
-    tiny = dataclasses.replace(tiny, pretrain_steps=250)
-    model_dir = build_tiny_model(tmp_path / "warm", tiny, seed=1)
+    model_dir = default_base_model
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
