@@ -124,7 +124,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 # ---------------------------------------------------------------- the flow
 
-from prefect import flow, get_run_logger, task  # noqa: E402
+from prefect import flow, get_run_logger, runtime, task  # noqa: E402
 from prefect.artifacts import create_table_artifact  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.futures import wait  # noqa: E402
@@ -281,8 +281,6 @@ def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] 
         max_parallel: Runs at once.
     """
     from prefect.settings import PREFECT_API_URL
-
-    from prefect import runtime
 
     from areal_pipeline import shutdown
     from areal_pipeline.model import resolve_model_path

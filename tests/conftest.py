@@ -27,20 +27,18 @@ if not auth.auth_disabled():
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
-# A run that finds its deployment's one-at-a-time slot taken is rescheduled by Prefect's server 30 s later
-# (AwaitingConcurrencySlot), and a client waiting on a global limit is told to retry up to 30 s later: a test of
-# "the second waits for the first, then runs" spent most of its time in that wait. The servers the tests start (and
-# every temporary API) retry within seconds; what waits for what is the same.
-for _setting in ("PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS",
-                 "PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS",
-                 "PREFECT_SERVER_TASKS_TAG_CONCURRENCY_SLOT_WAIT_SECONDS"):
-    os.environ.setdefault(_setting, "2")
-# Likewise the server's loops that a test waits on: events and task runs are written every 5 s (a test reading a
-# run's events or its task runs waited for the next write), a new deployment's schedule is read every 5 s.
-for _setting in ("PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL",
-                 "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL",
-                 "PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS"):
-    os.environ.setdefault(_setting, "1")
+# Prefect's server waits on its own clock where a test waits on it: a run that finds its deployment's one-at-a-time
+# slot taken is rescheduled 30 s later (AwaitingConcurrencySlot), a client of a global limit is told to retry up to
+# 30 s later, events and task runs are written every 5 s (a test reading them waited for the next write), a new
+# deployment's schedule is read every 5 s. The servers the tests start (and every temporary API) do each within
+# seconds; what waits for what is the same.
+for _setting, _seconds in {"PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "2",
+                           "PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS": "2",
+                           "PREFECT_SERVER_TASKS_TAG_CONCURRENCY_SLOT_WAIT_SECONDS": "2",
+                           "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "1",
+                           "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+                           "PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS": "1"}.items():
+    os.environ.setdefault(_setting, _seconds)
 
 # The full data sets, where the checkout sits beside ../shared; tests/data holds small slices of the same data in
 # the same layouts, so that every test of real rows runs in every checkout (tests/data/README.md).
