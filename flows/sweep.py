@@ -287,57 +287,56 @@ def sweep(config_path: str = "configs/tiny_cpu.yaml", axes: Optional[list[str]] 
     from areal_pipeline.run_spec import load_config
     from flows import labels, overlap
 
-    if max_parallel < 1:
-        raise SweepError(f"max_parallel={max_parallel}: must be >= 1")
-    config_path = str(Path(config_path).resolve())
-    runs = plan(config_path, list(axes or []), run_id, iterations)
-    logger = get_run_logger()
-    logger.info("sweep of %d runs, at most %d at once: %s", len(runs), max_parallel,
-                ", ".join(r["run_id"] for r in runs))
-    # An embedded model is built on first use: once here, not by concurrent runs racing to write it.
-    built = set()
-    for r in runs:
-        cfg = load_config(config_path, r["overrides"] + [f"run_id={r['run_id']}"])
-        key = (cfg.output_dir, repr(cfg.model), cfg.seed)
-        if key not in built:
-            resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
-            built.add(key)
-    api_url = PREFECT_API_URL.value()
-    # A stop signal reaches this process only (each run is in a session of its own): pass it on to the runs at
-    # once, or the task runner would wait for them to finish. During a flow run SIGTERM goes to Prefect's handler;
-    # stop_everything_on_sigterm stops the runs inside the task runner's block, before it waits for them.
-    stopping = shutdown.register("the sweep's runs",
-                                 lambda: threading.Thread(target=stop_runs, name="stop-runs", daemon=True).start())
-    try:
-        # while its runs go on (where a stop signal finds it), a forced exit marks this flow run Crashed too
-        with ThreadPoolTaskRunner(max_workers=max_parallel) as runner, overlap.stop_everything_on_sigterm(), \
-                labels.crashed_if_forced_to_exit(runtime.flow_run.id):
-            futures = [runner.submit(run_one, parameters={
-                "config_path": config_path, "run_id": r["run_id"], "overrides": r["overrides"],
-                "iterations": iterations, "run_dir": r["run_dir"], "api_url": api_url}) for r in runs]
-            wait(futures)
-    finally:
-        shutdown.unregister(stopping)
-    rows = []
-    for r, future in zip(runs, futures):
-        state = future.state
-        if state.is_completed():
-            rows.append(future.result())
-        else:
-            rows.append({"run_id": r["run_id"], "state": state.name, "error": str(state.message)})
-    last_rows[:] = rows
-    logger.info("sweep results:\n%s", format_table(rows))
-    from flows.artifacts import artifact_key
+    with labels.crashed_if_forced_to_exit(runtime.flow_run.id):  # marked Crashed if forced to exit
+        if max_parallel < 1:
+            raise SweepError(f"max_parallel={max_parallel}: must be >= 1")
+        config_path = str(Path(config_path).resolve())
+        runs = plan(config_path, list(axes or []), run_id, iterations)
+        logger = get_run_logger()
+        logger.info("sweep of %d runs, at most %d at once: %s", len(runs), max_parallel,
+                    ", ".join(r["run_id"] for r in runs))
+        # An embedded model is built on first use: once here, not by concurrent runs racing to write it.
+        built = set()
+        for r in runs:
+            cfg = load_config(config_path, r["overrides"] + [f"run_id={r['run_id']}"])
+            key = (cfg.output_dir, repr(cfg.model), cfg.seed)
+            if key not in built:
+                resolve_model_path(cfg.model, cfg.output_dir, cfg.seed)
+                built.add(key)
+        api_url = PREFECT_API_URL.value()
+        # A stop signal reaches this process only (each run is in a session of its own): pass it on to the runs at
+        # once, or the task runner would wait for them to finish. During a flow run SIGTERM goes to Prefect's handler;
+        # stop_everything_on_sigterm stops the runs inside the task runner's block, before it waits for them.
+        stopping = shutdown.register("the sweep's runs",
+                                     lambda: threading.Thread(target=stop_runs, name="stop-runs", daemon=True).start())
+        try:
+            with ThreadPoolTaskRunner(max_workers=max_parallel) as runner, overlap.stop_everything_on_sigterm():
+                futures = [runner.submit(run_one, parameters={
+                    "config_path": config_path, "run_id": r["run_id"], "overrides": r["overrides"],
+                    "iterations": iterations, "run_dir": r["run_dir"], "api_url": api_url}) for r in runs]
+                wait(futures)
+        finally:
+            shutdown.unregister(stopping)
+        rows = []
+        for r, future in zip(runs, futures):
+            state = future.state
+            if state.is_completed():
+                rows.append(future.result())
+            else:
+                rows.append({"run_id": r["run_id"], "state": state.name, "error": str(state.message)})
+        last_rows[:] = rows
+        logger.info("sweep results:\n%s", format_table(rows))
+        from flows.artifacts import artifact_key
 
-    base = run_id or load_config(config_path, []).run_id
-    create_table_artifact(key=artifact_key(base, "sweep"),
-                          table=[{k: v for k, v in row.items() if k not in ("log",)} for row in rows],
-                          description="sweep: the final figures of its runs")
-    failed = [row for row in rows if row.get("error")]
-    if failed:
-        raise RuntimeError(f"{len(failed)} of {len(rows)} runs failed: "
-                           + "; ".join(f"{row['run_id']}: {row['error']}" for row in failed))
-    return rows
+        base = run_id or load_config(config_path, []).run_id
+        create_table_artifact(key=artifact_key(base, "sweep"),
+                              table=[{k: v for k, v in row.items() if k not in ("log",)} for row in rows],
+                              description="sweep: the final figures of its runs")
+        failed = [row for row in rows if row.get("error")]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(rows)} runs failed: "
+                               + "; ".join(f"{row['run_id']}: {row['error']}" for row in failed))
+        return rows
 
 
 # ---------------------------------------------------------------- the processes

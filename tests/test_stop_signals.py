@@ -244,11 +244,11 @@ def test_a_signal_to_a_forked_child_is_not_taken_for_one_to_the_parent():
     assert out.returncode == 0 and "stop requested: None" in out.stdout, out.stdout + out.stderr
 
 
-def test_evaluate_rescore_and_a_sweep_waiting_on_its_runs_would_record_their_crash_on_a_forced_exit(
+def test_evaluate_rescore_and_a_sweep_would_record_their_crash_on_a_forced_exit_for_their_whole_body(
         prefect_api, tiny_model_dir, tmp_path, monkeypatch):
     """As `train`, the other flows a user starts hold a forced exit's report for their own flow run while they run:
-    evaluate and rescore for their whole body (here until the bad input they were given fails them), a sweep while
-    it waits on its runs; the report is withdrawn when the flow ends."""
+    for their whole body (here until the bad input they were given fails them; a sweep also while it waits on its
+    runs); the report is withdrawn when the flow ends."""
     from prefect import task
 
     import flows.sweep
@@ -282,6 +282,8 @@ def test_evaluate_rescore_and_a_sweep_waiting_on_its_runs_would_record_their_cra
     failed = rescore(run_id="missing", scorer="r", output_dir=str(tmp_path), return_state=True)
     assert failed.is_failed() and registered == [report_of(failed)] and not live, (failed, registered, live)
     registered.clear()
+    failed = sweep(config_path="configs/tiny_cpu.yaml", max_parallel=0, return_state=True)
+    assert failed.is_failed() and registered == [report_of(failed)] and not live, (failed, registered, live)
 
     seen_by_runs = []
 
